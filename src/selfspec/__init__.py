@@ -1,0 +1,1 @@
+"""selfspec: lossless self-speculative decoding for Hugging Face causal LMs."""
