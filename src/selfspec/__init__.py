@@ -1,1 +1,57 @@
-"""selfspec: lossless self-speculative decoding for Hugging Face causal LMs."""
+"""selfspec: lossless self-speculative decoding for Hugging Face causal LMs.
+
+A model drafts tokens with its own early layers and verifies them with all of them in one
+forward pass; the text is exactly what the model alone would write, sooner.
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from .adapter import SUPPORTED_ARCHITECTURES, ModelAdapter
+from .constraints import TokenConstraint
+from .drafters import Draft, Drafter, EarlyExitDrafter, NoDrafter
+from .engine import GenerationStream, SpeculativeEngine
+from .errors import (
+    ConfigurationError,
+    InvalidPromptError,
+    ModelNotFoundError,
+    QuantizationError,
+    SamplingError,
+    SelfSpecError,
+    UnsafeCheckpointError,
+    UnsupportedArchitectureError,
+)
+from .loading import DEMO_MODEL, demo_model_path
+from .outputs import GenerationOutput, GenerationStats
+from .registry import clear_engines, get_engine
+
+try:
+    __version__ = version("selfspec")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0.0.0"
+
+__all__ = [
+    "DEMO_MODEL",
+    "SUPPORTED_ARCHITECTURES",
+    "ConfigurationError",
+    "Draft",
+    "Drafter",
+    "EarlyExitDrafter",
+    "GenerationOutput",
+    "GenerationStats",
+    "GenerationStream",
+    "InvalidPromptError",
+    "ModelAdapter",
+    "ModelNotFoundError",
+    "NoDrafter",
+    "QuantizationError",
+    "SamplingError",
+    "SelfSpecError",
+    "SpeculativeEngine",
+    "TokenConstraint",
+    "UnsafeCheckpointError",
+    "UnsupportedArchitectureError",
+    "__version__",
+    "clear_engines",
+    "demo_model_path",
+    "get_engine",
+]

@@ -1,0 +1,186 @@
+"""The ``selfspec`` command line: ``generate``, ``chat`` and ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from .errors import SelfSpecError
+from .loading import DEMO_MODEL
+
+DEMO_PROMPT = "It is a truth universally acknowledged, that a single man in possession of a good fortune,"
+
+
+def _engine_args(parser: argparse.ArgumentParser, default_model: str | None = None) -> None:
+    parser.add_argument("--model", "-m", default=default_model, required=default_model is None,
+                        help=f"hub id, local folder, or {DEMO_MODEL!r}")
+    parser.add_argument("--quantization", choices=["4bit", "8bit"], default=None)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--exit-layer", default="auto", help="draft exit layer, or 'auto'")
+    parser.add_argument("--num-draft-tokens", default="auto", help="draft length, or 'auto'")
+    parser.add_argument("--drafter", default="early_exit", choices=["early_exit", "none"])
+    parser.add_argument("--trust-remote-code", action="store_true")
+
+
+def _sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def _int_or_auto(value: str) -> int | str:
+    return value if value == "auto" else int(value)
+
+
+def _load(args: argparse.Namespace) -> Any:
+    from .engine import SpeculativeEngine
+
+    return SpeculativeEngine.from_pretrained(
+        args.model,
+        quantization=args.quantization,
+        dtype=args.dtype,
+        device=args.device,
+        exit_layer=_int_or_auto(args.exit_layer),
+        num_draft_tokens=_int_or_auto(args.num_draft_tokens),
+        drafter=args.drafter,
+        trust_remote_code=args.trust_remote_code,
+    )
+
+
+def _sampling(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "stop": args.stop,
+    }
+
+
+def _format_stats(stats: Any) -> str:
+    return (
+        f"{stats.tokens_per_second:.1f} tok/s, tau {stats.mean_accepted_length:.2f}, "
+        f"acceptance {stats.acceptance_rate:.2f}, target forwards {stats.target_forwards}"
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Generate a completion for one prompt and print it."""
+    engine = _load(args)
+    prompt: Any = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    stream = engine.stream(prompt, **_sampling(args))
+    for delta in stream:
+        print(delta, end="", flush=True)
+    print()
+    if args.stats and stream.stats is not None:
+        print(_format_stats(stream.stats), file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """An interactive chat that streams the model's answers; an empty line or EOF quits."""
+    engine = _load(args)
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print(f"Chatting with {args.model} ({engine.drafter!r}). Empty line to quit.")
+    while True:
+        try:
+            user = input("> ")
+        except EOFError:
+            break
+        if not user.strip():
+            break
+        messages.append({"role": "user", "content": user})
+        stream = engine.stream(messages, **_sampling(args))
+        parts = []
+        for delta in stream:
+            parts.append(delta)
+            print(delta, end="", flush=True)
+        print()
+        if stream.stats is not None:
+            print(f"  [{_format_stats(stream.stats)}]", file=sys.stderr)
+        messages.append({"role": "assistant", "content": "".join(parts)})
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Decode one prompt plainly and speculatively on the demo model; show both side by side."""
+    from .engine import SpeculativeEngine
+
+    print(f"Loading {args.model} ...")
+    engine = _load(args)
+    plain = SpeculativeEngine(engine.model, engine.tokenizer, drafter="none")
+    print(f"{engine!r}\n\nPrompt: {args.prompt!r}\n")
+    sampling = {"max_new_tokens": args.max_new_tokens}
+    plain.generate(args.prompt, max_new_tokens=8)  # warm up both paths once
+    engine.generate(args.prompt, max_new_tokens=8)
+    base = plain.generate(args.prompt, **sampling)
+    spec = engine.generate(args.prompt, **sampling)
+    print(f"--- plain decoding ({_format_stats(base.stats)})\n{base.text}\n")
+    print(f"--- self-speculative, exit layer {engine.exit_layer}, {engine.num_draft_tokens} drafts "
+          f"({_format_stats(spec.stats)})\n{spec.text}\n")
+    identical = base.token_ids == spec.token_ids
+    speedup = spec.stats.tokens_per_second / max(base.stats.tokens_per_second, 1e-9)
+    print(f"identical text: {'yes' if identical else 'NO'}")
+    print(f"speedup: {speedup:.2f}x   tau: {spec.stats.mean_accepted_length:.2f}   "
+          f"acceptance rate: {spec.stats.acceptance_rate:.2f}")
+    return 0 if identical else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``selfspec`` command."""
+    parser = argparse.ArgumentParser(prog="selfspec", description="Lossless self-speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one prompt")
+    _engine_args(gen)
+    _sampling_args(gen)
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user chat message")
+    gen.add_argument("--stats", action="store_true", help="print speculation stats to stderr")
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive streaming chat")
+    _engine_args(chat)
+    _sampling_args(chat)
+    chat.add_argument("--system", default=None, help="system prompt")
+    chat.set_defaults(func=cmd_chat)
+
+    demo = sub.add_parser("demo", help="plain vs speculative decoding on the bundled demo model")
+    _engine_args(demo, default_model=DEMO_MODEL)
+    demo.add_argument("--prompt", default=DEMO_PROMPT)
+    demo.add_argument("--max-new-tokens", type=int, default=128)
+    demo.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``selfspec`` console script."""
+    args = build_parser().parse_args(argv)
+    threads = getattr(args, "threads", None)
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        return int(args.func(args))
+    except (SelfSpecError, ValueError, OSError) as exc:
+        print(f"selfspec: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

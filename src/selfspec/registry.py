@@ -1,0 +1,46 @@
+"""One shared engine per distinct set of engine arguments, for the whole process.
+
+Framework adapters construct their model objects often (LangChain's standard tests build
+dozens); :func:`get_engine` makes construction cheap by loading each model once, on first
+use, and handing the same engine to every caller with the same arguments.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from .engine import SpeculativeEngine
+
+_ENGINES: dict[tuple[tuple[str, Any], ...], SpeculativeEngine] = {}
+_LOCK = threading.Lock()
+
+
+def _key(engine_args: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted((k, v if isinstance(v, (str, int, float, bool, type(None))) else repr(v))
+                        for k, v in engine_args.items()))
+
+
+def get_engine(model: str, **engine_args: Any) -> SpeculativeEngine:
+    """Return the process-wide engine for these arguments, loading it on first use.
+
+    Args:
+        model: a hub id, a local folder, or ``"selfspec-demo"``.
+        **engine_args: any other argument of :meth:`SpeculativeEngine.from_pretrained`.
+
+    Returns:
+        The shared engine (engines serialise concurrent calls, so sharing is safe).
+    """
+    key = _key({"model": model, **engine_args})
+    with _LOCK:
+        engine = _ENGINES.get(key)
+        if engine is None:
+            engine = SpeculativeEngine.from_pretrained(model, **engine_args)
+            _ENGINES[key] = engine
+        return engine
+
+
+def clear_engines() -> None:
+    """Forget every shared engine (their memory is freed once no caller holds them)."""
+    with _LOCK:
+        _ENGINES.clear()

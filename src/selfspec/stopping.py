@@ -1,0 +1,114 @@
+"""Turning token ids into text as they arrive: incremental detokenization and stop strings.
+
+Both work on streams: a multi-byte character split across tokens is held back until it is
+complete, and text that could be the start of a stop string is held back until it is known
+not to be one, so that a stop string spanning several tokens never reaches the caller.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import SamplingError
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+def normalize_stop(stop: str | list[str] | tuple[str, ...] | None) -> list[str]:
+    """Validate stop strings: ``None``, one string, or a list of non-empty strings."""
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    for item in stops:
+        if not isinstance(item, str):
+            raise SamplingError(f"stop strings must be str, got {type(item).__name__}: {item!r}")
+        if item == "":
+            raise SamplingError("stop strings must not be empty (an empty stop would match at once)")
+    return stops
+
+
+class IncrementalDetokenizer:
+    """Decodes a growing list of token ids into text deltas.
+
+    It decodes a small window of recent tokens (``prefix_offset .. end``) and emits only the
+    text beyond the window's already-emitted part, the approach of text-generation-inference,
+    so the cost per token stays constant and byte-level pieces of one character are joined.
+
+    Args:
+        tokenizer: a transformers tokenizer.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.token_ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(
+            self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        )
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the newly complete text (possibly empty)."""
+        self.token_ids.append(token_id)
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.token_ids[self.prefix_offset :])
+        if len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT_CHAR):
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.token_ids)
+            return new_text[len(prefix_text) :]
+        return ""
+
+    def flush(self) -> str:
+        """Return whatever is still held back (an incomplete character decodes as U+FFFD)."""
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.token_ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.token_ids)
+        return new_text[len(prefix_text) :]
+
+
+class StopStringMatcher:
+    """Finds stop strings in streamed text and holds back text that may start one.
+
+    Args:
+        stops: the stop strings (validated with :func:`normalize_stop`).
+    """
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self.pending = ""
+        self.stopped = False
+
+    def push(self, text: str) -> str:
+        """Add text; return the part that is safe to emit. Sets ``stopped`` on a match."""
+        if self.stopped:
+            return ""
+        self.pending += text
+        if not self.stops:
+            out, self.pending = self.pending, ""
+            return out
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            out, self.pending = self.pending[: min(hits)], ""
+            return out
+        hold = self._held_suffix_length()
+        cut = len(self.pending) - hold
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out
+
+    def flush(self) -> str:
+        """Return the held text at the end of a generation that did not stop on a string."""
+        out, self.pending = ("" if self.stopped else self.pending), ""
+        return out
+
+    def _held_suffix_length(self) -> int:
+        """Length of the longest suffix of ``pending`` that is a proper prefix of a stop."""
+        best = 0
+        for stop in self.stops:
+            for length in range(min(len(stop) - 1, len(self.pending)), best, -1):
+                if self.pending.endswith(stop[:length]):
+                    best = length
+                    break
+        return best
