@@ -1,0 +1,682 @@
+"""``SpeculativeLLM``: a LlamaIndex LLM on selfspec's lossless self-speculative decoding.
+
+The model drafts tokens with its own first layers and verifies them with all of its layers in
+one forward pass, so the text is exactly what the model alone would write (token-identical when
+greedy), only sooner. Weights load on first use, and every ``SpeculativeLLM`` (and every LangChain
+``ChatSpeculative``) with the same engine arguments shares one engine through
+:func:`selfspec.get_engine`.
+
+Where things live:
+
+- chat messages -> the tokenizer's chat template: :func:`to_engine_messages`;
+- tool schemas, forced tool calls, parsing the model's tool calls: :mod:`selfspec.tools` and
+  :mod:`selfspec.grammar` (shared with the LangChain adapter);
+- response objects, streamed or not: :meth:`SpeculativeLLM._chat_response` and
+  :meth:`SpeculativeLLM._completion_response` (the sync, async and streaming paths all end there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import llama_index.core.instrumentation as instrument
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+    MessageRole,
+    ToolCallBlock,
+)
+from llama_index.core.bridge.pydantic import BaseModel, Field, ValidationError
+from llama_index.core.constants import DEFAULT_CONTEXT_WINDOW
+from llama_index.core.instrumentation.events.llm import (
+    LLMStructuredPredictEndEvent,
+    LLMStructuredPredictStartEvent,
+)
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.function_calling import FunctionCallingLLM
+from llama_index.core.llms.llm import ToolSelection
+from llama_index.core.types import PydanticProgramMode
+
+from selfspec import GenerationOutput, GenerationStream, SpeculativeEngine, get_engine
+
+if TYPE_CHECKING:
+    from llama_index.core.prompts import BasePromptTemplate
+    from llama_index.core.tools.types import BaseTool
+
+logger = logging.getLogger(__name__)
+dispatcher = instrument.get_dispatcher(__name__)
+
+Model = TypeVar("Model", bound=BaseModel)
+
+#: LlamaIndex roles that chat templates know under another name.
+_ROLE_ALIASES = {"developer": "system", "function": "tool", "model": "assistant", "chatbot": "assistant"}
+#: ``tool_choice`` values that force some tool call, whichever the model picks.
+_ANY_TOOL = ("required", "any")
+
+#: Instruction added to the system message by :meth:`SpeculativeLLM.structured_predict`.
+STRUCTURED_INSTRUCTION = "Answer with one JSON object that matches this JSON schema: "
+
+
+class SpeculativeLLM(FunctionCallingLLM):
+    """A LlamaIndex LLM that runs a Hugging Face causal LM with lossless self-speculation.
+
+    The model drafts with its own early layers and verifies the draft with all of them in one
+    forward pass: greedy output is token-identical to the model alone, sampled output follows
+    its distribution exactly. Works in query engines, chat engines and agents (it is a
+    ``FunctionCallingLLM``: tools are rendered by the chat template, tool calls are parsed from
+    the model's own format, and forced tool calls and ``structured_predict`` are constrained to
+    valid JSON by a grammar applied to draft and target alike).
+
+    Weights load on first use; every instance with the same engine arguments shares one engine.
+    Responses carry token counts (``raw["usage"]`` and ``additional_kwargs``, read by
+    ``TokenCountingHandler``) and the speculation statistics under the names of
+    :class:`selfspec.GenerationStats`.
+
+    Examples:
+        ``pip install llama-index-llms-selfspec``
+
+        ```python
+        from llama_index.core import Settings, VectorStoreIndex, Document
+        from llama_index.core.embeddings import MockEmbedding
+        from llama_index.llms.selfspec import SpeculativeLLM
+
+        llm = SpeculativeLLM(model="selfspec-demo", max_new_tokens=64)
+        print(llm.complete("Who is Mr. Darcy?").text)
+
+        Settings.llm = llm
+        Settings.embed_model = MockEmbedding(embed_dim=8)
+        index = VectorStoreIndex.from_documents(
+            [Document(text="Elizabeth Bennet lives at Longbourn with her four sisters.")]
+        )
+        response = index.as_query_engine().query("Where does Elizabeth live?")
+        print(response, response.source_nodes[0].score)
+        ```
+    """
+
+    model: str = Field(
+        default="selfspec-demo",
+        description="A hub id, a local folder, or 'selfspec-demo' (the small model bundled with selfspec).",
+    )
+    quantization: str | None = Field(
+        default=None, description="None, '4bit' (bitsandbytes NF4) or '8bit'."
+    )
+    exit_layer: int | str = Field(
+        default="auto",
+        description="Layers the draft runs; 'auto' uses the saved calibration, else num_layers // 4.",
+    )
+    num_draft_tokens: int | str = Field(
+        default="auto",
+        description="Tokens drafted per round; 'auto' uses the saved calibration, else 4.",
+    )
+    drafter: str = Field(
+        default="early_exit", description="'early_exit' (self-speculation) or 'none' (plain decoding)."
+    )
+    device: str = Field(default="auto", description="'auto' (CUDA when available), 'cpu' or 'cuda[:N]'.")
+    dtype: str = Field(
+        default="auto",
+        description="'auto' (float32 on CPU, the checkpoint's dtype on GPU) or a name such as 'bfloat16'.",
+    )
+    trust_remote_code: bool = Field(
+        default=False, description="Allow checkpoints that ship their own Python code."
+    )
+    allow_pickle: bool = Field(
+        default=False, description="Allow .bin (pickle) weights when no safetensors exist."
+    )
+    temperature: float = Field(default=0.0, ge=0.0, description="0 for greedy decoding; > 0 samples.")
+    max_new_tokens: int = Field(default=256, gt=0, description="The most new tokens per response.")
+    top_k: int | None = Field(default=None, gt=0, description="Sample among the top_k most likely tokens.")
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
+    stop: list[str] | None = Field(
+        default=None, description="Strings that end a response (not part of the returned text)."
+    )
+    seed: int | None = Field(default=None, description="Seed for reproducible sampling.")
+    context_window: int | None = Field(
+        default=None,
+        gt=0,
+        description="Prompt plus output tokens; None reads max_position_embeddings from the model config.",
+    )
+
+    @classmethod
+    def class_name(cls) -> str:
+        """The name LlamaIndex serialises this class under."""
+        return "SpeculativeLLM"
+
+    def __repr__(self) -> str:
+        return (
+            f"SpeculativeLLM(model={self.model!r}, quantization={self.quantization!r}, "
+            f"exit_layer={self.exit_layer!r}, num_draft_tokens={self.num_draft_tokens!r}, "
+            f"drafter={self.drafter!r}, device={self.device!r}, temperature={self.temperature}, "
+            f"max_new_tokens={self.max_new_tokens})"
+        )
+
+    # ----------------------------------------------------------------- engine and metadata
+    @property
+    def engine(self) -> SpeculativeEngine:
+        """The shared :class:`selfspec.SpeculativeEngine` for this model (loaded on first use)."""
+        return get_engine(self.model, **self._engine_args())
+
+    def _engine_args(self) -> dict[str, Any]:
+        return {
+            "quantization": self.quantization,
+            "dtype": self.dtype,
+            "device": self.device,
+            "exit_layer": self.exit_layer,
+            "num_draft_tokens": self.num_draft_tokens,
+            "drafter": self.drafter,
+            "trust_remote_code": self.trust_remote_code,
+            "allow_pickle": self.allow_pickle,
+        }
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        """Context window, output budget and capabilities (reads the config, not the weights)."""
+        window = self.context_window or _config_context_window(self.model, self.trust_remote_code)
+        return LLMMetadata(
+            context_window=window,
+            num_output=self.max_new_tokens,
+            is_chat_model=True,
+            is_function_calling_model=True,
+            model_name=self.model,
+        )
+
+    # ----------------------------------------------------------------- public LLM API
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        """Complete a prompt (one user turn of the chat template; raw text when ``formatted``)."""
+        return self._complete(prompt, formatted, kwargs)
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        """Stream :meth:`complete`: each response holds the cumulative ``text`` and its ``delta``."""
+        return self._stream_complete(prompt, formatted, kwargs)
+
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        """Answer a conversation rendered through the tokenizer's chat template.
+
+        Keyword arguments override the fields ``max_new_tokens`` (or ``max_tokens``),
+        ``temperature``, ``top_k``, ``top_p``, ``stop`` and ``seed`` for this call; ``tools``
+        (LlamaIndex tools or OpenAI-style dicts) and ``tool_choice`` (``"auto"``, ``"none"``,
+        ``"required"`` or a tool name) offer tools, as :meth:`chat_with_tools` does.
+        """
+        return self._chat(messages, kwargs)
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        """Stream :meth:`chat`: cumulative ``message.content`` and ``delta``; the last one parsed."""
+        return self._stream_chat(messages, kwargs)
+
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        """Async :meth:`complete`, computed in a worker thread (the event loop stays free)."""
+        return await asyncio.to_thread(self._complete, prompt, formatted, kwargs)
+
+    @llm_completion_callback()
+    async def astream_complete(
+        self, prompt: str, formatted: bool = False, **kwargs: Any
+    ) -> CompletionResponseAsyncGen:
+        """Async :meth:`stream_complete`; each step of the engine runs in a worker thread."""
+        responses = await asyncio.to_thread(self._stream_complete, prompt, formatted, kwargs)
+        return _iterate_in_thread(responses)
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        """Async :meth:`chat`, computed in a worker thread (the event loop stays free)."""
+        return await asyncio.to_thread(self._chat, messages, kwargs)
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        """Async :meth:`stream_chat`; each step of the engine runs in a worker thread."""
+        responses = await asyncio.to_thread(self._stream_chat, messages, kwargs)
+        return _iterate_in_thread(responses)
+
+    # ----------------------------------------------------------------- tool calling
+    def _prepare_chat_with_tools(
+        self,
+        tools: Sequence[BaseTool],
+        user_msg: str | ChatMessage | None = None,
+        chat_history: list[ChatMessage] | None = None,
+        verbose: bool = False,
+        allow_parallel_tool_calls: bool = False,
+        tool_required: bool = False,
+        tool_choice: str | dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """The :meth:`chat` arguments that offer ``tools``.
+
+        ``tool_required=True`` (or ``tool_choice="required"``) forces a call of some tool and
+        ``tool_choice="<name>"`` a call of that tool: the call is then generated under a grammar
+        of the tool's JSON schema, so it is always well formed.
+        """
+        messages = list(chat_history or [])
+        if isinstance(user_msg, str):
+            user_msg = ChatMessage(role=MessageRole.USER, content=user_msg)
+        if user_msg is not None:
+            messages.append(user_msg)
+        if tool_required and tool_choice in (None, "auto"):
+            tool_choice = "required"
+        return {"messages": messages, "tools": list(tools), "tool_choice": tool_choice, **kwargs}
+
+    def _validate_chat_with_tools_response(
+        self,
+        response: ChatResponse,
+        tools: Sequence[BaseTool],
+        allow_parallel_tool_calls: bool = False,
+        **kwargs: Any,
+    ) -> ChatResponse:
+        """Keep only the first tool call unless parallel calls are allowed."""
+        calls = response.message.additional_kwargs.get("tool_calls")
+        if not allow_parallel_tool_calls and calls and len(calls) > 1:
+            response.message.additional_kwargs["tool_calls"] = calls[:1]
+        return response
+
+    def get_tool_calls_from_response(
+        self,
+        response: ChatResponse,
+        error_on_no_tool_call: bool = True,
+        **kwargs: Any,
+    ) -> list[ToolSelection]:
+        """The tool calls of a response (from :meth:`chat_with_tools` or :meth:`chat`).
+
+        Raises:
+            ValueError: there is no valid tool call and ``error_on_no_tool_call`` is set (the
+                message names any malformed call the model wrote).
+        """
+        selections = [
+            ToolSelection(
+                tool_id=call["id"],
+                tool_name=call["function"]["name"],
+                tool_kwargs=_arguments_dict(call["function"]["arguments"]),
+            )
+            for call in message_tool_calls(response.message)
+        ]
+        if not selections and error_on_no_tool_call:
+            invalid = response.message.additional_kwargs.get("invalid_tool_calls") or []
+            detail = f"; malformed tool calls: {invalid}" if invalid else ""
+            raise ValueError(f"Expected at least one tool call, but got 0 tool calls{detail}.")
+        return selections
+
+    # ----------------------------------------------------------------- structured output
+    @dispatcher.span
+    def structured_predict(
+        self,
+        output_cls: type[Model],
+        prompt: BasePromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None,
+        **prompt_args: Any,
+    ) -> Model:
+        """Predict an object of ``output_cls`` by JSON decoding constrained to its schema.
+
+        The default ``pydantic_program_mode`` generates the answer under a grammar of
+        ``output_cls.model_json_schema()`` (applied to draft and target alike), so the text is
+        always valid JSON of that schema unless ``max_new_tokens`` cuts it off. Other modes use
+        LlamaIndex's programs.
+
+        Raises:
+            ValueError: the JSON was cut off at ``max_new_tokens``.
+        """
+        if self.pydantic_program_mode != PydanticProgramMode.DEFAULT:
+            return super().structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+        dispatcher.event(
+            LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt, template_args=prompt_args)
+        )
+        messages, kwargs = self._structured_request(output_cls, prompt, llm_kwargs, prompt_args)
+        result = _validate_json(output_cls, self.chat(messages, **kwargs))
+        dispatcher.event(LLMStructuredPredictEndEvent(output=result))
+        return result
+
+    @dispatcher.span
+    async def astructured_predict(
+        self,
+        output_cls: type[Model],
+        prompt: BasePromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None,
+        **prompt_args: Any,
+    ) -> Model:
+        """Async :meth:`structured_predict`."""
+        if self.pydantic_program_mode != PydanticProgramMode.DEFAULT:
+            return await super().astructured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+        dispatcher.event(
+            LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt, template_args=prompt_args)
+        )
+        messages, kwargs = self._structured_request(output_cls, prompt, llm_kwargs, prompt_args)
+        result = _validate_json(output_cls, await self.achat(messages, **kwargs))
+        dispatcher.event(LLMStructuredPredictEndEvent(output=result))
+        return result
+
+    def _structured_request(
+        self,
+        output_cls: type[BaseModel],
+        prompt: BasePromptTemplate,
+        llm_kwargs: dict[str, Any] | None,
+        prompt_args: dict[str, Any],
+    ) -> tuple[list[ChatMessage], dict[str, Any]]:
+        """The messages (schema in the system message) and chat arguments of a structured call."""
+        schema = output_cls.model_json_schema()
+        messages = self._get_messages(prompt, **prompt_args)
+        instruction = STRUCTURED_INSTRUCTION + json.dumps(schema, ensure_ascii=False)
+        if messages and messages[0].role == MessageRole.SYSTEM:
+            system = f"{messages[0].content or ''}\n\n{instruction}".strip()
+            messages = [ChatMessage(role=MessageRole.SYSTEM, content=system), *messages[1:]]
+        else:
+            messages = [ChatMessage(role=MessageRole.SYSTEM, content=instruction), *messages]
+        return messages, {**(llm_kwargs or {}), "json_schema": schema}
+
+    # ----------------------------------------------------------------- the shared paths
+    def _complete(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> CompletionResponse:
+        request = self._request(self._completion_prompt(prompt, formatted), dict(kwargs))
+        return self._completion_response(request.generate())
+
+    def _stream_complete(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> CompletionResponseGen:
+        request = self._request(self._completion_prompt(prompt, formatted), dict(kwargs))
+        stream = request.stream()
+
+        def responses() -> CompletionResponseGen:
+            for text, delta, output in _with_output(stream):
+                if output is None:
+                    yield CompletionResponse(text=text, delta=delta)
+                else:
+                    yield self._completion_response(output, delta=delta)
+
+        return responses()
+
+    def _chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
+        request = self._request(to_engine_messages(messages), dict(kwargs))
+        return self._chat_response(request.generate(), request)
+
+    def _stream_chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponseGen:
+        request = self._request(to_engine_messages(messages), dict(kwargs))
+        stream = request.stream()
+
+        def responses() -> ChatResponseGen:
+            for text, delta, output in _with_output(stream):
+                if output is None:
+                    message = ChatMessage(role=MessageRole.ASSISTANT, content=text)
+                    yield ChatResponse(message=message, delta=delta)
+                else:
+                    yield self._chat_response(output, request, delta=delta)
+
+        return responses()
+
+    def _completion_prompt(self, prompt: str, formatted: bool) -> str | list[dict[str, Any]]:
+        """A user turn of the chat template, or the raw text (``formatted`` or no template)."""
+        if formatted:
+            return prompt
+        if getattr(self.engine.tokenizer, "chat_template", None) is None:
+            return self.completion_to_prompt(prompt)
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return [*system, {"role": "user", "content": prompt}]
+
+    def _request(self, prompt: str | list[dict[str, Any]], kwargs: dict[str, Any]) -> _Request:
+        """Encode the prompt (with any tools) and resolve the per-call options; consumes ``kwargs``."""
+        engine = self.engine
+        tools = [tool_schema(tool) for tool in kwargs.pop("tools", None) or []]
+        tool_choice = kwargs.pop("tool_choice", None)
+        if tool_choice == "none":
+            tools = []
+        json_schema = kwargs.pop("json_schema", None)
+        prompt_ids = engine.encode_prompt(prompt, tools=tools or None)
+
+        max_tokens = kwargs.pop("max_tokens", None)  # the name other LlamaIndex LLMs use
+        max_new_tokens = kwargs.pop("max_new_tokens", None) or max_tokens or self.max_new_tokens
+        window = engine.context_window
+        if window is not None and len(prompt_ids) < window:
+            # LlamaIndex budgets num_output tokens for the answer; never overrun the window
+            max_new_tokens = min(max_new_tokens, window - len(prompt_ids))
+        options: dict[str, Any] = {
+            "max_new_tokens": max_new_tokens,
+            "temperature": kwargs.pop("temperature", self.temperature),
+            "top_k": kwargs.pop("top_k", self.top_k),
+            "top_p": kwargs.pop("top_p", self.top_p),
+            "stop": kwargs.pop("stop", self.stop),
+            "seed": kwargs.pop("seed", self.seed),
+            "constraint": kwargs.pop("constraint", None),
+        }
+        forced = _forced_tool(tools, tool_choice)
+        if json_schema is not None:
+            from selfspec.grammar import json_schema_constraint
+
+            options["constraint"] = json_schema_constraint(
+                engine.tokenizer, json_schema, vocab_size=engine.adapter.vocab_size
+            )
+        elif forced is not None:
+            from selfspec.grammar import tool_call_constraint
+
+            options["constraint"] = tool_call_constraint(
+                engine.tokenizer, tools, tool_name=forced or None, vocab_size=engine.adapter.vocab_size
+            )
+        if kwargs:
+            logger.debug("SpeculativeLLM ignores the arguments %s", ", ".join(sorted(kwargs)))
+        return _Request(engine=engine, prompt_ids=prompt_ids, options=options, parse_tools=bool(tools))
+
+    def _usage_and_stats(self, output: GenerationOutput) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``raw`` and ``additional_kwargs`` of a finished response: token counts and stats."""
+        completion_tokens = len(output.token_ids)
+        usage = {
+            "prompt_tokens": output.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": output.prompt_tokens + completion_tokens,
+        }
+        stats = output.stats.to_dict()
+        raw = {"model": self.model, "finish_reason": output.finish_reason, "usage": usage, **stats}
+        return raw, {**usage, "finish_reason": output.finish_reason, **stats}
+
+    def _completion_response(self, output: GenerationOutput, delta: str | None = None) -> CompletionResponse:
+        raw, extra = self._usage_and_stats(output)
+        return CompletionResponse(text=output.text or "", delta=delta, raw=raw, additional_kwargs=extra)
+
+    def _chat_response(
+        self, output: GenerationOutput, request: _Request, delta: str | None = None
+    ) -> ChatResponse:
+        raw, extra = self._usage_and_stats(output)
+        message = _assistant_message(output.text or "", parse_tools=request.parse_tools)
+        return ChatResponse(message=message, delta=delta, raw=raw, additional_kwargs=extra)
+
+
+# --------------------------------------------------------------------- requests and streams
+@dataclass
+class _Request:
+    """An encoded prompt with its engine options, ready to run once (blocking) or stream."""
+
+    engine: SpeculativeEngine
+    prompt_ids: list[int]
+    options: dict[str, Any]
+    parse_tools: bool
+
+    def generate(self) -> GenerationOutput:
+        return self.engine.generate_ids(self.prompt_ids, **self.options)
+
+    def stream(self) -> GenerationStream:
+        return self.engine.stream_ids(self.prompt_ids, **self.options)
+
+
+def _with_output(stream: GenerationStream) -> Iterator[tuple[str, str, GenerationOutput | None]]:
+    """``(cumulative text, delta, output)`` per delta; ``output`` is set on the last one only.
+
+    One delta is held back so that the last response can carry the token counts and the
+    statistics, which exist once the engine's stream is exhausted.
+    """
+    text, pending = "", None
+    try:
+        for delta in stream:
+            if pending is not None:
+                text += pending
+                yield text, pending, None
+            pending = delta
+    finally:
+        stream.close()
+    pending = pending or ""
+    assert stream.output is not None
+    yield text + pending, pending, stream.output
+
+
+_DONE = object()
+_T = TypeVar("_T")
+
+
+async def _iterate_in_thread(responses: Iterator[_T]) -> AsyncIterator[_T]:
+    """Iterate a blocking iterator from async code, each step in a worker thread."""
+    try:
+        while True:
+            item = await asyncio.to_thread(next, responses, _DONE)
+            if item is _DONE:
+                return
+            yield item  # type: ignore[misc]
+    finally:
+        close = getattr(responses, "close", None)
+        if close is not None:
+            await asyncio.to_thread(close)
+
+
+# --------------------------------------------------------------------- messages and tools
+def to_engine_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """LlamaIndex chat messages as the ``{"role", "content", ...}`` dicts chat templates read.
+
+    Assistant tool calls (``additional_kwargs["tool_calls"]`` or ``ToolCallBlock``) become
+    ``tool_calls`` entries and tool results keep their ``tool_call_id``, so the template renders
+    both in the model's own format.
+    """
+    converted = []
+    for message in messages:
+        role = _ROLE_ALIASES.get(message.role.value, message.role.value)
+        entry: dict[str, Any] = {"role": role, "content": message.content or ""}
+        calls = message_tool_calls(message)
+        if calls:
+            entry["tool_calls"] = calls
+        if role == "tool":
+            for key in ("tool_call_id", "name"):
+                if message.additional_kwargs.get(key) is not None:
+                    entry[key] = str(message.additional_kwargs[key])
+        converted.append(entry)
+    return converted
+
+
+def message_tool_calls(message: ChatMessage) -> list[dict[str, Any]]:
+    """A message's tool calls in OpenAI form, ``{"id", "type", "function": {"name", "arguments"}}``.
+
+    Reads ``additional_kwargs["tool_calls"]`` (dicts, OpenAI objects, or flat
+    ``{"name", "arguments"}``) and ``ToolCallBlock`` blocks; ``arguments`` is a dict when it is
+    valid JSON.
+    """
+    calls: list[dict[str, Any]] = []
+    for call in message.additional_kwargs.get("tool_calls") or []:
+        if hasattr(call, "model_dump"):
+            call = call.model_dump()
+        if not isinstance(call, dict):
+            continue
+        function = call.get("function") or call
+        if not function.get("name"):
+            continue
+        calls.append(_openai_call(function["name"], function.get("arguments"), call.get("id")))
+    known_ids = {call["id"] for call in calls}
+    for block in message.blocks:
+        if isinstance(block, ToolCallBlock) and (block.tool_call_id or None) not in known_ids:
+            calls.append(_openai_call(block.tool_name, block.tool_kwargs, block.tool_call_id))
+    return calls
+
+
+def _openai_call(name: str, arguments: Any, call_id: str | None) -> dict[str, Any]:
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            pass  # kept as the model wrote it
+    return {
+        "id": call_id or f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": {} if arguments is None else arguments},
+    }
+
+
+def _arguments_dict(arguments: Any) -> dict[str, Any]:
+    return arguments if isinstance(arguments, dict) else {}
+
+
+def _assistant_message(text: str, *, parse_tools: bool) -> ChatMessage:
+    """The assistant's message; with tools offered, tool calls are parsed out of the text."""
+    if not parse_tools:
+        return ChatMessage(role=MessageRole.ASSISTANT, content=text)
+    from selfspec.tools import parse_tool_calls
+
+    parsed = parse_tool_calls(text)
+    extra: dict[str, Any] = {}
+    if parsed.tool_calls:
+        extra["tool_calls"] = [_openai_call(c.name, c.arguments, c.id) for c in parsed.tool_calls]
+    if parsed.invalid_tool_calls:
+        extra["invalid_tool_calls"] = [
+            {"id": c.id, "name": c.name, "arguments": c.arguments, "error": c.error}
+            for c in parsed.invalid_tool_calls
+        ]
+    return ChatMessage(role=MessageRole.ASSISTANT, content=parsed.content, additional_kwargs=extra)
+
+
+def tool_schema(tool: Any) -> dict[str, Any]:
+    """An OpenAI-style ``{"type": "function", "function": {...}}`` schema of a tool.
+
+    Accepts LlamaIndex tools, plain functions (wrapped as ``FunctionTool``), Pydantic models
+    and the dict forms :func:`selfspec.tools.tool_schema` reads.
+    """
+    from selfspec.tools import tool_schema as normalize
+
+    metadata = getattr(tool, "metadata", None)
+    if metadata is not None and hasattr(metadata, "to_openai_tool"):
+        return normalize(metadata.to_openai_tool(skip_length_check=True))
+    if isinstance(tool, type) and issubclass(tool, BaseModel):
+        return normalize(tool.model_json_schema())
+    if callable(tool) and not isinstance(tool, dict):
+        from llama_index.core.tools import FunctionTool
+
+        return normalize(FunctionTool.from_defaults(fn=tool).metadata.to_openai_tool(skip_length_check=True))
+    return normalize(tool)
+
+
+def _forced_tool(tools: list[dict[str, Any]], tool_choice: str | dict[str, Any] | None) -> str | None:
+    """``None``: no forced call; ``""``: some tool must be called; else the tool to call."""
+    if not tools or tool_choice in (None, "auto", "none"):
+        return None
+    if isinstance(tool_choice, dict):
+        tool_choice = (tool_choice.get("function") or tool_choice).get("name")
+    if tool_choice in _ANY_TOOL:
+        return ""
+    names = [schema["function"]["name"] for schema in tools]
+    if tool_choice not in names:
+        raise ValueError(
+            f"tool_choice {tool_choice!r} is not one of the offered tools ({', '.join(names)}); "
+            "use 'auto', 'none', 'required' or a tool name"
+        )
+    return str(tool_choice)
+
+
+def _validate_json(output_cls: type[Model], response: ChatResponse) -> Model:
+    text = response.message.content or ""
+    try:
+        return output_cls.model_validate_json(text)
+    except ValidationError as exc:
+        if response.additional_kwargs.get("finish_reason") == "length":
+            raise ValueError(
+                f"the {output_cls.__name__} JSON was cut off at max_new_tokens "
+                f"({response.additional_kwargs.get('completion_tokens')} tokens); raise max_new_tokens"
+            ) from exc
+        raise
+
+
+@functools.lru_cache(maxsize=64)
+def _config_context_window(model: str, trust_remote_code: bool) -> int:
+    """``max_position_embeddings`` from the model's config (the weights are not loaded)."""
+    from selfspec.loading import load_config, resolve_model_path
+
+    config = load_config(resolve_model_path(model), trust_remote_code=trust_remote_code)
+    return int(getattr(config, "max_position_embeddings", None) or DEFAULT_CONTEXT_WINDOW)
