@@ -110,9 +110,7 @@ class SpeculativeLLM(FunctionCallingLLM):
         default="selfspec-demo",
         description="A hub id, a local folder, or 'selfspec-demo' (the small model bundled with selfspec).",
     )
-    quantization: str | None = Field(
-        default=None, description="None, '4bit' (bitsandbytes NF4) or '8bit'."
-    )
+    quantization: str | None = Field(default=None, description="None, '4bit' (bitsandbytes NF4) or '8bit'.")
     exit_layer: int | str = Field(
         default="auto",
         description="Layers the draft runs; 'auto' uses the saved calibration, else num_layers // 4.",

@@ -1,0 +1,29 @@
+"""Offline, single-threaded torch; the demo-model fixtures shared by this package's tests."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+#: Short answers keep the whole suite to a few CPU minutes.
+MAX_NEW_TOKENS = 48
+
+
+@pytest.fixture(scope="session")
+def demo_llm():
+    """A ``SpeculativeLLM`` on the bundled demo model (its engine is shared process-wide)."""
+    from selfspec import demo_model_path
+
+    from llama_index.llms.selfspec import SpeculativeLLM
+
+    if not (demo_model_path() / "model.safetensors").is_file():
+        pytest.fail("the bundled demo model is missing: run python -m selfspec.training.demo")
+    return SpeculativeLLM(model="selfspec-demo", max_new_tokens=MAX_NEW_TOKENS)
