@@ -41,8 +41,13 @@ ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "gemma2": (
         "Gemma2Config",
         "Gemma2ForCausalLM",
-        {"head_dim": 8, "sliding_window": 12, "query_pre_attn_scalar": 8,
-         "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+        {
+            "head_dim": 8,
+            "sliding_window": 12,
+            "query_pre_attn_scalar": 8,
+            "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": 30.0,
+        },
     ),
     "gemma3_text": (
         "Gemma3TextConfig",
@@ -108,4 +113,4 @@ def reference_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int) -> 
         pad_token_id=model.config.pad_token_id,
         eos_token_id=model.config.eos_token_id,
     )
-    return [int(t) for t in out[0, len(prompt_ids):]]
+    return [int(t) for t in out[0, len(prompt_ids) :]]

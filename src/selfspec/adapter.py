@@ -62,7 +62,7 @@ class ModelAdapter:
             or bitsandbytes quantization: the adapter calls the model's own modules).
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: Any) -> None:
         config = model.config
         check_architecture(config)
         attn = getattr(config, "_attn_implementation", None) or "eager"
@@ -174,9 +174,7 @@ class ModelAdapter:
         shared = self.rotary_emb(hidden, position_ids)
         return dict.fromkeys(layer_types, shared)
 
-    def _masks(
-        self, positions: torch.Tensor, past: int, dtype: torch.dtype
-    ) -> dict[str, torch.Tensor | None]:
+    def _masks(self, positions: torch.Tensor, past: int, dtype: torch.dtype) -> dict[str, torch.Tensor | None]:
         """One attention mask per layer type for queries at ``positions`` over ``past + q`` keys."""
         query_len = positions.shape[0]
         kv_len = past + query_len

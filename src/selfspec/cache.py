@@ -48,9 +48,7 @@ class StaticKVCache:
         start = self.lengths[layer_idx]
         end = start + key_states.shape[-2]
         if end > self.max_length:
-            raise RuntimeError(
-                f"KV cache overflow on layer {layer_idx}: {end} positions > {self.max_length}"
-            )
+            raise RuntimeError(f"KV cache overflow on layer {layer_idx}: {end} positions > {self.max_length}")
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         if keys is None or values is None:
             shape = (*key_states.shape[:-2], self.max_length, key_states.shape[-1])

@@ -15,8 +15,13 @@ DEMO_PROMPT = "It is a truth universally acknowledged, that a single man in poss
 
 
 def _engine_args(parser: argparse.ArgumentParser, default_model: str | None = None) -> None:
-    parser.add_argument("--model", "-m", default=default_model, required=default_model is None,
-                        help=f"hub id, local folder, or {DEMO_MODEL!r}")
+    parser.add_argument(
+        "--model",
+        "-m",
+        default=default_model,
+        required=default_model is None,
+        help=f"hub id, local folder, or {DEMO_MODEL!r}",
+    )
     parser.add_argument("--quantization", choices=["4bit", "8bit"], default=None)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
@@ -126,13 +131,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
     base = plain.generate(args.prompt, **sampling)
     spec = engine.generate(args.prompt, **sampling)
     print(f"--- plain decoding ({_format_stats(base.stats)})\n{base.text}\n")
-    print(f"--- self-speculative, exit layer {engine.exit_layer}, {engine.num_draft_tokens} drafts "
-          f"({_format_stats(spec.stats)})\n{spec.text}\n")
+    print(
+        f"--- self-speculative, exit layer {engine.exit_layer}, {engine.num_draft_tokens} drafts "
+        f"({_format_stats(spec.stats)})\n{spec.text}\n"
+    )
     identical = base.token_ids == spec.token_ids
     speedup = spec.stats.tokens_per_second / max(base.stats.tokens_per_second, 1e-9)
     print(f"identical text: {'yes' if identical else 'NO'}")
-    print(f"speedup: {speedup:.2f}x   tau: {spec.stats.mean_accepted_length:.2f}   "
-          f"acceptance rate: {spec.stats.acceptance_rate:.2f}")
+    print(
+        f"speedup: {speedup:.2f}x   tau: {spec.stats.mean_accepted_length:.2f}   "
+        f"acceptance rate: {spec.stats.acceptance_rate:.2f}"
+    )
     return 0 if identical else 1
 
 

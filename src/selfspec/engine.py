@@ -153,13 +153,9 @@ class SpeculativeEngine:
         if exit_layer != "auto" and (isinstance(exit_layer, bool) or not isinstance(exit_layer, int)):
             raise ConfigurationError(f"exit_layer must be 'auto' or an int, got {exit_layer!r}")
         if num_draft_tokens != "auto" and (
-            isinstance(num_draft_tokens, bool)
-            or not isinstance(num_draft_tokens, int)
-            or num_draft_tokens < 1
+            isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1
         ):
-            raise ConfigurationError(
-                f"num_draft_tokens must be 'auto' or an int >= 1, got {num_draft_tokens!r}"
-            )
+            raise ConfigurationError(f"num_draft_tokens must be 'auto' or an int >= 1, got {num_draft_tokens!r}")
         if not isinstance(drafter, Drafter) and drafter not in DRAFTERS:
             raise ConfigurationError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
 
@@ -174,8 +170,7 @@ class SpeculativeEngine:
         assert isinstance(exit_layer, int)
         if not 1 <= exit_layer <= num_layers - 1:
             raise ConfigurationError(
-                f"exit_layer must be in [1, {num_layers - 1}] for this {num_layers}-layer model, "
-                f"got {exit_layer}"
+                f"exit_layer must be in [1, {num_layers - 1}] for this {num_layers}-layer model, got {exit_layer}"
             )
         return exit_layer
 
@@ -232,19 +227,13 @@ class SpeculativeEngine:
                 raise InvalidPromptError("the prompt is empty; pass some text")
             return list(tokenizer(prompt)["input_ids"])
         if not isinstance(prompt, Sequence) or not prompt:
-            raise InvalidPromptError(
-                "the prompt must be a non-empty string or a non-empty list of chat messages"
-            )
+            raise InvalidPromptError("the prompt must be a non-empty string or a non-empty list of chat messages")
         for message in prompt:
             if not isinstance(message, dict) or "role" not in message:
-                raise InvalidPromptError(
-                    f"each chat message must be a dict with 'role' and 'content', got {message!r}"
-                )
+                raise InvalidPromptError(f"each chat message must be a dict with 'role' and 'content', got {message!r}")
         if getattr(tokenizer, "chat_template", None) is None:
             raise InvalidPromptError("this tokenizer has no chat template; pass a plain string prompt")
-        text = tokenizer.apply_chat_template(
-            list(prompt), tools=tools, add_generation_prompt=True, tokenize=False
-        )
+        text = tokenizer.apply_chat_template(list(prompt), tools=tools, add_generation_prompt=True, tokenize=False)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _require_tokenizer(self, what: str) -> Any:
@@ -306,9 +295,7 @@ class SpeculativeEngine:
         constraint: TokenConstraint | None = None,
     ) -> GenerationOutput:
         """Like :meth:`generate`, from token ids (no tokenizer needed unless ``stop`` is given)."""
-        run = self._start(
-            prompt_ids, max_new_tokens, temperature, top_k, top_p, stop, seed, constraint
-        )
+        run = self._start(prompt_ids, max_new_tokens, temperature, top_k, top_p, stop, seed, constraint)
         for _ in run.deltas():
             pass
         return run.output()
@@ -330,9 +317,7 @@ class SpeculativeEngine:
         The deltas join to exactly ``generate(...).text``. Call ``.close()`` to abandon the
         stream early; ``.stats`` and ``.output`` are set once it is exhausted or closed.
         """
-        run = self._start(
-            self.encode_prompt(prompt), max_new_tokens, temperature, top_k, top_p, stop, seed, constraint
-        )
+        run = self._start(self.encode_prompt(prompt), max_new_tokens, temperature, top_k, top_p, stop, seed, constraint)
         self._require_tokenizer("streams")
         return GenerationStream(run)
 
@@ -394,9 +379,7 @@ class SpeculativeEngine:
             if prompt_ids.dim() == 2 and prompt_ids.shape[0] == 1:
                 prompt_ids = prompt_ids[0]
             if prompt_ids.dim() != 1:
-                raise InvalidPromptError(
-                    f"prompt_ids must be 1-D (or [1, n]); got shape {tuple(prompt_ids.shape)}"
-                )
+                raise InvalidPromptError(f"prompt_ids must be 1-D (or [1, n]); got shape {tuple(prompt_ids.shape)}")
             ids = [int(i) for i in prompt_ids.tolist()]
         else:
             ids = list(prompt_ids)
@@ -594,7 +577,7 @@ class _Generation:
         self._started = 0.0
         self._finished = False
 
-    def deltas(self) -> Iterator[str]:
+    def deltas(self) -> Generator[str, None, None]:
         """Run the generation, yielding text deltas (none without a tokenizer)."""
         self._started = time.perf_counter()
         rounds = self.engine._rounds(self)

@@ -43,9 +43,7 @@ def resolve_model_path(name_or_path: str | os.PathLike[str]) -> str:
     if name == DEMO_MODEL:
         path = demo_model_path()
         if not (path / "config.json").is_file():
-            raise ModelNotFoundError(
-                f"the bundled demo model is missing from {path}; reinstall selfspec"
-            )
+            raise ModelNotFoundError(f"the bundled demo model is missing from {path}; reinstall selfspec")
         return str(path)
     path = Path(name).expanduser()
     if path.is_dir():
@@ -143,18 +141,14 @@ def _quantized_out_features(config: Any) -> list[tuple[str, int]]:
     ]
 
 
-def quantization_config(
-    quantization: str | None, config: Any, device: torch.device, compute_dtype: torch.dtype
-) -> Any:
+def quantization_config(quantization: str | None, config: Any, device: torch.device, compute_dtype: torch.dtype) -> Any:
     """A ``BitsAndBytesConfig`` for ``"4bit"`` (NF4) or ``"8bit"``, after checking it can run."""
     if quantization is None:
         return None
     if quantization not in ("4bit", "8bit"):
         raise ConfigurationError(f"quantization must be None, '4bit' or '8bit', got {quantization!r}")
     if importlib.util.find_spec("bitsandbytes") is None:
-        raise QuantizationError(
-            f"{quantization} quantization needs bitsandbytes: pip install 'bitsandbytes>=0.45'"
-        )
+        raise QuantizationError(f"{quantization} quantization needs bitsandbytes: pip install 'bitsandbytes>=0.45'")
     if device.type not in ("cpu", "cuda"):
         raise QuantizationError(
             f"no bitsandbytes backend for device {device.type!r}; use 'cpu' or 'cuda', or no quantization"
@@ -163,7 +157,7 @@ def quantization_config(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             import bitsandbytes  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - any import failure means no backend
+    except Exception as exc:
         raise QuantizationError(f"bitsandbytes is installed but cannot load: {exc}") from exc
     from transformers import BitsAndBytesConfig
 
@@ -187,9 +181,9 @@ def quantization_config(
 
 
 def silence_bitsandbytes_warnings() -> None:
-    """bitsandbytes' 8-bit matmul warns about a dtype cast on every call on CPU."""
+    """Bitsandbytes' 8-bit matmul logs a dtype-cast warning on every call on CPU."""
+    logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=".*MatMul8bitLt.*")
-    warnings.filterwarnings("ignore", message=".*inputs will be cast from.*")
 
 
 def load_model_and_tokenizer(
@@ -207,7 +201,7 @@ def load_model_and_tokenizer(
         ``(model, tokenizer, resolved path or hub id)``; the tokenizer is ``None`` when the
         checkpoint has none.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(name_or_path)
     config = load_config(path, trust_remote_code=trust_remote_code)
@@ -232,14 +226,28 @@ def load_model_and_tokenizer(
     except OSError as exc:
         raise ModelNotFoundError(f"could not load the weights of {path!r}: {exc}") from exc
     model.eval()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as exc:
-        logger.warning("no tokenizer loaded for %s (%s); token-level use only", path, exc)
-        tokenizer = None
+    tokenizer = _load_tokenizer(path, trust_remote_code=trust_remote_code)
     if quant is not None:
         _smoke_test(model, quantization or "")
     return model, tokenizer, path
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _load_tokenizer(path: str, *, trust_remote_code: bool) -> Any:
+    """The checkpoint's tokenizer, or ``None`` (token-level use only) when it has none."""
+    from transformers import AutoTokenizer
+
+    folder = Path(path)
+    if folder.is_dir() and not any((folder / f).is_file() for f in _TOKENIZER_FILES):
+        logger.info("%s has no tokenizer files; token-level use only", path)
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        logger.warning("could not load the tokenizer of %s (%s); token-level use only", path, exc)
+        return None
 
 
 def _smoke_test(model: Any, quantization: str) -> None:
@@ -248,7 +256,5 @@ def _smoke_test(model: Any, quantization: str) -> None:
         with torch.inference_mode():
             ids = torch.zeros((1, 1), dtype=torch.long, device=model.device)
             model(input_ids=ids)
-    except Exception as exc:  # noqa: BLE001 - any kernel failure means the backend does not work
-        raise QuantizationError(
-            f"{quantization} model loaded, but bitsandbytes could not run it here: {exc}"
-        ) from exc
+    except Exception as exc:
+        raise QuantizationError(f"{quantization} model loaded, but bitsandbytes could not run it here: {exc}") from exc

@@ -17,8 +17,11 @@ _LOCK = threading.Lock()
 
 
 def _key(engine_args: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
-    return tuple(sorted((k, v if isinstance(v, (str, int, float, bool, type(None))) else repr(v))
-                        for k, v in engine_args.items()))
+    return tuple(
+        sorted(
+            (k, v if isinstance(v, (str, int, float, bool, type(None))) else repr(v)) for k, v in engine_args.items()
+        )
+    )
 
 
 def get_engine(model: str, **engine_args: Any) -> SpeculativeEngine:

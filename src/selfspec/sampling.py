@@ -36,14 +36,10 @@ class SamplingParams:
         if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature):
             raise SamplingError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if self.temperature < 0:
-            raise SamplingError(
-                f"temperature must be >= 0 (0 means greedy), got {self.temperature}"
-            )
+            raise SamplingError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
         if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 0):
             raise SamplingError(f"top_k must be an integer >= 0 (0 or None: off), got {self.top_k!r}")
-        if self.top_p is not None and (
-            not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0
-        ):
+        if self.top_p is not None and (not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0):
             raise SamplingError(f"top_p must be in (0, 1] (1 or None: off), got {self.top_p!r}")
 
     @property

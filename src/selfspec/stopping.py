@@ -45,9 +45,7 @@ class IncrementalDetokenizer:
         self.read_offset = 0
 
     def _decode(self, ids: list[int]) -> str:
-        return str(
-            self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-        )
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False))
 
     def push(self, token_id: int) -> str:
         """Add one token; return the newly complete text (possibly empty)."""
@@ -88,10 +86,10 @@ class StopStringMatcher:
         if not self.stops:
             out, self.pending = self.pending, ""
             return out
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
+        cut = self._first_completed_stop()
+        if cut is not None:
             self.stopped = True
-            out, self.pending = self.pending[: min(hits)], ""
+            out, self.pending = self.pending[:cut], ""
             return out
         hold = self._held_suffix_length()
         cut = len(self.pending) - hold
@@ -102,6 +100,20 @@ class StopStringMatcher:
         """Return the held text at the end of a generation that did not stop on a string."""
         out, self.pending = ("" if self.stopped else self.pending), ""
         return out
+
+    def _first_completed_stop(self) -> int | None:
+        """Start of the stop string that completes first in ``pending`` (the longest on a tie).
+
+        "First to complete" (smallest end), not "first to start", so the result does not
+        depend on how the text was split into pushes.
+        """
+        best: tuple[int, int] | None = None  # (end, start)
+        for stop in self.stops:
+            start = self.pending.find(stop)
+            if start >= 0:
+                candidate = (start + len(stop), start)
+                best = candidate if best is None else min(best, candidate)
+        return None if best is None else best[1]
 
     def _held_suffix_length(self) -> int:
         """Length of the longest suffix of ``pending`` that is a proper prefix of a stop."""

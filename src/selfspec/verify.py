@@ -93,9 +93,7 @@ def accept_sampled(
             draft_of_draft = torch.ones_like(target_of_draft)
         else:
             draft_of_draft = draft_probs[rows, draft_tokens]  # [k]
-        uniform = torch.rand(
-            num_draft, generator=generator, device=target_probs.device, dtype=target_probs.dtype
-        )
+        uniform = torch.rand(num_draft, generator=generator, device=target_probs.device, dtype=target_probs.dtype)
         # accept with probability min(1, target / draft), i.e. u * draft < target
         accepted = (uniform * draft_of_draft < target_of_draft).long()
         num_accepted = int(accepted.cumprod(dim=0).sum().item())

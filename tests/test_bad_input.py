@@ -1,0 +1,176 @@
+"""Bad input gets a clear error naming the fix, and the engine stays usable afterwards."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from tiny_models import make_model, reference_greedy
+
+from selfspec import (
+    ConfigurationError,
+    InvalidPromptError,
+    ModelNotFoundError,
+    SamplingError,
+    SpeculativeEngine,
+    UnsafeCheckpointError,
+    UnsupportedArchitectureError,
+)
+
+PROMPT = [5, 6, 7, 8, 9]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model("llama")
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    return SpeculativeEngine(model, exit_layer=2, num_draft_tokens=3)
+
+
+@pytest.fixture(scope="module")
+def expected(model):
+    return reference_greedy(model, PROMPT, 12)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"max_new_tokens": 0}, SamplingError, "max_new_tokens must be an int >= 1"),
+        ({"max_new_tokens": -5}, SamplingError, "max_new_tokens"),
+        ({"max_new_tokens": 2.5}, SamplingError, "max_new_tokens"),
+        ({"temperature": -0.1}, SamplingError, "temperature must be >= 0"),
+        ({"temperature": float("nan")}, SamplingError, "temperature"),
+        ({"top_p": 0.0}, SamplingError, r"top_p must be in \(0, 1\]"),
+        ({"top_p": 1.5}, SamplingError, "top_p"),
+        ({"top_k": -1}, SamplingError, "top_k must be an integer >= 0"),
+        ({"stop": [""], "max_new_tokens": 4}, SamplingError, "must not be empty"),
+        ({"seed": "abc", "max_new_tokens": 4}, SamplingError, "seed"),
+        ({"max_new_tokens": 400}, InvalidPromptError, "exceeds the context window of 256"),
+    ],
+)
+def test_bad_generation_arguments(engine, expected, kwargs, error, match) -> None:
+    with pytest.raises(error, match=match):
+        engine.generate_ids(PROMPT, **kwargs)
+    assert issubclass(error, ValueError)
+    # the engine answers the next call correctly
+    assert engine.generate_ids(PROMPT, max_new_tokens=12).token_ids == expected
+
+
+@pytest.mark.parametrize("prompt", [[], torch.tensor([], dtype=torch.long)])
+def test_empty_prompt_ids(engine, expected, prompt) -> None:
+    with pytest.raises(InvalidPromptError, match="empty"):
+        engine.generate_ids(prompt)
+    assert engine.generate_ids(PROMPT, max_new_tokens=12).token_ids == expected
+
+
+def test_out_of_vocabulary_prompt(engine, expected) -> None:
+    with pytest.raises(InvalidPromptError, match="not in the vocabulary"):
+        engine.generate_ids([5, 10_000])
+    assert engine.generate_ids(PROMPT, max_new_tokens=12).token_ids == expected
+
+
+def test_prompt_alone_over_context_window(engine) -> None:
+    with pytest.raises(InvalidPromptError, match="context window"):
+        engine.generate_ids([5] * 300, max_new_tokens=1)
+
+
+def test_text_prompt_without_tokenizer(engine) -> None:
+    with pytest.raises(ConfigurationError, match="tokenizer"):
+        engine.generate("hello")
+
+
+@pytest.mark.parametrize("exit_layer", [0, 6, 7, -1])
+def test_exit_layer_out_of_range(model, exit_layer) -> None:
+    with pytest.raises(ConfigurationError, match=r"exit_layer must be in \[1, 5\]"):
+        SpeculativeEngine(model, exit_layer=exit_layer)
+
+
+@pytest.mark.parametrize("exit_layer", ["two", 2.0, True, None])
+def test_exit_layer_wrong_type(model, exit_layer) -> None:
+    with pytest.raises(ConfigurationError, match="exit_layer must be 'auto' or an int"):
+        SpeculativeEngine(model, exit_layer=exit_layer)
+
+
+@pytest.mark.parametrize("num_draft_tokens", [0, -2, "many", 1.5, False])
+def test_bad_draft_length(model, num_draft_tokens) -> None:
+    with pytest.raises(ConfigurationError, match="num_draft_tokens must be 'auto' or an int >= 1"):
+        SpeculativeEngine(model, num_draft_tokens=num_draft_tokens)
+
+
+def test_unknown_drafter(model) -> None:
+    with pytest.raises(ConfigurationError, match="unknown drafter 'magic'"):
+        SpeculativeEngine(model, drafter="magic")
+
+
+def test_auto_resolves_to_ints_at_construction(model) -> None:
+    engine = SpeculativeEngine(model)
+    assert engine.exit_layer == 6 // 4 and engine.num_draft_tokens == 4
+    assert "exit_layer=1" in repr(engine)
+
+
+def test_unsupported_architecture_model_object() -> None:
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64)
+    model = transformers.GPT2LMHeadModel(config)
+    with pytest.raises(UnsupportedArchitectureError, match=r"'gpt2' is not supported.*llama"):
+        SpeculativeEngine(model)
+
+
+def test_unsupported_architecture_folder(tmp_path) -> None:
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedArchitectureError, match="supported architectures"):
+        SpeculativeEngine.from_pretrained(tmp_path)
+
+
+def test_missing_folder(tmp_path) -> None:
+    with pytest.raises(OSError, match="no model folder"):
+        SpeculativeEngine.from_pretrained(tmp_path / "nope")
+    with pytest.raises(ModelNotFoundError):
+        SpeculativeEngine.from_pretrained("./not-here")
+
+
+def test_unknown_hub_id_offline() -> None:
+    with pytest.raises(OSError, match="HF_HUB_OFFLINE"):
+        SpeculativeEngine.from_pretrained("selfspec-test/no-such-model-anywhere")
+
+
+def test_folder_without_weights(tmp_path) -> None:
+    make_model("llama").config.save_pretrained(tmp_path)
+    with pytest.raises(ModelNotFoundError, match="no weights"):
+        SpeculativeEngine.from_pretrained(tmp_path)
+
+
+def test_pickle_only_checkpoint_is_refused(tmp_path) -> None:
+    model = make_model("llama", dtype=torch.float32)
+    model.config.save_pretrained(tmp_path)
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    with pytest.raises(UnsafeCheckpointError, match="allow_pickle=True"):
+        SpeculativeEngine.from_pretrained(tmp_path)
+
+
+def test_remote_code_is_refused(tmp_path) -> None:
+    config = make_model("llama").config.to_dict()
+    config.update({"model_type": "my_custom_lm", "auto_map": {"AutoConfig": "custom.MyConfig"}})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsafeCheckpointError, match="trust_remote_code=True"):
+        SpeculativeEngine.from_pretrained(tmp_path)
+
+
+def test_bad_device_and_dtype(tmp_path) -> None:
+    make_model("llama", dtype=torch.float32).save_pretrained(tmp_path)
+    with pytest.raises(ConfigurationError, match="unknown dtype"):
+        SpeculativeEngine.from_pretrained(tmp_path, dtype="float7")
+    with pytest.raises(ConfigurationError, match="unknown device"):
+        SpeculativeEngine.from_pretrained(tmp_path, device="warp-drive")
+
+
+def test_flash_attention_models_get_a_hint() -> None:
+    model = make_model("llama")
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ConfigurationError, match="attn_implementation='sdpa'"):
+        SpeculativeEngine(model)
