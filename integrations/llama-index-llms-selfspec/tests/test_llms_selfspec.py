@@ -162,9 +162,7 @@ def test_prepare_chat_with_tools():
     llm = SpeculativeLLM()
     tool = FunctionTool.from_defaults(fn=multiply)
     history = [ChatMessage(role=MessageRole.USER, content="hi")]
-    kwargs = llm._prepare_chat_with_tools(
-        [tool], "What is 2 times 3?", chat_history=history, tool_required=True
-    )
+    kwargs = llm._prepare_chat_with_tools([tool], "What is 2 times 3?", chat_history=history, tool_required=True)
     assert len(history) == 1  # the caller's history is not modified
     assert [m.content for m in kwargs["messages"]] == ["hi", "What is 2 times 3?"]
     assert kwargs["tools"] == [tool]
@@ -179,9 +177,7 @@ def test_tool_schemas_and_forced_choice():
 
         name: str
 
-    schemas = [
-        selfspec_base.tool_schema(t) for t in (FunctionTool.from_defaults(fn=multiply), Person, multiply)
-    ]
+    schemas = [selfspec_base.tool_schema(t) for t in (FunctionTool.from_defaults(fn=multiply), Person, multiply)]
     assert [s["function"]["name"] for s in schemas] == ["multiply", "Person", "multiply"]
     assert schemas[0]["function"]["parameters"]["required"] == ["x", "y"]
     forced = selfspec_base._forced_tool

@@ -127,12 +127,8 @@ class SpeculativeLLM(FunctionCallingLLM):
         default="auto",
         description="'auto' (float32 on CPU, the checkpoint's dtype on GPU) or a name such as 'bfloat16'.",
     )
-    trust_remote_code: bool = Field(
-        default=False, description="Allow checkpoints that ship their own Python code."
-    )
-    allow_pickle: bool = Field(
-        default=False, description="Allow .bin (pickle) weights when no safetensors exist."
-    )
+    trust_remote_code: bool = Field(default=False, description="Allow checkpoints that ship their own Python code.")
+    allow_pickle: bool = Field(default=False, description="Allow .bin (pickle) weights when no safetensors exist.")
     temperature: float = Field(default=0.0, ge=0.0, description="0 for greedy decoding; > 0 samples.")
     max_new_tokens: int = Field(default=256, gt=0, description="The most new tokens per response.")
     top_k: int | None = Field(default=None, gt=0, description="Sample among the top_k most likely tokens.")
@@ -223,9 +219,7 @@ class SpeculativeLLM(FunctionCallingLLM):
         return await asyncio.to_thread(self._complete, prompt, formatted, kwargs)
 
     @llm_completion_callback()
-    async def astream_complete(
-        self, prompt: str, formatted: bool = False, **kwargs: Any
-    ) -> CompletionResponseAsyncGen:
+    async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
         """Async :meth:`stream_complete`; each step of the engine runs in a worker thread."""
         responses = await asyncio.to_thread(self._stream_complete, prompt, formatted, kwargs)
         return _iterate_in_thread(responses)
@@ -444,17 +438,22 @@ class SpeculativeLLM(FunctionCallingLLM):
             "constraint": kwargs.pop("constraint", None),
         }
         forced = _forced_tool(tools, tool_choice)
+        vocab_size = engine.adapter.vocab_size
         if json_schema is not None:
             from selfspec.grammar import json_schema_constraint
 
             options["constraint"] = json_schema_constraint(
-                engine.tokenizer, json_schema, vocab_size=engine.adapter.vocab_size
+                engine.tokenizer, json_schema, vocab_size=vocab_size, eos_token_ids=engine.eos_token_ids
             )
         elif forced is not None:
             from selfspec.grammar import tool_call_constraint
 
             options["constraint"] = tool_call_constraint(
-                engine.tokenizer, tools, tool_name=forced or None, vocab_size=engine.adapter.vocab_size
+                engine.tokenizer,
+                tools,
+                tool_name=forced or None,
+                vocab_size=vocab_size,
+                eos_token_ids=engine.eos_token_ids,
             )
         if kwargs:
             logger.debug("SpeculativeLLM ignores the arguments %s", ", ".join(sorted(kwargs)))
@@ -476,9 +475,7 @@ class SpeculativeLLM(FunctionCallingLLM):
         raw, extra = self._usage_and_stats(output)
         return CompletionResponse(text=output.text or "", delta=delta, raw=raw, additional_kwargs=extra)
 
-    def _chat_response(
-        self, output: GenerationOutput, request: _Request, delta: str | None = None
-    ) -> ChatResponse:
+    def _chat_response(self, output: GenerationOutput, request: _Request, delta: str | None = None) -> ChatResponse:
         raw, extra = self._usage_and_stats(output)
         message = _assistant_message(output.text or "", parse_tools=request.parse_tools)
         return ChatResponse(message=message, delta=delta, raw=raw, additional_kwargs=extra)
@@ -615,8 +612,7 @@ def _assistant_message(text: str, *, parse_tools: bool) -> ChatMessage:
         extra["tool_calls"] = [_openai_call(c.name, c.arguments, c.id) for c in parsed.tool_calls]
     if parsed.invalid_tool_calls:
         extra["invalid_tool_calls"] = [
-            {"id": c.id, "name": c.name, "arguments": c.arguments, "error": c.error}
-            for c in parsed.invalid_tool_calls
+            {"id": c.id, "name": c.name, "arguments": c.arguments, "error": c.error} for c in parsed.invalid_tool_calls
         ]
     return ChatMessage(role=MessageRole.ASSISTANT, content=parsed.content, additional_kwargs=extra)
 
