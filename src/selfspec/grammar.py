@@ -294,7 +294,8 @@ def tool_call_grammar(
 
 def _tag(tokenizer: Any, text: str) -> str:
     """A tag as a Lark item: the single added token ``<[id]>`` if there is one, else the text."""
-    added = getattr(tokenizer, "get_added_vocab", lambda: {})()
+    get_added_vocab = getattr(tokenizer, "get_added_vocab", None)
+    added: dict[str, int] = get_added_vocab() if callable(get_added_vocab) else {}
     if text in added:
         return f"<[{int(added[text])}]>"
     return json.dumps(text)
