@@ -22,7 +22,7 @@ import functools
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -408,7 +408,8 @@ class SpeculativeLLM(FunctionCallingLLM):
         if formatted:
             return prompt
         if getattr(self.engine.tokenizer, "chat_template", None) is None:
-            return self.completion_to_prompt(prompt)
+            to_prompt = self.completion_to_prompt or (lambda text: text)
+            return to_prompt(prompt)
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return [*system, {"role": "user", "content": prompt}]
 
@@ -522,7 +523,7 @@ _DONE = object()
 _T = TypeVar("_T")
 
 
-async def _iterate_in_thread(responses: Iterator[_T]) -> AsyncIterator[_T]:
+async def _iterate_in_thread(responses: Iterator[_T]) -> AsyncGenerator[_T, None]:
     """Iterate a blocking iterator from async code, each step in a worker thread."""
     try:
         while True:
