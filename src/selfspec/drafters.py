@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -34,6 +35,7 @@ class DecodeState:
     params: SamplingParams
     generator: torch.Generator | None
     constraint: TokenConstraint | None = None
+    scratch: dict[str, Any] = field(default_factory=dict)  # per-generation drafter state
 
 
 @dataclass
@@ -104,6 +106,106 @@ def choose_token(
     return int(sample(probs.unsqueeze(0), generator)[0].item()), probs
 
 
+class NgramIndex:
+    """The most recent continuation of every n-gram of a growing token list.
+
+    Updated incrementally (only new tokens are indexed), so a lookup costs O(1) per round
+    however long the prompt is.
+    """
+
+    def __init__(self, max_ngram: int) -> None:
+        self.max_ngram = max_ngram
+        self.continuation: dict[tuple[int, ...], int] = {}
+        self.indexed = 0  # n-grams ending before this position are indexed
+
+    def update(self, token_ids: list[int]) -> None:
+        """Index the n-grams that end before the last token (their continuation exists)."""
+        for end in range(self.indexed, len(token_ids) - 1):
+            for n in range(1, self.max_ngram + 1):
+                if end - n + 1 < 0:
+                    break
+                self.continuation[tuple(token_ids[end - n + 1 : end + 1])] = end + 1
+        self.indexed = max(self.indexed, len(token_ids) - 1)
+
+    def lookup(self, token_ids: list[int], min_ngram: int, max_tokens: int) -> list[int]:
+        """Tokens that followed the longest earlier match of the text's last n-gram."""
+        for n in range(min(self.max_ngram, len(token_ids)), min_ngram - 1, -1):
+            start = self.continuation.get(tuple(token_ids[-n:]))
+            if start is not None:
+                return token_ids[start : start + max_tokens]
+        return []
+
+
+class PromptLookupDrafter(Drafter):
+    """Drafts by copying: finds the text's last n-gram earlier in the prompt or output.
+
+    Prompt lookup decoding (Saxena 2023; transformers' ``prompt_lookup_num_tokens``): free
+    drafts that are often right when the answer copies its context (RAG, summaries, edits).
+    Deterministic, so verification is by exact match (greedy) or one-hot rejection sampling.
+
+    Args:
+        max_ngram: longest n-gram to match.
+        min_ngram: shortest n-gram that counts as a match.
+    """
+
+    name = "prompt_lookup"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def __repr__(self) -> str:
+        return f"PromptLookupDrafter(max_ngram={self.max_ngram}, min_ngram={self.min_ngram})"
+
+    def lookup(self, state: DecodeState, max_tokens: int) -> list[int]:
+        """The copied continuation, or ``[]`` when the last n-gram occurs nowhere earlier."""
+        index = state.scratch.get("ngram_index")
+        if index is None:
+            index = state.scratch["ngram_index"] = NgramIndex(self.max_ngram)
+        index.update(state.token_ids)
+        return index.lookup(state.token_ids, self.min_ngram, max_tokens)
+
+    def propose(self, state: DecodeState, max_tokens: int) -> Draft:
+        """Copy up to ``max_tokens`` tokens after the latest match."""
+        return Draft(tokens=self.lookup(state, max_tokens)) if max_tokens > 0 else Draft()
+
+
+class HybridDrafter(Drafter):
+    """Prompt lookup when the text's last n-gram occurred before, else the early exit.
+
+    Chosen per round: copied spans (free drafts) in RAG answers and summaries, and the
+    model's own early layers for fresh text.
+
+    Args:
+        exit_layer: the early-exit drafter's layer.
+        max_ngram: longest n-gram prompt lookup matches.
+        min_ngram: shortest n-gram that counts as a match (2 avoids spurious one-token matches).
+    """
+
+    name = "hybrid"
+
+    def __init__(self, exit_layer: int, max_ngram: int = 3, min_ngram: int = 2) -> None:
+        self.lookup_drafter = PromptLookupDrafter(max_ngram=max_ngram, min_ngram=min_ngram)
+        self.early_exit = EarlyExitDrafter(exit_layer)
+
+    @property
+    def exit_layer(self) -> int:
+        """The early-exit drafter's layer."""
+        return self.early_exit.exit_layer
+
+    def __repr__(self) -> str:
+        return f"HybridDrafter(exit_layer={self.exit_layer}, max_ngram={self.lookup_drafter.max_ngram})"
+
+    def propose(self, state: DecodeState, max_tokens: int) -> Draft:
+        """A lookup draft if there is one, else an early-exit draft."""
+        if max_tokens <= 0:
+            return Draft()
+        copied = self.lookup_drafter.lookup(state, max_tokens)
+        if copied:
+            return Draft(tokens=copied)
+        return self.early_exit.propose(state, max_tokens)
+
+
 class EarlyExitDrafter(Drafter):
     """Drafts with the target's own first ``exit_layer`` layers (LayerSkip-style).
 
@@ -115,15 +217,18 @@ class EarlyExitDrafter(Drafter):
 
     Args:
         exit_layer: number of layers the draft runs (``1 .. num_layers - 1``).
+        confidence: stop drafting once the draft's top probability falls below this
+            (``0`` drafts the full length every round).
     """
 
     name = "early_exit"
 
-    def __init__(self, exit_layer: int) -> None:
+    def __init__(self, exit_layer: int, confidence: float = 0.0) -> None:
         self.exit_layer = exit_layer
+        self.confidence = confidence
 
     def __repr__(self) -> str:
-        return f"EarlyExitDrafter(exit_layer={self.exit_layer})"
+        return f"EarlyExitDrafter(exit_layer={self.exit_layer}, confidence={self.confidence})"
 
     def propose(self, state: DecodeState, max_tokens: int) -> Draft:
         """Draft up to ``max_tokens`` tokens from the exit layer."""
@@ -148,6 +253,8 @@ class EarlyExitDrafter(Drafter):
             tokens.append(token)
             if token_probs is not None:
                 probs.append(token_probs)
+            if self.confidence > 0 and j + 1 < max_tokens and self._unsure(logits, token_probs):
+                break
         if constraint is not None:
             constraint.rollback(len(tokens))
         return Draft(
@@ -156,3 +263,8 @@ class EarlyExitDrafter(Drafter):
             exit_states=torch.cat(states, dim=1),  # [1, k, hidden]
             exit_layer=exit_layer,
         )
+
+    def _unsure(self, logits: torch.Tensor, token_probs: torch.Tensor | None) -> bool:
+        """Whether the draft's top probability is under the confidence threshold."""
+        probs = token_probs if token_probs is not None else torch.softmax(logits, dim=-1)
+        return bool(probs.max() < self.confidence)

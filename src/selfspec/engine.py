@@ -23,9 +23,19 @@ from typing import Any
 import torch
 
 from .adapter import ModelAdapter
+from .adaptive import DraftController
 from .calibration import load_calibration
 from .constraints import TokenConstraint, apply_mask
-from .drafters import DecodeState, Draft, Drafter, EarlyExitDrafter, NoDrafter, choose_token
+from .drafters import (
+    DecodeState,
+    Draft,
+    Drafter,
+    EarlyExitDrafter,
+    HybridDrafter,
+    NoDrafter,
+    PromptLookupDrafter,
+    choose_token,
+)
 from .errors import ConfigurationError, InvalidPromptError, SamplingError
 from .outputs import FinishReason, GenerationOutput, GenerationStats
 from .sampling import SamplingParams, logits_to_probs
@@ -33,9 +43,11 @@ from .stopping import IncrementalDetokenizer, StopStringMatcher, normalize_stop
 from .verify import Acceptance, accept_greedy, accept_sampled
 
 #: Drafters selectable by name.
-DRAFTERS = ("early_exit", "none")
+DRAFTERS = ("early_exit", "prompt_lookup", "hybrid", "none")
 #: Draft length used when ``num_draft_tokens="auto"`` finds no calibration.
 DEFAULT_NUM_DRAFT_TOKENS = 4
+#: With ``num_draft_tokens="auto"``, the early exit stops drafting below this top probability.
+DEFAULT_DRAFT_CONFIDENCE = 0.3
 
 Prompt = str | Sequence[dict[str, Any]]
 
@@ -60,8 +72,14 @@ class SpeculativeEngine:
             saved calibration, else ``num_layers // 4``.
         num_draft_tokens: tokens drafted per round, ``>= 1``; ``"auto"`` uses the saved
             calibration, else 4.
-        drafter: ``"early_exit"`` (default), ``"none"`` (plain decoding), or a
-            :class:`~selfspec.drafters.Drafter` instance.
+        drafter: ``"early_exit"`` (default), ``"prompt_lookup"`` (copy n-grams from the
+            prompt and output), ``"hybrid"`` (lookup when a match exists, else early exit),
+            ``"none"`` (plain decoding), or a :class:`~selfspec.drafters.Drafter` instance.
+        draft_confidence: with ``num_draft_tokens="auto"``, the early exit stops drafting
+            when its top probability falls below this (default 0.3); ignored for a fixed
+            draft length. With ``"auto"`` the draft length also adapts to recent
+            acceptance, and speculation pauses while it is measured slower than plain
+            decoding.
 
     Example:
         >>> from selfspec import SpeculativeEngine
@@ -79,6 +97,7 @@ class SpeculativeEngine:
         exit_layer: int | str = "auto",
         num_draft_tokens: int | str = "auto",
         drafter: str | Drafter = "early_exit",
+        draft_confidence: float | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -88,7 +107,14 @@ class SpeculativeEngine:
         self.calibration = load_calibration(self.name_or_path) or {}
         self.exit_layer = self._resolve_exit_layer(exit_layer)
         self.num_draft_tokens = self._resolve_num_draft_tokens(num_draft_tokens)
+        self.adaptive = num_draft_tokens == "auto"
+        if draft_confidence is not None and not 0.0 <= draft_confidence < 1.0:
+            raise ConfigurationError(f"draft_confidence must be in [0, 1), got {draft_confidence!r}")
+        self.draft_confidence = (
+            (DEFAULT_DRAFT_CONFIDENCE if draft_confidence is None else draft_confidence) if self.adaptive else 0.0
+        )
         self.drafter = self._make_drafter(drafter)
+        self.controller = DraftController(self.num_draft_tokens, adaptive=self.adaptive)
         self.eos_token_ids = self._eos_token_ids()
         self._lock = threading.RLock()
 
@@ -104,6 +130,7 @@ class SpeculativeEngine:
         exit_layer: int | str = "auto",
         num_draft_tokens: int | str = "auto",
         drafter: str | Drafter = "early_exit",
+        draft_confidence: float | None = None,
         trust_remote_code: bool = False,
         allow_pickle: bool = False,
     ) -> SpeculativeEngine:
@@ -119,6 +146,7 @@ class SpeculativeEngine:
             exit_layer: see :class:`SpeculativeEngine`.
             num_draft_tokens: see :class:`SpeculativeEngine`.
             drafter: see :class:`SpeculativeEngine`.
+            draft_confidence: see :class:`SpeculativeEngine`.
             trust_remote_code: allow checkpoints that ship their own Python code.
             allow_pickle: allow ``.bin`` (pickle) weights when no safetensors exist.
 
@@ -145,6 +173,7 @@ class SpeculativeEngine:
             exit_layer=exit_layer,
             num_draft_tokens=num_draft_tokens,
             drafter=drafter,
+            draft_confidence=draft_confidence,
         )
 
     @staticmethod
@@ -188,7 +217,11 @@ class SpeculativeEngine:
             return drafter
         if drafter == "none":
             return NoDrafter()
-        return EarlyExitDrafter(self.exit_layer)
+        if drafter == "prompt_lookup":
+            return PromptLookupDrafter()
+        if drafter == "hybrid":
+            return HybridDrafter(self.exit_layer)
+        return EarlyExitDrafter(self.exit_layer, confidence=self.draft_confidence)
 
     def _eos_token_ids(self) -> set[int]:
         eos: Any = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
@@ -204,7 +237,8 @@ class SpeculativeEngine:
         return (
             f"SpeculativeEngine(model={self.name_or_path or type(self.model).__name__!r}, "
             f"drafter={self.drafter!r}, exit_layer={self.exit_layer}, "
-            f"num_draft_tokens={self.num_draft_tokens}, num_layers={self.adapter.num_layers}, "
+            f"num_draft_tokens={self.num_draft_tokens}{' (adaptive)' if self.adaptive else ''}, "
+            f"num_layers={self.adapter.num_layers}, "
             f"device={str(self.adapter.device)!r}, dtype={str(self.adapter.dtype)!r})"
         )
 
@@ -457,6 +491,9 @@ class SpeculativeEngine:
 
         num_drafted = len(draft)
         drafter.observe(num_drafted, acceptance.num_accepted)
+        self.controller.record(
+            num_drafted, acceptance.num_accepted, acceptance.num_accepted + 1, time.perf_counter() - started
+        )
         stats.num_drafted += num_drafted
         stats.num_accepted += acceptance.num_accepted
         histogram = stats.accepted_length_histogram
@@ -480,7 +517,7 @@ class SpeculativeEngine:
         return tokens
 
     def _draft_budget(self) -> int:
-        return 0 if isinstance(self.drafter, NoDrafter) else self.num_draft_tokens
+        return 0 if isinstance(self.drafter, NoDrafter) else self.controller.budget()
 
     @staticmethod
     def _truncate_draft(draft: Draft, length: int) -> Draft:

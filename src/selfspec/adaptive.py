@@ -1,0 +1,86 @@
+"""Adaptive drafting: the draft length follows acceptance; slow speculation pauses itself.
+
+The draft length grows while drafts are fully accepted and shrinks when most are rejected,
+and speculation switches itself off while it is measured to be slower than plain decoding.
+
+Used when ``num_draft_tokens="auto"``. It changes only how many tokens are drafted, never
+which tokens are emitted, so the text is the same as with any fixed draft length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: How often (in rounds) plain decoding is re-measured while speculating.
+PROBE_EVERY = 48
+#: Rounds of plain decoding after speculation was found slower, before trying it again.
+FALLBACK_ROUNDS = 32
+#: Weight of the newest measurement in the running means.
+SMOOTHING = 0.15
+
+
+@dataclass
+class DraftController:
+    """Chooses each round's draft length.
+
+    Args:
+        num_draft_tokens: the starting (calibrated) draft length.
+        adaptive: ``False`` fixes the length: no adaptation and no fallback.
+        max_draft_tokens: the longest draft an adaptive controller tries.
+    """
+
+    num_draft_tokens: int
+    adaptive: bool = False
+    max_draft_tokens: int = 8
+
+    def __post_init__(self) -> None:
+        self.current = self.num_draft_tokens
+        self.max_draft_tokens = max(self.max_draft_tokens, self.num_draft_tokens)
+        self.spec_seconds_per_token: float | None = None
+        self.plain_seconds_per_token: float | None = None
+        self.rounds = 0
+        self.fallback_left = 0
+        self.fallbacks = 0
+
+    def budget(self) -> int:
+        """Draft tokens to propose this round (0 means a plain decoding step)."""
+        if not self.adaptive:
+            return self.num_draft_tokens
+        if self.fallback_left > 0:
+            return 0
+        if self.plain_seconds_per_token is None or self.rounds % PROBE_EVERY == PROBE_EVERY - 1:
+            return 0  # measure a plain step now and then
+        return self.current
+
+    def record(self, num_drafted: int, num_accepted: int, emitted: int, seconds: float) -> None:
+        """Learn from a finished round: adapt the length, and fall back if speculation is slower."""
+        if not self.adaptive or emitted <= 0:
+            return
+        self.rounds += 1
+        per_token = seconds / emitted
+        if num_drafted == 0:
+            self.plain_seconds_per_token = _mean(self.plain_seconds_per_token, per_token)
+            if self.fallback_left > 0:
+                self.fallback_left -= 1
+            return
+        self.spec_seconds_per_token = _mean(self.spec_seconds_per_token, per_token)
+        if num_accepted == num_drafted:
+            self.current = min(self.current + 1, self.max_draft_tokens)
+        elif num_accepted < num_drafted // 2:
+            self.current = max(self.current - 1, 1)
+        plain = self.plain_seconds_per_token
+        if plain is not None and self.spec_seconds_per_token > plain * 1.02:
+            self.fallback_left = FALLBACK_ROUNDS
+            self.fallbacks += 1
+            self.spec_seconds_per_token = None  # judge speculation afresh after the pause
+            self.current = self.num_draft_tokens
+
+    def __repr__(self) -> str:
+        return (
+            f"DraftController(num_draft_tokens={self.num_draft_tokens}, adaptive={self.adaptive}, "
+            f"current={self.current}, fallbacks={self.fallbacks})"
+        )
+
+
+def _mean(previous: float | None, value: float) -> float:
+    return value if previous is None else (1 - SMOOTHING) * previous + SMOOTHING * value

@@ -1,0 +1,126 @@
+"""Prompt lookup, the hybrid drafter, confidence stopping and adaptive draft lengths: all exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import VOCAB, make_model, reference_greedy
+
+from selfspec import SpeculativeEngine
+from selfspec.adaptive import FALLBACK_ROUNDS, DraftController
+from selfspec.drafters import DecodeState, EarlyExitDrafter, HybridDrafter, NgramIndex, PromptLookupDrafter
+
+
+def repetitive_prompt() -> list[int]:
+    gen = torch.Generator().manual_seed(3)
+    span = torch.randint(3, VOCAB, (12,), generator=gen).tolist()
+    return [*span, 7, 8, *span, 9, *span[:4]]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2", "phi3"])
+@pytest.mark.parametrize("drafter", ["prompt_lookup", "hybrid"])
+def test_lookup_drafters_equal_generate(arch: str, drafter: str) -> None:
+    model = make_model(arch, agreeing=False)
+    for prompt in (repetitive_prompt(), list(range(10, 30))):
+        reference = reference_greedy(model, prompt, 30)
+        for num_draft in (1, 4, 40):
+            engine = SpeculativeEngine(model, drafter=drafter, exit_layer=2, num_draft_tokens=num_draft)
+            assert engine.generate_ids(prompt, max_new_tokens=30).token_ids == reference
+
+
+def test_adaptive_auto_is_exact_and_adapts() -> None:
+    model = make_model("llama")
+    prompt = list(range(10, 30))
+    reference = reference_greedy(model, prompt, 60)
+    engine = SpeculativeEngine(model, exit_layer=2)  # num_draft_tokens="auto"
+    assert engine.adaptive and engine.draft_confidence > 0
+    out = engine.generate_ids(prompt, max_new_tokens=60)
+    assert out.token_ids == reference
+    # an agreeing model accepts everything: the controller lengthens the drafts
+    assert engine.controller.current > engine.num_draft_tokens
+
+
+def test_sampled_lookup_is_deterministic_per_seed() -> None:
+    engine = SpeculativeEngine(make_model("llama"), drafter="hybrid", num_draft_tokens=3)
+    a = engine.generate_ids(repetitive_prompt(), max_new_tokens=20, temperature=0.8, seed=5)
+    b = engine.generate_ids(repetitive_prompt(), max_new_tokens=20, temperature=0.8, seed=5)
+    assert a.token_ids == b.token_ids
+
+
+def reference_lookup(ids: list[int], max_ngram: int, min_ngram: int, k: int) -> list[int]:
+    for n in range(min(max_ngram, len(ids)), min_ngram - 1, -1):
+        tail = ids[-n:]
+        for start in range(len(ids) - n - 1, -1, -1):
+            if ids[start : start + n] == tail:
+                return ids[start + n : start + n + k]
+    return []
+
+
+def test_ngram_index_matches_a_plain_scan() -> None:
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 5, (200,), generator=gen).tolist()
+    index = NgramIndex(max_ngram=3)
+    for end in range(1, len(ids) + 1):
+        prefix = ids[:end]
+        index.update(prefix)
+        assert index.lookup(prefix, 1, 4) == reference_lookup(prefix, 3, 1, 4), end
+
+
+def state_for(tokens: list[int], model) -> DecodeState:
+    from selfspec.adapter import ModelAdapter
+    from selfspec.sampling import SamplingParams
+
+    adapter = ModelAdapter(model)
+    cache = adapter.new_cache(64)
+    # the cache must hold every position before the last token for the early-exit path
+    ids = torch.tensor([tokens[:-1]])
+    adapter.run_layers(adapter.embed(ids), 0, adapter.num_layers, torch.arange(len(tokens) - 1), cache)
+    return DecodeState(adapter, cache, len(tokens) - 1, tokens[-1], list(tokens), SamplingParams(), None)
+
+
+def test_hybrid_copies_repeated_spans_and_drafts_fresh_text() -> None:
+    model = make_model("llama")
+    hybrid = HybridDrafter(exit_layer=2)
+    repeated = [20, 21, 22, 23, 24, 25, 30, 31, 20, 21, 22]
+    with torch.inference_mode():
+        copied = hybrid.propose(state_for(repeated, model), 3)
+        assert copied.tokens == [23, 24, 25] and copied.exit_states is None
+        fresh = hybrid.propose(state_for([40, 41, 42, 43, 44], model), 3)
+    assert len(fresh.tokens) == 3 and fresh.exit_states is not None
+
+
+def test_prompt_lookup_proposes_nothing_without_a_match() -> None:
+    model = make_model("llama")
+    with torch.inference_mode():
+        draft = PromptLookupDrafter().propose(state_for([40, 41, 42, 43], model), 4)
+    assert draft.tokens == []
+
+
+def test_confidence_threshold_shortens_drafts() -> None:
+    model = make_model("llama", agreeing=False)
+    with torch.inference_mode():
+        sure = EarlyExitDrafter(2, confidence=0.0).propose(state_for([40, 41, 42, 43], model), 6)
+        unsure = EarlyExitDrafter(2, confidence=0.999).propose(state_for([40, 41, 42, 43], model), 6)
+    assert len(sure) == 6 and len(unsure) == 1
+
+
+def test_controller_falls_back_when_speculation_is_slower_and_probes_again() -> None:
+    controller = DraftController(4, adaptive=True)
+    assert controller.budget() == 0  # measures a plain step first
+    controller.record(0, 0, 1, seconds=0.010)  # plain: 10 ms per token
+    assert controller.budget() == 4
+    controller.record(4, 0, 1, seconds=0.030)  # speculation: 30 ms per token
+    assert controller.fallbacks == 1
+    budgets = []
+    for _ in range(FALLBACK_ROUNDS):
+        budgets.append(controller.budget())
+        controller.record(0, 0, 1, seconds=0.010)
+    assert budgets == [0] * FALLBACK_ROUNDS
+    assert controller.budget() > 0  # tries speculation again
+
+
+def test_fixed_draft_length_never_adapts() -> None:
+    controller = DraftController(3, adaptive=False)
+    controller.record(3, 0, 1, seconds=1.0)
+    controller.record(3, 3, 4, seconds=0.001)
+    assert controller.budget() == 3
