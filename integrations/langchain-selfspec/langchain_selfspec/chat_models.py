@@ -1,0 +1,782 @@
+"""``ChatSpeculative``: a LangChain chat model on selfspec's lossless self-speculative engine.
+
+Where each part lives:
+
+- the engine, loaded once per distinct set of engine arguments: :func:`selfspec.get_engine`;
+- reading the model's tool calls, streaming them, normalising tool schemas:
+  :mod:`selfspec.tools` (shared with the LlamaIndex adapter);
+- forced tool calls and structured output by constrained decoding: :mod:`selfspec.grammar`;
+- here: LangChain messages to chat-template messages (:func:`to_engine_messages`), one
+  request per call (:meth:`ChatSpeculative._request`), and the one place that builds
+  messages and chunks (:func:`_message`, :func:`_chunk`) for every sync, async and streaming
+  path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from operator import itemgetter
+from typing import Any, Literal, TypeVar
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import BaseChatModel, LanguageModelInput
+from langchain_core.language_models.chat_models import LangSmithParams
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    BaseMessage,
+    ChatMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
+from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
+from langchain_core.output_parsers import JsonOutputKeyToolsParser, JsonOutputParser, PydanticToolsParser
+from langchain_core.output_parsers.pydantic import PydanticOutputParser
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from langchain_core.utils.pydantic import is_basemodel_subclass
+from pydantic import ConfigDict
+from selfspec import GenerationOutput, SpeculativeEngine, TokenConstraint, get_engine
+from selfspec.tools import ContentDelta, StreamEvent, ToolCallChunk, ToolCallStreamParser, parse_tool_calls, tool_schema
+
+#: Content-block types that carry no text for the model and are skipped (tool calls are
+#: rendered from ``AIMessage.tool_calls``; reasoning is not replayed).
+_SKIPPED_BLOCKS = frozenset({"tool_use", "tool_call", "tool_call_chunk", "function_call", "thinking", "reasoning"})
+#: Per-call keyword arguments this model understands (besides ``stop``).
+_CALL_ARGS = frozenset(
+    {"model", "temperature", "max_tokens", "top_p", "top_k", "seed", "tools", "tool_choice", "response_format",
+     "stream"}
+)
+_T = TypeVar("_T")
+
+
+class ChatSpeculative(BaseChatModel):
+    """Chat with a Hugging Face causal LM through lossless self-speculative decoding.
+
+    The model drafts tokens with its own first layers and verifies them with all of them in
+    one forward pass: the text is exactly what the model alone would write (greedy output is
+    token-identical; sampling follows the same distribution), sooner.
+
+    Setup:
+        Install ``langchain-selfspec`` (it brings ``selfspec``). The examples use
+        ``"selfspec-demo"``, the small chat and tool-calling model bundled with ``selfspec``;
+        everything runs offline on a CPU.
+
+        .. code-block:: bash
+
+            pip install -U langchain-selfspec
+
+    Key init args — completion params:
+        temperature: float
+            0 for greedy decoding (the default); > 0 samples.
+        max_tokens: int | None
+            Most new tokens per answer; ``None`` allows up to the context window.
+        top_p, top_k: float | None, int | None
+            Nucleus and top-k sampling.
+        stop: list[str] | None
+            Strings that end the answer (not included in it).
+        seed: int | None
+            Seed for reproducible sampling.
+
+    Key init args — engine params:
+        model: str
+            A hub id, a local folder, or ``"selfspec-demo"``.
+        quantization: str | None
+            ``None``, ``"4bit"`` or ``"8bit"`` (bitsandbytes).
+        exit_layer, num_draft_tokens: int | "auto"
+            Where drafts exit and how many are drafted per step (``"auto"``: the model's
+            saved calibration, else a default).
+        drafter: str
+            ``"early_exit"`` (self-speculation), ``"prompt_lookup"``, ``"hybrid"`` or
+            ``"none"`` (plain decoding).
+        draft_confidence, calibrate, dtype, device, trust_remote_code, allow_pickle:
+            As in ``SpeculativeEngine.from_pretrained``.
+
+        Weights load on first use; every instance with the same engine arguments shares one
+        engine in the process.
+
+    Instantiate:
+        .. code-block:: python
+
+            from langchain_selfspec import ChatSpeculative
+
+            llm = ChatSpeculative(model="selfspec-demo", max_tokens=48)
+
+    Invoke:
+        .. code-block:: python
+
+            messages = [
+                ("system", "You are a helpful assistant."),
+                ("human", "What is the capital of France?"),
+            ]
+            ai_msg = llm.invoke(messages)
+            ai_msg.content  # the model's answer, e.g. 'The capital of France is Paris.'
+
+    Stream:
+        .. code-block:: python
+
+            for chunk in llm.stream(messages):
+                print(chunk.text, end="", flush=True)
+
+            full = None
+            for chunk in llm.stream(messages):
+                full = chunk if full is None else full + chunk
+            full.content  # the same text as invoke gives
+
+    Async:
+        .. code-block:: python
+
+            import asyncio
+
+            async def main():
+                ai_msg = await llm.ainvoke(messages)
+                async for chunk in llm.astream(messages):
+                    print(chunk.text, end="", flush=True)
+                return await llm.abatch([messages, messages])
+
+            asyncio.run(main())
+
+        The engine runs in a worker thread: the event loop is never blocked.
+
+    Tool calling:
+        .. code-block:: python
+
+            from langchain_core.tools import tool
+
+            @tool
+            def get_weather(location: str) -> str:
+                '''Get the weather at a location.'''
+                return "It's sunny."
+
+            llm_with_tools = llm.bind_tools([get_weather])
+            ai_msg = llm_with_tools.invoke("What is the weather in Paris?")
+            ai_msg.tool_calls  # e.g. [{'name': 'get_weather', 'args': {'location': 'Paris'}, ...}]
+
+            # tool_choice="any" (or "required", or a tool's name) forces a well-formed call
+            forced = llm.bind_tools([get_weather], tool_choice="get_weather")
+            forced.invoke("Hello!").tool_calls[0]["name"]  # 'get_weather'
+
+        Calls are read from the model's own format (``<tool_call>{...}</tool_call>``, or
+        Llama 3.1's JSON); malformed ones are in ``invalid_tool_calls``. A forced call is
+        guaranteed well formed by constrained decoding over the tools' JSON schemas,
+        applied to draft and target alike, so speculation stays lossless.
+
+    Structured output:
+        .. code-block:: python
+
+            from pydantic import BaseModel, Field
+
+            class Joke(BaseModel):
+                '''Joke to tell user.'''
+
+                setup: str = Field(description="question to set up a joke")
+                punchline: str = Field(description="answer to resolve the joke")
+
+            structured_llm = llm.with_structured_output(Joke)
+            structured_llm.invoke("Tell me a joke about cats.")  # Joke(setup=..., punchline=...)
+
+            # also method="json_schema" (the answer itself is the JSON) and "json_mode"
+            llm.with_structured_output(Joke, method="json_schema").invoke("Tell me a joke about cats.")
+
+    Usage metadata:
+        .. code-block:: python
+
+            ai_msg = llm.invoke(messages)
+            ai_msg.usage_metadata  # {'input_tokens': ..., 'output_tokens': ..., 'total_tokens': ...}
+
+        Streams carry it in exactly one chunk (the last).
+
+    Response metadata:
+        .. code-block:: python
+
+            ai_msg = llm.invoke(messages)
+            ai_msg.response_metadata["finish_reason"]  # 'stop' or 'length'
+            ai_msg.response_metadata["mean_accepted_length"]  # tokens per verify step
+
+        Keys: ``model_name``, ``finish_reason`` and the speculation statistics under the
+        names of ``selfspec.GenerationStats``: ``target_forwards``, ``num_drafted``,
+        ``num_accepted``, ``mean_accepted_length``, ``acceptance_rate``,
+        ``accepted_length_histogram``, ``draft_seconds``, ``verify_seconds``,
+        ``tokens_per_second``.
+    """
+
+    model: str = "selfspec-demo"
+    """The model: a hub id, a local folder, or ``"selfspec-demo"`` (bundled with selfspec)."""
+
+    quantization: Literal["4bit", "8bit"] | None = None
+    """``None`` (full precision), ``"4bit"`` (bitsandbytes NF4) or ``"8bit"``."""
+
+    dtype: str = "auto"
+    """Weights dtype: ``"auto"`` (float32 on CPU, the checkpoint's half precision on GPU) or a name."""
+
+    device: str = "auto"
+    """``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda[:N]"``."""
+
+    exit_layer: int | Literal["auto"] = "auto"
+    """Layers the draft runs; ``"auto"`` uses the model's saved calibration, else ``L // 4``."""
+
+    num_draft_tokens: int | Literal["auto"] = "auto"
+    """Tokens drafted per step; ``"auto"`` uses the saved calibration, else 4."""
+
+    drafter: str = "early_exit"
+    """How drafts are made: ``"early_exit"`` (self-speculation), ``"prompt_lookup"``, ``"hybrid"``
+    or ``"none"`` (plain decoding, the baseline); see ``selfspec.engine.DRAFTERS``."""
+
+    draft_confidence: float | None = None
+    """With ``num_draft_tokens="auto"``, stop drafting when the draft's top probability falls below
+    this (``None``: the engine's default)."""
+
+    trust_remote_code: bool = False
+    """Allow checkpoints that ship their own Python code."""
+
+    allow_pickle: bool = False
+    """Allow ``.bin`` (pickle) weights when a checkpoint has no safetensors."""
+
+    calibrate: bool = True
+    """With ``"auto"`` exit layer or draft length and no saved calibration, measure one on first load."""
+
+    temperature: float = 0.0
+    """Sampling temperature: 0 for greedy decoding, > 0 samples."""
+
+    max_tokens: int | None = None
+    """Most new tokens per answer; ``None`` allows up to the end of the context window."""
+
+    top_p: float | None = None
+    """Nucleus sampling: sample among the most likely tokens whose probabilities sum to ``top_p``."""
+
+    top_k: int | None = None
+    """Sample only among the ``top_k`` most likely tokens."""
+
+    stop: list[str] | None = None
+    """Strings that end the answer (not part of it); a call's own ``stop`` replaces these."""
+
+    seed: int | None = None
+    """Seed of the random generator, for reproducible sampling."""
+
+    streaming: bool = False
+    """Whether ``invoke`` streams internally (so that callbacks see each token)."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+    # ------------------------------------------------------------------ LangChain hooks
+    @property
+    def _llm_type(self) -> str:
+        return "selfspec"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            **self._engine_args(),
+            "temperature": self.temperature,
+            "max_tokens": self.max_tokens,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+        }
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = LangSmithParams(
+            ls_provider="selfspec",
+            ls_model_name=str(kwargs.get("model") or self.model),
+            ls_model_type="chat",
+            ls_temperature=kwargs.get("temperature", self.temperature),
+        )
+        max_tokens = kwargs.get("max_tokens", self.max_tokens)
+        if max_tokens is not None:
+            params["ls_max_tokens"] = max_tokens
+        stops = stop if stop is not None else self.stop
+        if stops:
+            params["ls_stop"] = list(stops)
+        return params
+
+    # ------------------------------------------------------------------ engine
+    def _engine_args(self) -> dict[str, Any]:
+        return {
+            "quantization": self.quantization,
+            "dtype": self.dtype,
+            "device": self.device,
+            "exit_layer": self.exit_layer,
+            "num_draft_tokens": self.num_draft_tokens,
+            "drafter": self.drafter,
+            "draft_confidence": self.draft_confidence,
+            "trust_remote_code": self.trust_remote_code,
+            "allow_pickle": self.allow_pickle,
+            "calibrate": self.calibrate,
+        }
+
+    def get_engine(self, model: str | None = None) -> SpeculativeEngine:
+        """The shared engine of this model (loaded on first use).
+
+        Args:
+            model: another model to use with the same engine arguments (a per-call override).
+        """
+        return get_engine(model or self.model, **self._engine_args())
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids of ``text`` under the model's own tokenizer."""
+        return list(self.get_engine().tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def get_num_tokens_from_messages(
+        self, messages: list[BaseMessage], tools: Sequence[Any] | None = None
+    ) -> int:
+        """Prompt length of ``messages`` (and ``tools``) under the model's chat template."""
+        schemas = [_tool_dict(t) for t in tools] if tools else None
+        return len(self.get_engine().encode_prompt(to_engine_messages(messages), tools=schemas))
+
+    # ------------------------------------------------------------------ generation
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        request = self._request(messages, stop, kwargs)
+        output = request.engine.generate_ids(request.prompt_ids, **request.options())
+        return ChatResult(generations=[ChatGeneration(message=_message(request, output))])
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        return await asyncio.to_thread(self._generate, messages, stop, None, **kwargs)
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        for chunk in self._chunks(messages, stop, kwargs):
+            if run_manager is not None:
+                run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            yield chunk
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        async for chunk in _iterate_in_thread(lambda: self._chunks(messages, stop, kwargs)):
+            if run_manager is not None:
+                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            yield chunk
+
+    def _chunks(
+        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
+    ) -> Iterator[ChatGenerationChunk]:
+        """The chunks of one streamed answer (the sync and async streams both use this)."""
+        request = self._request(messages, stop, kwargs)
+        stream = request.engine.stream_ids(request.prompt_ids, **request.options())
+        parser = ToolCallStreamParser() if request.parse_tools else None
+        try:
+            for delta in stream:
+                for event in parser.feed(delta) if parser else [ContentDelta(delta)]:
+                    yield _chunk(event)
+            for event in parser.finish() if parser else []:
+                yield _chunk(event)
+        finally:
+            stream.close()
+        assert stream.output is not None
+        yield _chunk(None, request=request, output=stream.output)
+
+    def _request(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> _Request:
+        """Everything one call needs: engine, prompt ids, sampling options, constraint."""
+        unknown = set(kwargs) - _CALL_ARGS
+        if unknown:
+            raise ValueError(f"ChatSpeculative got unsupported arguments: {', '.join(sorted(unknown))}")
+        model = kwargs.get("model") or self.model
+        engine = self.get_engine(model)
+        tools: list[dict[str, Any]] = list(kwargs.get("tools") or [])
+        tool_choice = kwargs.get("tool_choice") or "auto"
+        if tool_choice == "none":
+            tools = []
+        prompt_ids = engine.encode_prompt(to_engine_messages(messages), tools=tools or None)
+        request = _Request(
+            engine=engine,
+            model_name=model,
+            prompt_ids=prompt_ids,
+            max_new_tokens=self._budget(engine, len(prompt_ids), kwargs.get("max_tokens", self.max_tokens)),
+            temperature=kwargs.get("temperature", self.temperature),
+            top_p=kwargs.get("top_p", self.top_p),
+            top_k=kwargs.get("top_k", self.top_k),
+            seed=kwargs.get("seed", self.seed),
+            stop=list(stop if stop is not None else self.stop or []) or None,
+            parse_tools=bool(tools),
+        )
+        forced = _forced_tool(tool_choice, tools)
+        response_format = kwargs.get("response_format")
+        if forced is not None:
+            request.constraint = _lazy_grammar("tool_call_constraint", engine, tools, tool_name=forced or None)
+        elif response_format is not None:
+            request.constraint = _lazy_grammar("json_schema_constraint", engine, _response_schema(response_format))
+            request.parse_tools = False
+        return request
+
+    @staticmethod
+    def _budget(engine: SpeculativeEngine, prompt_length: int, max_tokens: int | None) -> int:
+        """New tokens allowed: ``max_tokens``, never past the end of the context window."""
+        window = engine.context_window
+        room = window - prompt_length if window is not None else None
+        if room is not None and room < 1:
+            raise ValueError(
+                f"the prompt ({prompt_length} tokens) fills the model's context window of {window} tokens"
+            )
+        if max_tokens is None:
+            return room if room is not None else 256
+        return max(1, min(max_tokens, room)) if room is not None else max_tokens
+
+    # ------------------------------------------------------------------ tools and structure
+    def bind_tools(
+        self,
+        tools: Sequence[dict[str, Any] | type | Callable[..., Any] | BaseTool],
+        *,
+        tool_choice: dict[str, Any] | str | bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
+        """Offer tools to the model (rendered by its chat template).
+
+        Args:
+            tools: LangChain tools, functions, Pydantic models, TypedDicts or tool/JSON
+                schemas (anything ``convert_to_openai_tool`` reads).
+            tool_choice: ``"auto"`` or ``None`` (the model decides), ``"none"`` (tools are
+                not offered), ``"any"``/``"required"``/``True`` (a call to some tool is
+                forced), a tool's name or ``{"type": "function", "function": {"name": ...}}``
+                (that tool is forced). Forced calls are well formed by construction
+                (constrained decoding over the tools' schemas).
+            **kwargs: other arguments bound to the model.
+
+        Returns:
+            The model with the tools bound.
+
+        Raises:
+            ValueError: an invalid tool schema, or a ``tool_choice`` naming no offered tool.
+        """
+        formatted = [_tool_dict(t) for t in tools]
+        choice = _normalize_tool_choice(tool_choice, [t["function"]["name"] for t in formatted])
+        return super().bind(tools=formatted, tool_choice=choice, **kwargs)
+
+    def with_structured_output(
+        self,
+        schema: dict[str, Any] | type,
+        *,
+        method: Literal["function_calling", "json_schema", "json_mode"] = "function_calling",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, dict[str, Any] | Any]:
+        """A runnable whose output follows ``schema``, by constrained decoding.
+
+        Args:
+            schema: a Pydantic class (the output is an instance), a TypedDict, or a JSON or
+                OpenAI tool schema (the output is a dict).
+            method: ``"function_calling"``: a forced call of a tool named after the schema;
+                ``"json_schema"``: the answer is JSON valid for the schema; ``"json_mode"``:
+                the answer is some JSON object (ask for the keys in the prompt).
+            include_raw: return ``{"raw": AIMessage, "parsed": ..., "parsing_error": ...}``.
+            strict: accepted for compatibility; output always follows the schema.
+            **kwargs: not supported.
+
+        Returns:
+            A runnable producing the parsed output (or the dict with ``raw``).
+
+        Raises:
+            ValueError: an unknown ``method`` or unsupported arguments.
+        """
+        if kwargs:
+            raise ValueError(f"unsupported arguments: {', '.join(sorted(kwargs))}")
+        is_pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
+        trace = {"kwargs": {"method": method, "strict": strict}, "schema": schema}
+        parser: Runnable[Any, Any]
+        if method == "function_calling":
+            name = convert_to_openai_tool(schema)["function"]["name"]
+            llm = self.bind_tools([schema], tool_choice=name, ls_structured_output_format=trace)
+            if is_pydantic:
+                parser = PydanticToolsParser(tools=[schema], first_tool_only=True)  # type: ignore[list-item]
+            else:
+                parser = JsonOutputKeyToolsParser(key_name=name, first_tool_only=True)
+        elif method in ("json_schema", "json_mode"):
+            if method == "json_schema":
+                response_format = {"type": "json_schema", "schema": convert_to_json_schema(schema)}
+            else:
+                response_format = {"type": "json_object"}
+            llm = self.bind(response_format=response_format, ls_structured_output_format=trace)
+            parser = PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()  # type: ignore[arg-type]
+        else:
+            raise ValueError(
+                f"unknown method {method!r}: use 'function_calling', 'json_schema' or 'json_mode'"
+            )
+        if not include_raw:
+            return llm | parser
+        parse = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+        no_parse = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parse.with_fallbacks([no_parse], exception_key="parsing_error")
+
+
+# ---------------------------------------------------------------------------- requests
+@dataclass
+class _Request:
+    """One call: the engine, the prompt and how to decode it."""
+
+    engine: SpeculativeEngine
+    model_name: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    temperature: float
+    top_p: float | None
+    top_k: int | None
+    seed: int | None
+    stop: list[str] | None
+    parse_tools: bool
+    constraint: Callable[[], TokenConstraint] | None = field(default=None)
+
+    def options(self) -> dict[str, Any]:
+        """Keyword arguments of ``engine.generate_ids`` / ``stream_ids`` (a fresh constraint)."""
+        return {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "stop": self.stop,
+            "constraint": self.constraint() if self.constraint is not None else None,
+        }
+
+
+def _lazy_grammar(kind: str, engine: SpeculativeEngine, *args: Any, **kwargs: Any) -> Callable[[], TokenConstraint]:
+    """A factory of fresh constraints (``selfspec.grammar`` imports llguidance on first use)."""
+
+    def make() -> TokenConstraint:
+        from selfspec import grammar
+
+        factory = getattr(grammar, kind)
+        return factory(  # type: ignore[no-any-return]
+            engine.tokenizer,
+            *args,
+            vocab_size=engine.adapter.vocab_size,
+            eos_token_ids=engine.eos_token_ids,
+            **kwargs,
+        )
+
+    return make
+
+
+def _response_schema(response_format: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON schema of an OpenAI-style ``response_format``."""
+    kind = response_format.get("type")
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        schema = response_format.get("schema") or (response_format.get("json_schema") or {}).get("schema")
+        if isinstance(schema, Mapping):
+            return dict(schema)
+    raise ValueError(
+        "response_format must be {'type': 'json_object'} or {'type': 'json_schema', 'schema': {...}}, "
+        f"got {response_format!r}"
+    )
+
+
+def _tool_dict(tool: Any) -> dict[str, Any]:
+    """A tool as ``{"type": "function", "function": {...}}``, validated."""
+    return tool_schema(convert_to_openai_tool(tool))
+
+
+def _normalize_tool_choice(choice: Any, names: list[str]) -> str | dict[str, Any]:
+    """``"auto"``, ``"none"``, ``"required"`` or ``{"type": "function", "function": {"name": ...}}``."""
+    if choice is None or choice == "auto" or choice is False:
+        return "auto"
+    if choice == "none":
+        return "none"
+    if not names:
+        raise ValueError(f"tool_choice={choice!r} needs at least one tool")
+    if choice in ("any", "required") or choice is True:
+        return "required"
+    if isinstance(choice, dict):
+        function = choice.get("function") if isinstance(choice.get("function"), dict) else choice
+        choice = function.get("name")
+    if isinstance(choice, str) and choice in names:
+        return {"type": "function", "function": {"name": choice}}
+    raise ValueError(f"tool_choice {choice!r} is not one of the tools ({', '.join(names)}) nor auto/any/none")
+
+
+def _forced_tool(choice: str | dict[str, Any], tools: list[dict[str, Any]]) -> str | None:
+    """``None`` when nothing is forced, ``""`` for any tool, else the forced tool's name."""
+    if not tools or choice in ("auto", "none"):
+        return None
+    if choice == "required":
+        return ""
+    if isinstance(choice, dict):
+        return str(choice["function"]["name"])
+    raise ValueError(f"unknown tool_choice {choice!r}")
+
+
+# ---------------------------------------------------------------------------- messages
+def to_engine_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
+    """LangChain messages as chat-template messages (``role``, ``content``, ``tool_calls``).
+
+    AI tool calls are rendered back in the OpenAI form chat templates read, and tool results
+    become ``tool`` messages, so the model sees its own format. Only text is supported.
+
+    Raises:
+        ValueError: a message type or content block the model cannot read (images, audio...).
+    """
+    converted: list[dict[str, Any]] = []
+    for message in messages:
+        text = _text(message)
+        if isinstance(message, SystemMessage):
+            converted.append({"role": "system", "content": text})
+        elif isinstance(message, HumanMessage):
+            converted.append({"role": "user", "content": text})
+        elif isinstance(message, AIMessage):
+            entry: dict[str, Any] = {"role": "assistant", "content": text}
+            if message.tool_calls:
+                entry["tool_calls"] = [
+                    {"type": "function", "id": call.get("id"),
+                     "function": {"name": call["name"], "arguments": call["args"]}}
+                    for call in message.tool_calls
+                ]
+            converted.append(entry)
+        elif isinstance(message, ToolMessage):
+            converted.append({"role": "tool", "content": text, "tool_call_id": message.tool_call_id,
+                              "name": message.name})
+        elif isinstance(message, ChatMessage):
+            converted.append({"role": message.role, "content": text})
+        else:
+            raise ValueError(f"ChatSpeculative cannot read a {type(message).__name__}")
+    return converted
+
+
+def _text(message: BaseMessage) -> str:
+    """The text of a message's content (a string or a list of content blocks)."""
+    content = message.content
+    if isinstance(content, str):
+        return content
+    parts: list[str] = []
+    for block in content:
+        if isinstance(block, str):
+            parts.append(block)
+            continue
+        kind = block.get("type")
+        if kind == "text":
+            parts.append(str(block.get("text", "")))
+        elif kind not in _SKIPPED_BLOCKS:
+            raise ValueError(
+                f"ChatSpeculative reads text only; a {type(message).__name__} has a {kind!r} content block"
+            )
+    return "".join(parts)
+
+
+# ---------------------------------------------------------------------------- one place for results
+def _message(request: _Request, output: GenerationOutput) -> AIMessage:
+    """The AI message of a finished (non-streamed) answer."""
+    text = output.text or ""
+    if not request.parse_tools:
+        return AIMessage(content=text, usage_metadata=_usage(output), response_metadata=_metadata(request, output))
+    parsed = parse_tool_calls(text)
+    return AIMessage(
+        content=parsed.content,
+        tool_calls=[tool_call(name=c.name, args=c.arguments, id=c.id) for c in parsed.tool_calls],
+        invalid_tool_calls=[
+            invalid_tool_call(name=c.name, args=c.arguments, id=c.id, error=c.error)
+            for c in parsed.invalid_tool_calls
+        ],
+        usage_metadata=_usage(output),
+        response_metadata=_metadata(request, output),
+    )
+
+
+def _chunk(
+    event: StreamEvent | None, *, request: _Request | None = None, output: GenerationOutput | None = None
+) -> ChatGenerationChunk:
+    """A streamed chunk: content, a tool-call piece, or (``event=None``) the last chunk.
+
+    The last chunk carries the usage and the response metadata, once per stream.
+    """
+    if isinstance(event, ContentDelta):
+        return ChatGenerationChunk(message=AIMessageChunk(content=event.text))
+    if isinstance(event, ToolCallChunk):
+        piece = tool_call_chunk(name=event.name, args=event.arguments, id=event.id, index=event.index)
+        return ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[piece]))
+    assert request is not None and output is not None
+    message = AIMessageChunk(
+        content="",
+        usage_metadata=_usage(output),
+        response_metadata=_metadata(request, output),
+        chunk_position="last",
+    )
+    return ChatGenerationChunk(message=message, generation_info={"finish_reason": output.finish_reason})
+
+
+def _usage(output: GenerationOutput) -> Any:
+    generated = len(output.token_ids)
+    return {"input_tokens": output.prompt_tokens, "output_tokens": generated,
+            "total_tokens": output.prompt_tokens + generated}
+
+
+def _metadata(request: _Request, output: GenerationOutput) -> dict[str, Any]:
+    return {"model_name": request.model_name, "finish_reason": output.finish_reason, **output.stats.to_dict()}
+
+
+# ---------------------------------------------------------------------------- async plumbing
+_DONE = object()
+
+
+async def _iterate_in_thread(make_iterator: Callable[[], Iterator[_T]]) -> AsyncIterator[_T]:
+    """Run a blocking iterator in a worker thread and yield its items without blocking the loop.
+
+    One thread owns the iterator from creation to close; when the consumer stops early the
+    thread stops after the current item and closes it (which frees the engine's KV cache).
+    """
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[tuple[Any, BaseException | None]] = asyncio.Queue()
+    stopped = threading.Event()
+
+    def put(item: Any, error: BaseException | None = None) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, (item, error))
+        except RuntimeError:  # the loop is closed: nobody is listening
+            stopped.set()
+
+    def work() -> None:
+        try:
+            iterator = make_iterator()
+            try:
+                for item in iterator:
+                    if stopped.is_set():
+                        break
+                    put(item)
+            finally:
+                close = getattr(iterator, "close", None)
+                if close is not None:
+                    close()
+        except BaseException as error:  # noqa: BLE001 - handed to the consumer
+            put(_DONE, error)
+        else:
+            put(_DONE)
+
+    worker = loop.run_in_executor(None, contextvars.copy_context().run, work)
+    try:
+        while True:
+            item, error = await queue.get()
+            if item is _DONE:
+                if error is not None:
+                    raise error
+                break
+            yield item
+    finally:
+        stopped.set()
+        await asyncio.shield(worker)

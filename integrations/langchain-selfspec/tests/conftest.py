@@ -1,0 +1,56 @@
+"""Offline, single-threaded torch; async tests run without ``asyncio_mode=auto``; the demo model.
+
+The repository runs every test folder in one pytest invocation whose configuration keeps
+pytest-asyncio in strict mode, while LangChain's standard tests are plain ``async def``
+methods: the hook below marks this package's coroutine tests with ``asyncio`` as they are
+collected, which is what ``asyncio_mode = "auto"`` (set in this package's own pyproject) does.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Generator
+from typing import Any
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+#: Short answers keep the whole suite within a few CPU minutes.
+MAX_TOKENS = 64
+
+
+@pytest.hookimpl(hookwrapper=True, trylast=True)
+def pytest_pycollect_makeitem(collector: Any, name: str, obj: object) -> Generator[None, Any, None]:
+    outcome = yield
+    result = outcome.get_result()
+    if not result:
+        return
+    items = list(result) if isinstance(result, (list, tuple)) else [result]
+    for item in items:
+        if isinstance(item, pytest.Function) and inspect.iscoroutinefunction(getattr(item, "obj", None)):
+            if item.get_closest_marker("asyncio") is None:
+                item.add_marker(pytest.mark.asyncio)
+    outcome.force_result(items)
+
+
+def require_demo_model() -> None:
+    from selfspec import demo_model_path
+
+    if not (demo_model_path() / "model.safetensors").is_file():
+        pytest.fail("the bundled demo model is missing: run python -m selfspec.training.demo")
+
+
+@pytest.fixture(scope="session")
+def demo_engine() -> Any:
+    """The shared engine of ``ChatSpeculative(model="selfspec-demo")`` (default engine args)."""
+    require_demo_model()
+    from langchain_selfspec import ChatSpeculative
+
+    return ChatSpeculative(model="selfspec-demo").get_engine()
