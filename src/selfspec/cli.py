@@ -27,7 +27,7 @@ def _engine_args(parser: argparse.ArgumentParser, default_model: str | None = No
     parser.add_argument("--device", default="auto")
     parser.add_argument("--exit-layer", default="auto", help="draft exit layer, or 'auto'")
     parser.add_argument("--num-draft-tokens", default="auto", help="draft length, or 'auto'")
-    parser.add_argument("--drafter", default="early_exit", choices=["early_exit", "none"])
+    parser.add_argument("--drafter", default="early_exit", choices=["early_exit", "prompt_lookup", "hybrid", "none"])
     parser.add_argument("--trust-remote-code", action="store_true")
 
 
@@ -145,6 +145,68 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if identical else 1
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Measure agreement and costs on this hardware; save the best exit layer and draft length."""
+    from .calibrate import calibrate
+    from .engine import SpeculativeEngine
+
+    engine = SpeculativeEngine.from_pretrained(
+        args.model,
+        quantization=args.quantization,
+        dtype=args.dtype,
+        device=args.device,
+        trust_remote_code=args.trust_remote_code,
+        exit_layer=1,
+        num_draft_tokens=1,
+    )
+    result = calibrate(engine, max_new_tokens=args.max_new_tokens, save=not args.no_save)
+    print(f"{'exit layer':>10} {'agreement':>10} {'draft cost':>11}")
+    for layer, agreement in result.agreement.items():
+        print(f"{layer:>10} {agreement:>10.3f} {result.draft_cost[layer]:>11.3f}")
+    print("verify cost (k drafts): " + ", ".join(f"{k}: {v:.2f}" for k, v in result.verify_cost.items()))
+    print(
+        f"chosen: exit_layer={result.exit_layer}, num_draft_tokens={result.num_draft_tokens}, "
+        f"expected speedup {result.expected_speedup:.2f}x"
+    )
+    if not args.no_save:
+        from .calibration import calibration_path
+
+        print(f"saved to {calibration_path(engine.name_or_path)}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Run the side-by-side benchmark and write JSON, markdown and a PNG plot."""
+    import json as _json
+
+    from .bench import format_category_table, format_table, run_benchmark, write_report
+
+    prompt_sets = None
+    if args.prompts:
+        with open(args.prompts, encoding="utf-8") as f:
+            prompt_sets = _json.load(f)
+    report = run_benchmark(
+        args.model,
+        prompt_sets=prompt_sets,
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+        threads=args.threads,
+        exit_layer=args.exit_layer,
+        num_draft_tokens=args.num_draft_tokens,
+        categories=args.categories,
+        temperatures=args.temperatures,
+        quantization=args.quantization,
+        device=args.device,
+    )
+    print(format_table(report))
+    print()
+    print(format_category_table(report))
+    if args.out:
+        for path in write_report(report, args.out, args.name):
+            print(f"wrote {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``selfspec`` command."""
     parser = argparse.ArgumentParser(prog="selfspec", description="Lossless self-speculative decoding.")
@@ -163,6 +225,33 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(chat)
     chat.add_argument("--system", default=None, help="system prompt")
     chat.set_defaults(func=cmd_chat)
+
+    cal = sub.add_parser("calibrate", help="choose exit layer and draft length by measurement")
+    cal.add_argument("--model", "-m", required=True)
+    cal.add_argument("--quantization", choices=["4bit", "8bit"], default=None)
+    cal.add_argument("--dtype", default="auto")
+    cal.add_argument("--device", default="auto")
+    cal.add_argument("--trust-remote-code", action="store_true")
+    cal.add_argument("--max-new-tokens", type=int, default=48)
+    cal.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    cal.add_argument("--no-save", action="store_true", help="print the result without saving it")
+    cal.set_defaults(func=cmd_calibrate)
+
+    bench = sub.add_parser("bench", help="benchmark plain, transformers' speculative modes and selfspec")
+    bench.add_argument("--model", "-m", default=DEMO_MODEL)
+    bench.add_argument("--prompts", default=None, help='JSON file {"category": [prompt, ...]}')
+    bench.add_argument("--max-new-tokens", type=int, default=96)
+    bench.add_argument("--repeats", type=int, default=3)
+    bench.add_argument("--threads", type=int, default=1)
+    bench.add_argument("--exit-layer", type=int, default=None)
+    bench.add_argument("--num-draft-tokens", type=int, default=None)
+    bench.add_argument("--categories", nargs="*", default=None)
+    bench.add_argument("--temperatures", nargs="*", type=float, default=[0.7, 1.0])
+    bench.add_argument("--quantization", choices=["4bit", "8bit"], default=None)
+    bench.add_argument("--device", default="auto")
+    bench.add_argument("--out", default=None, help="folder for JSON, markdown and PNG results")
+    bench.add_argument("--name", default="bench", help="file name stem of the results")
+    bench.set_defaults(func=cmd_bench)
 
     demo = sub.add_parser("demo", help="plain vs speculative decoding on the bundled demo model")
     _engine_args(demo, default_model=DEMO_MODEL)

@@ -80,6 +80,8 @@ class SpeculativeEngine:
             draft length. With ``"auto"`` the draft length also adapts to recent
             acceptance, and speculation pauses while it is measured slower than plain
             decoding.
+        calibration: measured settings to use instead of the saved ``selfspec.json``
+            (the ``"exit_layer"`` and ``"num_draft_tokens"`` keys are read).
 
     Example:
         >>> from selfspec import SpeculativeEngine
@@ -98,13 +100,14 @@ class SpeculativeEngine:
         num_draft_tokens: int | str = "auto",
         drafter: str | Drafter = "early_exit",
         draft_confidence: float | None = None,
+        calibration: dict[str, Any] | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.adapter = ModelAdapter(model)
         model.eval()
         self.name_or_path: str = str(getattr(model.config, "_name_or_path", "") or "")
-        self.calibration = load_calibration(self.name_or_path) or {}
+        self.calibration = calibration if calibration is not None else (load_calibration(self.name_or_path) or {})
         self.exit_layer = self._resolve_exit_layer(exit_layer)
         self.num_draft_tokens = self._resolve_num_draft_tokens(num_draft_tokens)
         self.adaptive = num_draft_tokens == "auto"
@@ -133,6 +136,7 @@ class SpeculativeEngine:
         draft_confidence: float | None = None,
         trust_remote_code: bool = False,
         allow_pickle: bool = False,
+        calibrate: bool = True,
     ) -> SpeculativeEngine:
         """Load a model from the hub, a local folder, or ``"selfspec-demo"``.
 
@@ -149,6 +153,9 @@ class SpeculativeEngine:
             draft_confidence: see :class:`SpeculativeEngine`.
             trust_remote_code: allow checkpoints that ship their own Python code.
             allow_pickle: allow ``.bin`` (pickle) weights when no safetensors exist.
+            calibrate: when ``exit_layer`` or ``num_draft_tokens`` is ``"auto"`` and the
+                model has no saved calibration, measure one now (a few seconds, with a
+                progress bar) and save it beside the model or in the user cache.
 
         Raises:
             ModelNotFoundError: no such folder or hub model (an ``OSError``).
@@ -167,7 +174,7 @@ class SpeculativeEngine:
             allow_pickle=allow_pickle,
         )
         model.config._name_or_path = path
-        return cls(
+        engine = cls(
             model,
             tokenizer,
             exit_layer=exit_layer,
@@ -175,6 +182,21 @@ class SpeculativeEngine:
             drafter=drafter,
             draft_confidence=draft_confidence,
         )
+        wants_auto = "auto" in (exit_layer, num_draft_tokens) and drafter != "none"
+        if calibrate and wants_auto and not engine.calibration:
+            from .calibrate import calibrate as run_calibration
+
+            measured = run_calibration(engine, max_new_tokens=32, max_draft_tokens=6)
+            engine = cls(
+                model,
+                tokenizer,
+                exit_layer=exit_layer,
+                num_draft_tokens=num_draft_tokens,
+                drafter=drafter,
+                draft_confidence=draft_confidence,
+                calibration=measured.to_json(),
+            )
+        return engine
 
     @staticmethod
     def _check_engine_args(exit_layer: Any, num_draft_tokens: Any, drafter: Any) -> None:

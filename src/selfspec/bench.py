@@ -1,0 +1,418 @@
+"""Side-by-side benchmark: plain decoding, transformers' own speculative modes and selfspec.
+
+Every method runs in one process, on the same model object and prompts, interleaved (the
+method order rotates every repeat), so machine noise hits all of them alike. Greedy outputs
+are checked token for token against transformers' greedy ``generate``.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import resource
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from .bench_prompts import PROMPT_SETS
+from .engine import SpeculativeEngine
+
+
+@dataclass
+class Run:
+    """One timed generation."""
+
+    method: str
+    category: str
+    prompt: int
+    repeat: int
+    new_tokens: int
+    seconds: float
+    token_ids: list[int]
+    tau: float | None = None
+    acceptance_rate: float | None = None
+    peak_memory_mb: float | None = None
+
+
+@dataclass
+class Method:
+    """A decoding method under test."""
+
+    name: str
+    baseline: str  # the method its speedup is measured against
+    generate: Callable[[list[int], int, int], tuple[list[int], Any]]
+    greedy: bool = True
+    description: str = ""
+
+
+@dataclass
+class BenchReport:
+    """Everything a benchmark run measured."""
+
+    settings: dict[str, Any]
+    methods: dict[str, dict[str, Any]] = field(default_factory=dict)
+    runs: list[Run] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready report (raw runs without token ids)."""
+        return {
+            "settings": self.settings,
+            "methods": self.methods,
+            "runs": [{k: v for k, v in vars(r).items() if k != "token_ids"} for r in self.runs],
+        }
+
+
+def _hf_method(
+    name: str, model: Any, baseline: str, description: str, greedy: bool = True, **generate_kwargs: Any
+) -> Method:
+    eos = model.generation_config.eos_token_id
+    pad = model.generation_config.pad_token_id
+    if pad is None:
+        pad = eos[0] if isinstance(eos, list) else eos
+
+    def run(prompt_ids: list[int], max_new_tokens: int, seed: int) -> tuple[list[int], Any]:
+        ids = torch.tensor([prompt_ids], device=model.device)
+        if not greedy:
+            torch.manual_seed(seed)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            pad_token_id=pad,
+            **generate_kwargs,
+        )
+        return [int(t) for t in out[0, len(prompt_ids) :]], None
+
+    return Method(name, baseline, run, greedy, description)
+
+
+def _selfspec_method(
+    name: str, engine: SpeculativeEngine, baseline: str, description: str, temperature: float = 0.0
+) -> Method:
+    def run(prompt_ids: list[int], max_new_tokens: int, seed: int) -> tuple[list[int], Any]:
+        out = engine.generate_ids(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+        return out.token_ids, out.stats
+
+    return Method(name, baseline, run, temperature == 0.0, description)
+
+
+def build_methods(
+    auto_engine: SpeculativeEngine,
+    *,
+    exit_layer: int,
+    num_draft_tokens: int,
+    lookup_tokens: int,
+    temperatures: Sequence[float],
+) -> list[Method]:
+    """The methods compared: transformers' baselines and peers, and selfspec's variants."""
+    model, tokenizer = auto_engine.model, auto_engine.tokenizer
+    plain = SpeculativeEngine(model, tokenizer, drafter="none")
+    fixed = SpeculativeEngine(model, tokenizer, exit_layer=exit_layer, num_draft_tokens=num_draft_tokens)
+    hybrid = SpeculativeEngine(model, tokenizer, drafter="hybrid", exit_layer="auto", num_draft_tokens="auto")
+    methods = [
+        _hf_method("hf_greedy", model, "hf_greedy", "transformers generate, greedy", do_sample=False),
+        _selfspec_method("selfspec_plain", plain, "hf_greedy", "selfspec loop without drafts"),
+        _hf_method(
+            f"hf_early_exit_{exit_layer}",
+            model,
+            "hf_greedy",
+            f"transformers assistant_early_exit={exit_layer}",
+            do_sample=False,
+            assistant_early_exit=exit_layer,
+        ),
+        _hf_method(
+            f"hf_prompt_lookup_{lookup_tokens}",
+            model,
+            "hf_greedy",
+            f"transformers prompt_lookup_num_tokens={lookup_tokens}",
+            do_sample=False,
+            prompt_lookup_num_tokens=lookup_tokens,
+        ),
+        _selfspec_method(
+            f"selfspec_E{exit_layer}_k{num_draft_tokens}",
+            fixed,
+            "hf_greedy",
+            f"early exit at layer {exit_layer}, {num_draft_tokens} drafts, fixed",
+        ),
+        _selfspec_method(
+            "selfspec_auto",
+            auto_engine,
+            "hf_greedy",
+            f"early exit, calibrated (E={auto_engine.exit_layer}, k={auto_engine.num_draft_tokens}), adaptive",
+        ),
+        _selfspec_method("selfspec_hybrid", hybrid, "hf_greedy", "prompt lookup, else early exit; adaptive"),
+    ]
+    for t in temperatures:
+        base = f"hf_sample_t{t}"
+        methods += [
+            _hf_method(
+                base,
+                model,
+                base,
+                f"transformers sampling, T={t}",
+                greedy=False,
+                do_sample=True,
+                temperature=t,
+                top_k=0,
+                top_p=1.0,
+            ),
+            _selfspec_method(f"selfspec_auto_t{t}", auto_engine, base, f"selfspec auto, sampling T={t}", t),
+        ]
+    return methods
+
+
+def _encode(engine: SpeculativeEngine, prompt: Any) -> list[int]:
+    return engine.encode_prompt(prompt)
+
+
+def run_benchmark(
+    model: str = "selfspec-demo",
+    *,
+    prompt_sets: dict[str, list[Any]] | None = None,
+    max_new_tokens: int = 96,
+    repeats: int = 3,
+    threads: int | None = 1,
+    exit_layer: int | None = None,
+    num_draft_tokens: int | None = None,
+    lookup_tokens: int = 4,
+    temperatures: Sequence[float] = (0.7, 1.0),
+    categories: Sequence[str] | None = None,
+    progress: bool = True,
+    **engine_args: Any,
+) -> BenchReport:
+    """Run every method on every prompt ``repeats`` times, interleaved, and summarise.
+
+    Args:
+        model: the model to load (hub id, folder, or ``"selfspec-demo"``).
+        prompt_sets: ``{category: [prompt, ...]}``; the built-in Spec-Bench-like sets by default.
+        max_new_tokens: new tokens per generation.
+        repeats: passes over all prompts; the method order rotates each pass.
+        threads: torch CPU threads (set explicitly: the machine may be shared).
+        exit_layer: the fixed-E method's exit layer and the transformers early-exit layer
+            (default: the calibrated one).
+        num_draft_tokens: the fixed-k method's draft length (default: the calibrated one).
+        lookup_tokens: transformers' ``prompt_lookup_num_tokens``.
+        temperatures: sampling temperatures to compare at.
+        categories: restrict to these categories.
+        progress: show a progress bar.
+        **engine_args: passed to :meth:`SpeculativeEngine.from_pretrained`.
+    """
+    if threads:
+        torch.set_num_threads(threads)
+    engine = SpeculativeEngine.from_pretrained(model, **engine_args)
+    exit_layer = exit_layer or engine.exit_layer
+    num_draft_tokens = num_draft_tokens or engine.num_draft_tokens
+    sets = prompt_sets or PROMPT_SETS
+    if categories:
+        sets = {c: sets[c] for c in categories}
+    prompts = [(cat, i, _encode(engine, p)) for cat, items in sets.items() for i, p in enumerate(items)]
+    methods = build_methods(
+        engine,
+        exit_layer=exit_layer,
+        num_draft_tokens=num_draft_tokens,
+        lookup_tokens=lookup_tokens,
+        temperatures=temperatures,
+    )
+    on_cuda = engine.adapter.device.type == "cuda"
+    report = BenchReport(
+        settings={
+            "model": model,
+            "device": str(engine.adapter.device),
+            "dtype": str(engine.adapter.dtype),
+            "threads": torch.get_num_threads(),
+            "max_new_tokens": max_new_tokens,
+            "repeats": repeats,
+            "exit_layer": exit_layer,
+            "num_draft_tokens": num_draft_tokens,
+            "auto_exit_layer": engine.exit_layer,
+            "auto_num_draft_tokens": engine.num_draft_tokens,
+            "lookup_tokens": lookup_tokens,
+            "categories": {c: len(v) for c, v in sets.items()},
+            "torch": torch.__version__,
+            "transformers": __import__("transformers").__version__,
+            "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        }
+    )
+    # warm up every method once (first-call costs are not decoding speed)
+    for method in methods:
+        method.generate(prompts[0][2], 8, 0)
+
+    total = repeats * len(prompts) * len(methods)
+    bar = tqdm(total=total, desc="benchmark", disable=not progress)
+    for repeat in range(repeats):
+        shift = repeat % len(methods)
+        order = methods[shift:] + methods[:shift]
+        for category, index, ids in prompts:
+            for method in order:
+                if on_cuda:
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                started = time.perf_counter()
+                tokens, stats = method.generate(ids, max_new_tokens, 1000 * repeat + index)
+                if on_cuda:
+                    torch.cuda.synchronize()
+                seconds = time.perf_counter() - started
+                report.runs.append(
+                    Run(
+                        method=method.name,
+                        category=category,
+                        prompt=index,
+                        repeat=repeat,
+                        new_tokens=len(tokens),
+                        seconds=seconds,
+                        token_ids=tokens,
+                        tau=stats.mean_accepted_length if stats is not None else None,
+                        acceptance_rate=stats.acceptance_rate if stats is not None else None,
+                        peak_memory_mb=torch.cuda.max_memory_allocated() / 2**20 if on_cuda else None,
+                    )
+                )
+                bar.update()
+    bar.close()
+    report.methods = summarise(report.runs, methods)
+    report.settings["process_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return report
+
+
+def _rate(runs: list[Run]) -> float:
+    seconds = sum(r.seconds for r in runs)
+    return sum(r.new_tokens for r in runs) / seconds if seconds else 0.0
+
+
+def summarise(runs: list[Run], methods: list[Method]) -> dict[str, dict[str, Any]]:
+    """Per method: tokens/s (overall and per repeat), speedup, tau, acceptance, exactness."""
+    by_method: dict[str, list[Run]] = {}
+    for run in runs:
+        by_method.setdefault(run.method, []).append(run)
+    greedy_reference = {(r.category, r.prompt, r.repeat): r.token_ids for r in by_method.get("hf_greedy", [])}
+    summary: dict[str, dict[str, Any]] = {}
+    for method in methods:
+        mine = by_method.get(method.name, [])
+        base = by_method.get(method.baseline, [])
+        per_repeat = [_rate([r for r in mine if r.repeat == k]) for k in sorted({r.repeat for r in mine})]
+        categories = sorted({r.category for r in mine})
+        per_category = {}
+        for cat in categories:
+            mine_c = [r for r in mine if r.category == cat]
+            base_c = [r for r in base if r.category == cat]
+            taus = [r.tau for r in mine_c if r.tau is not None]
+            per_category[cat] = {
+                "tokens_per_second": round(_rate(mine_c), 2),
+                "speedup": round(_rate(mine_c) / _rate(base_c), 3) if base_c else None,
+                "tau": round(statistics.mean(taus), 3) if taus else None,
+            }
+        taus = [r.tau for r in mine if r.tau is not None]
+        rates = [r.acceptance_rate for r in mine if r.acceptance_rate is not None]
+        identical = None
+        if method.greedy and greedy_reference:
+            identical = all(r.token_ids == greedy_reference[(r.category, r.prompt, r.repeat)] for r in mine)
+        memory = [r.peak_memory_mb for r in mine if r.peak_memory_mb is not None]
+        summary[method.name] = {
+            "description": method.description,
+            "baseline": method.baseline,
+            "tokens_per_second": round(_rate(mine), 2),
+            "tokens_per_second_median_repeat": round(statistics.median(per_repeat), 2) if per_repeat else None,
+            "tokens_per_second_spread": [round(min(per_repeat), 2), round(max(per_repeat), 2)] if per_repeat else None,
+            "speedup": round(_rate(mine) / _rate(base), 3) if base else None,
+            "tau": round(statistics.mean(taus), 3) if taus else None,
+            "acceptance_rate": round(statistics.mean(rates), 3) if rates else None,
+            "identical_to_greedy": identical,
+            "peak_memory_mb": round(max(memory), 1) if memory else None,
+            "per_category": per_category,
+        }
+    return summary
+
+
+def format_table(report: BenchReport) -> str:
+    """A markdown table of the summary, one row per method."""
+    lines = [
+        "| method | tok/s | spread (per repeat) | speedup | tau | acceptance | identical to greedy |",
+        "|---|---:|---:|---:|---:|---:|:---:|",
+    ]
+    for name, m in report.methods.items():
+        spread = m["tokens_per_second_spread"]
+        ident = {True: "yes", False: "NO", None: "n/a (sampling)"}[m["identical_to_greedy"]]
+        lines.append(
+            f"| {name} | {m['tokens_per_second']:.1f} | {spread[0]:.1f}-{spread[1]:.1f} | "
+            f"{m['speedup']:.2f}x vs {m['baseline']} | {_fmt(m['tau'])} | {_fmt(m['acceptance_rate'])} | {ident} |"
+        )
+    return "\n".join(lines)
+
+
+def format_category_table(report: BenchReport) -> str:
+    """Speedup (and tau) per method and category, greedy methods only."""
+    names = [n for n, m in report.methods.items() if m["baseline"] == "hf_greedy"]
+    categories = list(report.settings["categories"])
+    lines = ["| method | " + " | ".join(categories) + " |", "|---|" + "---:|" * len(categories)]
+    for name in names:
+        cells = []
+        for cat in categories:
+            c = report.methods[name]["per_category"].get(cat, {})
+            tau = f" (tau {c['tau']:.2f})" if c.get("tau") is not None else ""
+            cells.append(f"{c.get('speedup', 0):.2f}x{tau}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def write_report(report: BenchReport, out_dir: str | Path, name: str = "bench") -> list[Path]:
+    """Write ``<name>.json``, ``<name>.md`` and ``<name>.png`` (speedup per method and category)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{name}.json", out / f"{name}.md"]
+    paths[0].write_text(json.dumps(report.to_json(), indent=2) + "\n", encoding="utf-8")
+    settings = report.settings
+    header = (
+        f"# selfspec benchmark: {settings['model']} on {settings['device']} ({settings['dtype']}, "
+        f"{settings['threads']} thread(s))\n\n{settings['max_new_tokens']} new tokens, {settings['repeats']} repeats, "
+        f"methods interleaved in one process; {settings['date']}.\n\n"
+    )
+    paths[1].write_text(
+        header
+        + format_table(report)
+        + "\n\n## Speedup per category (greedy)\n\n"
+        + format_category_table(report)
+        + "\n",
+        encoding="utf-8",
+    )
+    try:
+        paths.append(_plot(report, out / f"{name}.png"))
+    except ImportError:  # matplotlib is an optional extra
+        pass
+    return paths
+
+
+def _plot(report: BenchReport, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n, m in report.methods.items() if m["baseline"] == "hf_greedy"]
+    categories = list(report.settings["categories"])
+    fig, ax = plt.subplots(figsize=(12, 5))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        values = [report.methods[name]["per_category"].get(c, {}).get("speedup") or 0 for c in categories]
+        ax.bar([x + i * width for x in range(len(categories))], values, width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(categories))], categories, rotation=15)
+    ax.set_ylabel("speedup vs transformers greedy generate")
+    ax.set_title(
+        f"{report.settings['model']} on {report.settings['device']}, greedy, {report.settings['threads']} thread(s)"
+    )
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,83 @@
+"""Built-in benchmark prompts, one set per Spec-Bench category, written for the demo model.
+
+The passages are from Jane Austen's novels (public domain). Each prompt is a list of chat
+messages (rendered by the model's chat template) or, for ``continuation``, plain text.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+PASSAGES = [
+    "Mr. Bingley arrived. Mrs. Bennet, through the assistance of servants, contrived to have the "
+    "earliest tidings of it, that the period of anxiety and fretfulness on her side might be as long "
+    "as it could. She counted the days that must intervene before their invitation could be sent; "
+    "hopeless of seeing him before. But on the third morning after his arrival in Hertfordshire, she "
+    "saw him, from her dressing-room window, enter the paddock and ride towards the house.",
+    "Elinor thought it wisest to touch that point no more. She knew her sister's temper. Opposition "
+    "on so tender a subject would only attach her the more to her own opinion. But by an appeal to "
+    "her affection for her mother, by representing the inconveniences which that indulgent mother "
+    "must draw on herself, Marianne was shortly subdued; and she promised not to tempt her mother to "
+    "such imprudent kindness by mentioning the offer, and to tell Willoughby when she saw him next, "
+    "that it must be declined.",
+    "Lady Bertram seemed quite resigned to waiting. Fanny did not share her aunt's composure: she "
+    "thought of the morrow a great deal, for if the three acts were rehearsed, Edmund and Miss "
+    "Crawford would then be acting together for the first time; the third act would bring a scene "
+    "between them which interested her most particularly, and which she was longing and dreading to "
+    "see how they would perform.",
+    "He made no answer; and soon afterwards, by the removal of the tea-things, and the arrangement of "
+    "the card parties, the subject was necessarily dropped. Mrs. Jennings, who had watched them with "
+    "pleasure while they were talking, saw him, with amazement, remain the whole evening more serious "
+    "and thoughtful than usual.",
+]
+
+
+def _user(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+#: category -> prompts (a ``str`` is plain text; a list is chat messages).
+PROMPT_SETS: dict[str, list[Any]] = {
+    "multi_turn_chat": [
+        [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "Hello! Who is Mr. Darcy?"},
+            {"role": "assistant", "content": "Mr. Darcy is a proud gentleman of Derbyshire."},
+            {"role": "user", "content": "And what does Elizabeth think of him at first?"},
+        ],
+        [
+            {"role": "user", "content": "Good morning. How should one behave at a ball?"},
+            {"role": "assistant", "content": "With good humour, and with attention to one's partner."},
+            {"role": "user", "content": "Tell me more about dancing at Netherfield."},
+        ],
+    ],
+    "translation": [
+        _user("Rewrite this sentence in plain modern words: " + PASSAGES[0].split(". ")[1] + "."),
+        _user("Repeat after me: " + PASSAGES[2].split(":")[0] + "."),
+    ],
+    "summarization": [
+        _user("Summarize the following passage.\n\n" + PASSAGES[0]),
+        _user("Summarize the following passage.\n\n" + PASSAGES[1]),
+    ],
+    "qa": [
+        _user("Who is the heroine of Pride and Prejudice?"),
+        _user("What is a truth universally acknowledged?"),
+    ],
+    "reasoning": [
+        _user("If Elizabeth has three sisters and each sister has one bonnet, how many bonnets are there?"),
+        _user("Mr. Bennet has five daughters. Two marry. How many remain unmarried? Explain."),
+    ],
+    "rag": [
+        _user("Context:\n" + PASSAGES[0] + "\n\n" + PASSAGES[3] + "\n\nQuestion: From where did Mrs. Bennet see him?"),
+        _user("Context:\n" + PASSAGES[1] + "\n\n" + PASSAGES[2] + "\n\nQuestion: What did Marianne promise?"),
+    ],
+    "continuation": [
+        "It is a truth universally acknowledged, that a single man in possession of a good fortune,",
+        "Emma Woodhouse, handsome, clever, and rich, with a comfortable home and happy disposition,",
+    ],
+    # text the drafter cannot predict: the engine must fall back, not slow down
+    "adversarial": [
+        "xq7 Zv!k 93Jd wPo# 0ll Qe2 mm@ Kf9 trU5 %gh Lp0 vvX",
+        _user("Continue this random sequence: 8f Kq 1z Wm 4r Tt 9p Xc 2b Yn 7g"),
+    ],
+}

@@ -1,0 +1,231 @@
+"""Calibration: choose the exit layer and draft length by measurement on this hardware.
+
+It measures how well each exit layer drafts and what drafting costs here, then picks the
+exit layer and draft length with the highest expected speed. With per-token acceptance
+``a`` at exit layer ``E``, draft length ``k``, the cost of one draft step relative to a
+full one-token step ``c_E`` and the cost of a ``k + 1``-token verify relative to a
+one-token step ``v_k``, one round emits on average ``(1 - a^(k+1)) / (1 - a)`` tokens for
+``k c_E + v_k`` step-costs (Leviathan et al. 2023, with the verify cost measured rather
+than assumed to be 1).
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+import torch
+from tqdm.auto import tqdm
+
+from .calibration import save_calibration
+
+if TYPE_CHECKING:
+    from .engine import SpeculativeEngine
+
+#: Prompts used when none are given: prose, dialogue and a chat turn.
+DEFAULT_CALIBRATION_PROMPTS: tuple[str, ...] = (
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune,",
+    "Emma Woodhouse, handsome, clever, and rich, with a comfortable home and happy disposition,",
+    '"My dear Mr. Bennet," said his lady to him one day, "have you heard that',
+    "The family of Dashwood had long been settled in Sussex. Their estate was large, and",
+    "Sir Walter Elliot, of Kellynch Hall, in Somersetshire, was a man who, for his own amusement,",
+    "No one who had ever seen Catherine Morland in her infancy would have supposed her born to be",
+)
+
+
+@dataclass
+class CalibrationResult:
+    """What calibration measured and chose.
+
+    Attributes:
+        exit_layer: the chosen exit layer.
+        num_draft_tokens: the chosen draft length.
+        expected_speedup: the model's predicted speedup for that choice.
+        agreement: greedy agreement of each exit layer with the last layer.
+        draft_cost: cost of one draft step at each exit layer, relative to a full step.
+        verify_cost: cost of verifying ``k`` drafts (``k + 1`` tokens), relative to a full step.
+        step_seconds: median seconds of one full one-token step.
+    """
+
+    exit_layer: int
+    num_draft_tokens: int
+    expected_speedup: float
+    agreement: dict[int, float] = field(default_factory=dict)
+    draft_cost: dict[int, float] = field(default_factory=dict)
+    verify_cost: dict[int, float] = field(default_factory=dict)
+    step_seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        """The calibration file's content (``selfspec.json``)."""
+        data = asdict(self)
+        for key in ("agreement", "draft_cost", "verify_cost"):
+            data[key] = {str(k): round(v, 4) for k, v in data[key].items()}
+        data["expected_speedup"] = round(self.expected_speedup, 3)
+        data["source"] = "calibrate"
+        data["created"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        data["hardware"] = f"{platform.machine()} {torch.get_num_threads()} threads"
+        return data
+
+
+def expected_speedup(agreement: float, draft_cost: float, verify_cost: float, num_draft: int) -> float:
+    """Expected tokens per unit of plain-step cost: ``(1 - a^(k+1)) / ((1 - a)(k c + v))``."""
+    a = min(max(agreement, 0.0), 0.999)
+    tokens_per_round = (1 - a ** (num_draft + 1)) / (1 - a)
+    return tokens_per_round / (num_draft * draft_cost + verify_cost)
+
+
+def choose(
+    agreement: dict[int, float], draft_cost: dict[int, float], verify_cost: dict[int, float]
+) -> tuple[int, int, float]:
+    """The ``(exit_layer, num_draft_tokens, expected speedup)`` that maximises expected speed."""
+    best = (min(agreement), 1, 0.0)
+    for layer, a in agreement.items():
+        for k, v in verify_cost.items():
+            speed = expected_speedup(a, draft_cost[layer], v, k)
+            if speed > best[2]:
+                best = (layer, k, speed)
+    return best
+
+
+def measure_agreement(
+    engine: SpeculativeEngine, prompt_ids: Sequence[list[int]], layers: Sequence[int], max_new_tokens: int
+) -> dict[int, float]:
+    """Greedy agreement of each exit layer with the last layer, on the model's own continuations."""
+    from .engine import SpeculativeEngine
+
+    adapter = engine.adapter
+    plain = SpeculativeEngine(engine.model, engine.tokenizer, drafter="none")
+    matches = dict.fromkeys(layers, 0)
+    total = 0
+    with torch.inference_mode():
+        for ids in prompt_ids:
+            new = plain.generate_ids(ids, max_new_tokens=max_new_tokens).token_ids
+            sequence = torch.tensor([ids + new], device=adapter.device)
+            start = len(ids) - 1  # positions whose next token was generated
+            cache = adapter.new_cache(sequence.shape[1])
+            hidden = adapter.embed(sequence)
+            positions = torch.arange(sequence.shape[1], device=adapter.device)
+            exits: dict[int, torch.Tensor] = {}
+            done = 0
+            for layer in sorted(layers):
+                hidden = adapter.run_layers(hidden, done, layer, positions, cache)
+                done = layer
+                exits[layer] = adapter.logits(hidden[:, start:-1]).argmax(-1)
+            final = adapter.run_layers(hidden, done, adapter.num_layers, positions, cache)
+            target = adapter.logits(final[:, start:-1]).argmax(-1)
+            total += int(target.numel())
+            for layer, tokens in exits.items():
+                matches[layer] += int((tokens == target).sum())
+    return {layer: matches[layer] / max(total, 1) for layer in layers}
+
+
+def _median_seconds(fn: Any, repeats: int) -> float:
+    fn()  # warm up
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def measure_costs(
+    engine: SpeculativeEngine,
+    prompt_ids: list[int],
+    layers: Sequence[int],
+    draft_lengths: Sequence[int],
+    repeats: int = 7,
+) -> tuple[dict[int, float], dict[int, float], float]:
+    """Relative costs of a draft step per exit layer and of a verify per draft length."""
+    adapter = engine.adapter
+    device = adapter.device
+    length = len(prompt_ids)
+    cache = adapter.new_cache(length + max(draft_lengths) + 2)
+    with torch.inference_mode():
+        ids = torch.tensor([prompt_ids], device=device)
+        adapter.run_layers(adapter.embed(ids), 0, adapter.num_layers, torch.arange(length, device=device), cache)
+
+        def step(start_layer: int, end_layer: int, num_tokens: int, head: bool) -> None:
+            tokens = torch.tensor([prompt_ids[-num_tokens:]], device=device)
+            positions = torch.arange(length, length + num_tokens, device=device)
+            hidden = adapter.run_layers(adapter.embed(tokens), start_layer, end_layer, positions, cache)
+            if head:
+                adapter.logits(hidden)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            cache.crop_to(length)
+
+        full = _median_seconds(lambda: step(0, adapter.num_layers, 1, True), repeats)
+        draft = {
+            layer: _median_seconds(lambda layer=layer: step(0, layer, 1, True), repeats) / full for layer in layers
+        }
+        verify = {
+            k: _median_seconds(lambda k=k: step(0, adapter.num_layers, k + 1, True), repeats) / full
+            for k in draft_lengths
+        }
+    return draft, verify, full
+
+
+def calibrate(
+    engine: SpeculativeEngine,
+    prompts: Sequence[str] | Sequence[list[int]] | None = None,
+    *,
+    max_new_tokens: int = 48,
+    max_exit_layer: int | None = None,
+    max_draft_tokens: int = 8,
+    save: bool = True,
+    progress: bool = True,
+) -> CalibrationResult:
+    """Measure agreement and costs, choose ``exit_layer`` and ``num_draft_tokens``, save them.
+
+    Args:
+        engine: the engine to calibrate (its model is only read).
+        prompts: calibration prompts (text, or token ids); defaults to a few prose openings.
+        max_new_tokens: tokens generated per prompt to measure agreement on.
+        max_exit_layer: the deepest exit layer to consider (default: half the layers).
+        max_draft_tokens: the longest draft length to consider.
+        save: write ``selfspec.json`` beside the model (or in the user cache for a hub model).
+        progress: show a progress bar.
+
+    Returns:
+        The measurements and the choice. The engine itself is not changed; a new engine
+        with ``exit_layer="auto"`` picks the saved values up.
+    """
+    num_layers = engine.adapter.num_layers
+    deepest = max_exit_layer or max(1, num_layers // 2)
+    layers = list(range(1, min(deepest, num_layers - 1) + 1))
+    draft_lengths = list(range(1, max_draft_tokens + 1))
+    if prompts is None:
+        prompts = DEFAULT_CALIBRATION_PROMPTS if engine.tokenizer is not None else [[1, 2, 3, 4, 5, 6, 7, 8]]
+    prompt_ids = [engine.encode_prompt(p) if isinstance(p, str) else list(p) for p in prompts]
+    window = engine.context_window or 10**9
+    max_new_tokens = max(1, min(max_new_tokens, window - max(len(p) for p in prompt_ids) - 1))
+
+    bar = tqdm(total=2, desc="calibrating", disable=not progress, leave=False)
+    bar.set_postfix_str("agreement per exit layer")
+    agreement = measure_agreement(engine, prompt_ids, layers, max_new_tokens)
+    bar.update()
+    bar.set_postfix_str("draft and verify costs")
+    cost_prompt = (prompt_ids[0] * (200 // len(prompt_ids[0]) + 1))[: min(200, window - max_draft_tokens - 2)]
+    draft_cost, verify_cost, step_seconds = measure_costs(engine, cost_prompt, layers, draft_lengths)
+    bar.update()
+    bar.close()
+
+    exit_layer, num_draft_tokens, speedup = choose(agreement, draft_cost, verify_cost)
+    result = CalibrationResult(
+        exit_layer=exit_layer,
+        num_draft_tokens=num_draft_tokens,
+        expected_speedup=speedup,
+        agreement=agreement,
+        draft_cost=draft_cost,
+        verify_cost=verify_cost,
+        step_seconds=step_seconds,
+    )
+    if save and engine.name_or_path:
+        save_calibration(engine.name_or_path, result.to_json())
+    return result

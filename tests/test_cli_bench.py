@@ -1,0 +1,143 @@
+"""The command line (generate, chat, calibrate, bench, demo) on a tiny local model folder."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+from tiny_models import make_model
+from tiny_tokenizer import make_tokenizer
+
+from selfspec import SpeculativeEngine
+from selfspec.calibrate import calibrate, choose, expected_speedup
+from selfspec.calibration import load_calibration
+from selfspec.cli import main
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-chat-model")
+    tokenizer = make_tokenizer()
+    model = make_model("llama", dtype=torch.float32, vocab_size=len(tokenizer), max_position_embeddings=2048)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_generate_prints_the_engine_text(model_dir, capsys) -> None:
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(model_dir),
+                "--max-new-tokens",
+                "12",
+                "--exit-layer",
+                "2",
+                "--num-draft-tokens",
+                "3",
+                "--stats",
+                "It is a truth",
+            ]
+        )
+        == 0
+    )
+    printed = capsys.readouterr()
+    engine = SpeculativeEngine.from_pretrained(model_dir, exit_layer=2, num_draft_tokens=3)
+    assert printed.out == engine.generate("It is a truth", max_new_tokens=12).text + "\n"
+    assert "tau" in printed.err
+
+
+def test_generate_reports_bad_input_without_a_traceback(model_dir, capsys) -> None:
+    assert main(["generate", "--model", str(model_dir), "--exit-layer", "99", "hello"]) == 2
+    assert "exit_layer must be in [1, 5]" in capsys.readouterr().err
+    assert main(["generate", "--model", str(model_dir / "missing"), "hello"]) == 2
+
+
+def test_chat_streams_answers(model_dir, monkeypatch, capsys) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello world!\n\n"))
+    assert (
+        main(
+            ["chat", "--model", str(model_dir), "--max-new-tokens", "6", "--exit-layer", "2", "--num-draft-tokens", "2"]
+        )
+        == 0
+    )
+    assert "Chatting with" in capsys.readouterr().out
+
+
+def test_calibrate_saves_a_choice_that_auto_uses(model_dir, capsys) -> None:
+    assert main(["calibrate", "--model", str(model_dir), "--max-new-tokens", "8"]) == 0
+    saved = load_calibration(str(model_dir))
+    assert saved is not None and saved["source"] == "calibrate"
+    engine = SpeculativeEngine.from_pretrained(model_dir)
+    assert (engine.exit_layer, engine.num_draft_tokens) == (saved["exit_layer"], saved["num_draft_tokens"])
+    assert "chosen: exit_layer=" in capsys.readouterr().out
+
+
+def test_calibration_choice_follows_the_cost_model() -> None:
+    agreement = {1: 0.3, 2: 0.9, 3: 0.95}
+    draft_cost = {1: 0.1, 2: 0.2, 3: 0.6}
+    verify_cost = {1: 1.0, 2: 1.05, 4: 1.1}
+    layer, k, speed = choose(agreement, draft_cost, verify_cost)
+    best = max(
+        (
+            (layer_, k_, expected_speedup(a, draft_cost[layer_], v, k_))
+            for layer_, a in agreement.items()
+            for k_, v in verify_cost.items()
+        ),
+        key=lambda item: item[2],
+    )
+    assert (layer, k, speed) == best and layer == 2
+    assert expected_speedup(0.0, 0.2, 1.0, 3) < 1.0  # useless drafts only cost time
+
+
+def test_calibrate_measures_every_layer(model_dir) -> None:
+    engine = SpeculativeEngine.from_pretrained(model_dir, exit_layer=1, num_draft_tokens=1)
+    result = calibrate(engine, max_new_tokens=8, max_draft_tokens=3, save=False, progress=False)
+    assert set(result.agreement) == {1, 2, 3} and set(result.verify_cost) == {1, 2, 3}
+    assert all(0.0 <= a <= 1.0 for a in result.agreement.values())
+    assert result.draft_cost[1] < 1.5  # one layer costs well under a full step plus noise
+
+
+@pytest.mark.slow
+def test_bench_runs_every_method_and_checks_greedy_identity(model_dir, tmp_path) -> None:
+    assert (
+        main(
+            [
+                "bench",
+                "--model",
+                str(model_dir),
+                "--max-new-tokens",
+                "10",
+                "--repeats",
+                "1",
+                "--categories",
+                "qa",
+                "rag",
+                "--temperatures",
+                "1.0",
+                "--out",
+                str(tmp_path),
+                "--name",
+                "b",
+            ]
+        )
+        == 0
+    )
+    report = json.loads((tmp_path / "b.json").read_text())
+    methods = report["methods"]
+    assert {"hf_greedy", "selfspec_plain", "selfspec_auto", "selfspec_hybrid", "hf_sample_t1.0"} <= set(methods)
+    greedy = [m for m in methods.values() if m["baseline"] == "hf_greedy"]
+    assert greedy and all(m["identical_to_greedy"] is True for m in greedy)
+    assert methods["selfspec_plain"]["tau"] == 1.0
+    assert (tmp_path / "b.png").stat().st_size > 1000 and "| method |" in (tmp_path / "b.md").read_text()
+
+
+def test_demo_command_on_a_local_model(model_dir, capsys) -> None:
+    assert main(["demo", "--model", str(model_dir), "--max-new-tokens", "16", "--prompt", "It is a truth"]) == 0
+    out = capsys.readouterr().out
+    assert "identical text: yes" in out and "speedup:" in out
