@@ -22,8 +22,6 @@ import torch
 
 torch.set_num_threads(1)
 
-#: Short answers keep the whole suite within a few CPU minutes.
-MAX_TOKENS = 64
 
 
 @pytest.hookimpl(hookwrapper=True, trylast=True)
