@@ -141,3 +141,36 @@ def test_demo_command_on_a_local_model(model_dir, capsys) -> None:
     assert main(["demo", "--model", str(model_dir), "--max-new-tokens", "16", "--prompt", "It is a truth"]) == 0
     out = capsys.readouterr().out
     assert "identical text: yes" in out and "speedup:" in out
+
+
+def test_gpu_check_script_runs_on_cpu_with_a_tiny_shape(tmp_path) -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "benchmarks" / "gpu_check.py"
+    subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--shape",
+            "tiny",
+            "--device",
+            "cpu",
+            "--precisions",
+            "fp32",
+            "nf4",
+            "--repeats",
+            "1",
+            "--context",
+            "32",
+            "--out",
+            str(tmp_path),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    result = json.loads((tmp_path / "gpu_check_tiny.json").read_text())
+    assert set(result["precisions"]) == {"fp32", "nf4"}
+    assert set(result["precisions"]["fp32"]["verify_cost"]) == {"1", "2", "4", "8", "16"}
