@@ -63,15 +63,25 @@ class GrammarConstraint:
 
     Args:
         matcher: a fresh ``llguidance.LLMatcher``.
-        vocab_size: length of the masks: the model's logits vocabulary.
+        vocab_size: length of the masks: the model's logits vocabulary (tokens beyond the
+            tokenizer's are never allowed).
         eos_token_ids: the end-of-sequence tokens allowed once the grammar is complete.
+        tokenizer_vocab_size: the vocabulary of the matcher's llguidance tokenizer (default
+            ``vocab_size``).
     """
 
-    def __init__(self, matcher: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self,
+        matcher: Any,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        *,
+        tokenizer_vocab_size: int | None = None,
+    ) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
-        words = (vocab_size + 31) // 32
+        words = ((tokenizer_vocab_size or vocab_size) + 31) // 32  # llguidance's mask: 32 tokens a word
         self._bitmask = torch.zeros((1, words), dtype=torch.int32)
         self._shifts = torch.arange(32, dtype=torch.int32)
         self._eos_mask = torch.zeros(vocab_size, dtype=torch.bool)
@@ -83,8 +93,11 @@ class GrammarConstraint:
         if self.matcher.is_stopped():
             return self._eos_mask.clone()
         self.matcher.unsafe_compute_mask_ptr(self._bitmask.data_ptr(), self._bitmask.numel() * 4)
-        bits = (self._bitmask[0].unsqueeze(1) >> self._shifts) & 1  # [words, 32]
-        allowed = bits.view(-1)[: self.vocab_size].bool()
+        bits = ((self._bitmask[0].unsqueeze(1) >> self._shifts) & 1).view(-1).bool()  # [words * 32]
+        if bits.shape[0] >= self.vocab_size:
+            allowed = bits[: self.vocab_size]
+        else:  # the model's vocabulary is padded beyond the tokenizer's
+            allowed = torch.cat([bits, torch.zeros(self.vocab_size - bits.shape[0], dtype=torch.bool)])
         if not bool(allowed.any()):  # defensive: never leave the model without a token
             return self._eos_mask.clone()
         return allowed
@@ -173,8 +186,11 @@ def _constraint(
             _matchers[key] = template
             while len(_matchers) > _MATCHER_CACHE_SIZE:
                 _matchers.popitem(last=False)
-    size = max(int(vocab_size or 0), int(ll_tokenizer.vocab_size))
-    return GrammarConstraint(template.deep_copy(), size, list(ll_tokenizer.eos_tokens))
+    tokenizer_vocab = int(ll_tokenizer.vocab_size)
+    return GrammarConstraint(
+        template.deep_copy(), int(vocab_size or tokenizer_vocab), list(ll_tokenizer.eos_tokens),
+        tokenizer_vocab_size=tokenizer_vocab,
+    )
 
 
 # ------------------------------------------------------------------------------- schemas
