@@ -1,19 +1,27 @@
-"""MkDocs hooks: publish the committed benchmark plots without copying them into ``docs/``.
+"""MkDocs hooks: publish the committed benchmark plots, and link repository files to GitHub.
 
-Every ``benchmarks/results/*.png`` becomes the site file ``assets/benchmarks/<name>.png``, so
-pages link to it as ``assets/benchmarks/bench_cpu.png`` and ``mkdocs build --strict`` checks
-those links like any other.
+- Every ``benchmarks/results/*.png`` becomes the site file ``assets/benchmarks/<name>.png``
+  (no copy in ``docs/``), so pages link to ``assets/benchmarks/bench_cpu.png`` and
+  ``mkdocs build --strict`` checks those links like any other.
+- A relative link that leaves ``docs/`` (``../examples/llamaindex_rag.py``) works when the
+  Markdown is read on GitHub but not in the built site. When its target exists in the
+  repository, it is rewritten to the file's page under ``repo_url``; when it does not, the link
+  is left alone and the strict build fails on it, as it should.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 from mkdocs.structure.files import File, Files
 
-RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
 SITE_FOLDER = "assets/benchmarks"
+#: ``](../path)`` or ``](../path#anchor)`` in Markdown link syntax.
+_OUTSIDE_LINK = re.compile(r"\]\((\.\./[^)\s#]+)(#[^)\s]*)?\)")
 
 
 def on_files(files: Files, config: Any) -> Files:
@@ -21,3 +29,18 @@ def on_files(files: Files, config: Any) -> Files:
     for png in sorted(RESULTS.glob("*.png")):
         files.append(File.generated(config, f"{SITE_FOLDER}/{png.name}", abs_src_path=str(png)))
     return files
+
+
+def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
+    """Point links to repository files outside ``docs/`` at the repository's web pages."""
+    repo_url = (config.get("repo_url") or "").rstrip("/")
+    page_dir = (Path(config["docs_dir"]) / page.file.src_path).parent
+
+    def rewrite(match: re.Match[str]) -> str:
+        target = (page_dir / match.group(1)).resolve()
+        if not repo_url or not target.exists() or ROOT not in target.parents:
+            return match.group(0)
+        kind = "tree" if target.is_dir() else "blob"
+        return f"]({repo_url}/{kind}/main/{target.relative_to(ROOT).as_posix()}{match.group(2) or ''})"
+
+    return _OUTSIDE_LINK.sub(rewrite, markdown)
