@@ -70,8 +70,10 @@ def test_engine_arguments_follow_the_fields(monkeypatch):
                 "exit_layer": 3,
                 "num_draft_tokens": 2,
                 "drafter": "none",
+                "draft_confidence": None,
                 "trust_remote_code": False,
                 "allow_pickle": False,
+                "calibrate": True,
             },
         )
     ]
@@ -188,3 +190,13 @@ def test_tool_schemas_and_forced_choice():
     assert forced(schemas, {"type": "function", "function": {"name": "multiply"}}) == "multiply"
     with pytest.raises(ValueError, match="not one of the offered tools"):
         forced(schemas, "divide")
+
+
+def test_every_engine_argument_is_a_field():
+    import inspect
+
+    from selfspec import SpeculativeEngine
+
+    parameters = set(inspect.signature(SpeculativeEngine.from_pretrained).parameters) - {"name_or_path"}
+    assert set(SpeculativeLLM()._engine_args()) == parameters
+    assert parameters <= set(SpeculativeLLM.model_fields)

@@ -120,7 +120,13 @@ class SpeculativeLLM(FunctionCallingLLM):
         description="Tokens drafted per round; 'auto' uses the saved calibration, else 4.",
     )
     drafter: str = Field(
-        default="early_exit", description="'early_exit' (self-speculation) or 'none' (plain decoding)."
+        default="early_exit",
+        description="'early_exit' (self-speculation), 'prompt_lookup', 'hybrid' or 'none' (plain decoding).",
+    )
+    draft_confidence: float | None = Field(
+        default=None,
+        description="With num_draft_tokens='auto', stop drafting when the draft's top probability "
+        "falls below this (None: the engine's default).",
     )
     device: str = Field(default="auto", description="'auto' (CUDA when available), 'cpu' or 'cuda[:N]'.")
     dtype: str = Field(
@@ -129,6 +135,10 @@ class SpeculativeLLM(FunctionCallingLLM):
     )
     trust_remote_code: bool = Field(default=False, description="Allow checkpoints that ship their own Python code.")
     allow_pickle: bool = Field(default=False, description="Allow .bin (pickle) weights when no safetensors exist.")
+    calibrate: bool = Field(
+        default=True,
+        description="With 'auto' exit layer or draft length and no saved calibration, measure one on first load.",
+    )
     temperature: float = Field(default=0.0, ge=0.0, description="0 for greedy decoding; > 0 samples.")
     max_new_tokens: int = Field(default=256, gt=0, description="The most new tokens per response.")
     top_k: int | None = Field(default=None, gt=0, description="Sample among the top_k most likely tokens.")
@@ -170,8 +180,10 @@ class SpeculativeLLM(FunctionCallingLLM):
             "exit_layer": self.exit_layer,
             "num_draft_tokens": self.num_draft_tokens,
             "drafter": self.drafter,
+            "draft_confidence": self.draft_confidence,
             "trust_remote_code": self.trust_remote_code,
             "allow_pickle": self.allow_pickle,
+            "calibrate": self.calibrate,
         }
 
     @property
