@@ -174,3 +174,40 @@ def test_flash_attention_models_get_a_hint() -> None:
     model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ConfigurationError, match="attn_implementation='sdpa'"):
         SpeculativeEngine(model)
+
+
+@pytest.mark.parametrize("fault", [RuntimeError("simulated kernel failure"), KeyboardInterrupt()])
+def test_fault_inside_a_forward_leaves_the_engine_usable(model, expected, fault) -> None:
+    engine = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=3)
+    layer = model.model.layers[4]
+    original = layer.forward
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:  # fail in the middle of decoding, after the prefill
+            raise fault
+        return original(*args, **kwargs)
+
+    layer.forward = flaky
+    try:
+        with pytest.raises(type(fault)):
+            engine.generate_ids(PROMPT, max_new_tokens=12)
+    finally:
+        del layer.forward
+    assert engine.generate_ids(PROMPT, max_new_tokens=12).token_ids == expected
+    assert engine._lock.acquire(blocking=False)  # the lock was released
+    engine._lock.release()
+
+
+def test_empty_message_list_and_bad_messages() -> None:
+    from tiny_tokenizer import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    engine = SpeculativeEngine(make_model("llama", vocab_size=len(tokenizer)), tokenizer)
+    with pytest.raises(InvalidPromptError, match="non-empty"):
+        engine.generate([])
+    with pytest.raises(InvalidPromptError, match="role"):
+        engine.generate([{"content": "no role"}])
+    with pytest.raises(InvalidPromptError, match="empty"):
+        engine.generate("")
