@@ -7,6 +7,8 @@
   Markdown is read on GitHub but not in the built site. When its target exists in the
   repository, it is rewritten to the file's page under ``repo_url``; when it does not, the link
   is left alone and the strict build fails on it, as it should.
+- Docstrings cite Python objects with Sphinx roles (``:class:`~selfspec.drafters.Drafter```),
+  which the Google-style renderer leaves as text; they are shown as code (``Drafter``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 SITE_FOLDER = "assets/benchmarks"
 #: ``](../path)`` or ``](../path#anchor)`` in Markdown link syntax.
 _OUTSIDE_LINK = re.compile(r"\]\((\.\./[^)\s#]+)(#[^)\s]*)?\)")
+#: A Sphinx role as rendered from a docstring: ``:class:<code>~pkg.Name</code>``.
+_SPHINX_ROLE = re.compile(r":(?:class|meth|func|mod|attr|obj|exc|data):<code>(~?)([^<]*)</code>")
 
 
 def on_files(files: Files, config: Any) -> Files:
@@ -44,3 +48,13 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
         return f"]({repo_url}/{kind}/main/{target.relative_to(ROOT).as_posix()}{match.group(2) or ''})"
 
     return _OUTSIDE_LINK.sub(rewrite, markdown)
+
+
+def on_page_content(html: str, page: Any, config: Any, files: Files) -> str:
+    """Render Sphinx roles left in docstrings as code; ``~`` keeps the last dotted part only."""
+
+    def code(match: re.Match[str]) -> str:
+        name = match.group(2).split(".")[-1] if match.group(1) else match.group(2)
+        return f"<code>{name}</code>"
+
+    return _SPHINX_ROLE.sub(code, html)
