@@ -81,3 +81,32 @@ def test_sampling_same_seed_same_text() -> None:
     other = [engine.generate_ids(prompt, max_new_tokens=20, temperature=0.9, seed=s).token_ids for s in range(5)]
     assert first.token_ids == second.token_ids
     assert len({tuple(t) for t in other}) > 1  # sampling does vary with the seed
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "phi3"])
+def test_fast_path_is_bitwise_identical_to_the_model_in_float32(arch: str) -> None:
+    """The lean layer path computes the same float32 numbers as transformers' own modules."""
+    from selfspec.adapter import ModelAdapter
+
+    model = make_model(arch, dtype=torch.float32, agreeing=False)
+    adapter = ModelAdapter(model)
+    assert adapter.fast_layers is not None
+    ids = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(0))
+    outputs = []
+    for fast in (adapter.fast_layers, None):
+        adapter.fast_layers = fast
+        cache = adapter.new_cache(40)
+        with torch.inference_mode():
+            prefill = adapter.run_layers(adapter.embed(ids), 0, adapter.num_layers, torch.arange(30), cache)
+            step = adapter.run_layers(adapter.embed(ids[:, :3]), 0, adapter.num_layers, torch.arange(30, 33), cache)
+        outputs.append((adapter.logits(prefill), adapter.logits(step)))
+    assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
+    with torch.inference_mode():
+        assert torch.equal(outputs[1][0], model(ids).logits[0].float())
+
+
+def test_fast_path_is_off_where_it_does_not_apply() -> None:
+    from selfspec.adapter import ModelAdapter
+
+    assert ModelAdapter(make_model("gemma2")).fast_layers is None  # eager attention, sandwich norms
+    assert ModelAdapter(make_model("gemma")).fast_layers is None
