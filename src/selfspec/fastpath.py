@@ -44,7 +44,7 @@ class LayerWeights:
     scaling: float
 
 
-def _linear(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _linear(module: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     return module.weight, module.bias
 
 
