@@ -192,6 +192,8 @@ class ModelAdapter:
         """One attention mask per layer type for queries at ``positions`` over ``past + q`` keys."""
         query_len = positions.shape[0]
         kv_len = past + query_len
+        if query_len == 1 and (self.sliding_window is None or kv_len <= self.sliding_window):
+            return dict.fromkeys(self.layer_types)  # one query over every cached key: no mask
         kv_positions = torch.arange(kv_len, device=positions.device)  # [kv]
         causal = kv_positions[None, :] <= positions[:, None]  # [q, kv]
         masks: dict[str, torch.Tensor | None] = {}
