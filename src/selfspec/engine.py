@@ -373,29 +373,32 @@ class SpeculativeEngine:
         The deltas join to exactly ``generate(...).text``. Call ``.close()`` to abandon the
         stream early; ``.stats`` and ``.output`` are set once it is exhausted or closed.
         """
-        run = self._start(self.encode_prompt(prompt), max_new_tokens, temperature, top_k, top_p, stop, seed, constraint)
-        self._require_tokenizer("streams")
-        return GenerationStream(run)
+        return self.stream_ids(
+            self.encode_prompt(prompt),
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            stop=stop,
+            seed=seed,
+            constraint=constraint,
+        )
 
     def stream_ids(
         self,
         prompt_ids: Sequence[int] | torch.Tensor,
-        **kwargs: Any,
+        *,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        stop: str | list[str] | None = None,
+        seed: int | None = None,
+        constraint: TokenConstraint | None = None,
     ) -> GenerationStream:
-        """Like :meth:`stream`, from token ids."""
+        """Like :meth:`stream`, from token ids (a tokenizer is needed to produce text)."""
         self._require_tokenizer("streams")
-        run = self._start(
-            prompt_ids,
-            kwargs.pop("max_new_tokens", 256),
-            kwargs.pop("temperature", 0.0),
-            kwargs.pop("top_k", None),
-            kwargs.pop("top_p", None),
-            kwargs.pop("stop", None),
-            kwargs.pop("seed", None),
-            kwargs.pop("constraint", None),
-        )
-        if kwargs:
-            raise TypeError(f"unexpected arguments: {', '.join(kwargs)}")
+        run = self._start(prompt_ids, max_new_tokens, temperature, top_k, top_p, stop, seed, constraint)
         return GenerationStream(run)
 
     # ----------------------------------------------------------------- the loop
