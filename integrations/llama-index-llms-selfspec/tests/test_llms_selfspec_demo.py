@@ -7,6 +7,7 @@ sent (captured by an instrumentation handler): the adapter adds nothing and lose
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -143,6 +144,15 @@ async def test_async_calls_do_not_block_the_event_loop(demo_llm):
     assert chunks[-1].raw["usage"] == response.raw["usage"]
 
 
+@pytest.mark.asyncio
+async def test_concurrent_achats_each_get_their_own_answer(demo_llm):
+    questions = ["Who is Jane Bennet?", "What is Pemberley?"]
+    conversations = [[ChatMessage(role=MessageRole.USER, content=q)] for q in questions]
+    responses = await asyncio.gather(*(demo_llm.achat(messages) for messages in conversations))
+    for messages, response in zip(conversations, responses, strict=True):
+        assert response.message.content == engine_greedy(demo_llm, messages)
+
+
 # ----------------------------------------------------------------------------- RAG
 def test_query(index, demo_llm, recorder):
     response = index.as_query_engine(similarity_top_k=2).query("Where does Elizabeth live?")
@@ -180,16 +190,31 @@ def multiply(x: int, y: int) -> int:
 
 
 @pytest.mark.asyncio
-async def test_function_agent_calls_a_tool_then_answers(demo_llm):
+async def test_function_agent_calls_a_tool_then_answers(demo_llm, recorder):
     from llama_index.core.agent.workflow import FunctionAgent, ToolCallResult
 
-    agent = FunctionAgent(tools=[FunctionTool.from_defaults(fn=multiply)], llm=demo_llm, initial_tool_choice="multiply")
+    from llama_index.llms.selfspec.base import to_engine_messages
+
+    tool = FunctionTool.from_defaults(fn=multiply)
+    # the tool call is forced on the first turn only; the demo model then answers on its own
+    agent = FunctionAgent(tools=[tool], llm=demo_llm, initial_tool_choice="multiply")
     handler = agent.run(user_msg="What is 7 times 6?")
     results = [event async for event in handler.stream_events() if isinstance(event, ToolCallResult)]
     response = await handler
-    assert [(r.tool_name, r.tool_kwargs) for r in results] == [("multiply", {"x": 7, "y": 6})]
-    assert results[0].tool_output.content == "42"
-    assert "42" in str(response)
+
+    (result,) = results
+    assert result.tool_name == "multiply"
+    assert set(result.tool_kwargs) == {"x", "y"} and all(isinstance(v, int) for v in result.tool_kwargs.values())
+    product = str(result.tool_kwargs["x"] * result.tool_kwargs["y"])
+    assert result.tool_output.content == product  # the tool really ran on the model's arguments
+    assert product in str(response)  # and the answer uses its result
+    # the second turn saw the call and its result in the model's own template format
+    prompt = demo_llm.engine.tokenizer.decode(
+        demo_llm.engine.encode_prompt(to_engine_messages(last_chat(recorder)), tools=[tool.metadata.to_openai_tool()])
+    )
+    call = json.dumps({"name": "multiply", "arguments": result.tool_kwargs})
+    assert f"<tool_call>{call}</tool_call><|im_end|>" in prompt
+    assert f"<tool_response>{product}</tool_response>" in prompt
 
 
 def test_forced_tool_call_is_well_formed(demo_llm):
