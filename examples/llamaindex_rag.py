@@ -1,6 +1,6 @@
 """Offline retrieval-augmented generation with LlamaIndex, decoded by self-speculation.
 
-A few Austen-like notes go into a ``VectorStoreIndex``; a query engine retrieves them and the
+Three Austen-like notes go into a ``VectorStoreIndex``; a query engine retrieves them and the
 bundled demo model answers through ``SpeculativeLLM``. Nothing is downloaded: the embeddings are
 LlamaIndex's ``MockEmbedding`` and the model ships with selfspec.
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import torch
 from llama_index.core import Document, Settings, VectorStoreIndex
 from llama_index.core.bridge.pydantic import Field
 from llama_index.core.embeddings import MockEmbedding
@@ -27,10 +28,12 @@ from llama_index.core.instrumentation.events.llm import LLMChatEndEvent
 from llama_index.llms.selfspec import SpeculativeLLM
 
 DOCUMENTS = [
-    "Elizabeth Bennet lives at Longbourn, in Hertfordshire, with her parents and her four sisters.",
-    "Mr. Darcy is the master of Pemberley, a great estate in Derbyshire; he has ten thousand a year.",
-    "Jane Bennet, the eldest of the sisters, is admired by Mr. Bingley, who has taken Netherfield Park.",
-    "Mr. Collins, a clergyman and the Bennets' cousin, is to inherit Longbourn when Mr. Bennet dies.",
+    "Elizabeth Bennet lives at Longbourn, in Hertfordshire, with her parents and her four sisters. "
+    "She is fond of long walks, and she laughs at follies whenever she can.",
+    "Mr. Darcy is the master of Pemberley, a great estate in Derbyshire. He has ten thousand a year, "
+    "and his pride offends the whole neighbourhood at the Meryton assembly.",
+    "Mr. Collins, a clergyman and the cousin of Mr. Bennet, is to inherit Longbourn. "
+    "He admires his patroness, Lady Catherine de Bourgh, above everyone.",
 ]
 
 
@@ -53,10 +56,12 @@ def answer(llm: SpeculativeLLM, index: VectorStoreIndex, question: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="selfspec-demo", help="hub id, folder, or selfspec-demo")
-    parser.add_argument("--question", default="Where does Elizabeth Bennet live?")
+    parser.add_argument("--question", default='Which sentence mentions "Pemberley"?')
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--compare", action="store_true", help="also answer with plain decoding")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
 
     llm = SpeculativeLLM(model=args.model, max_new_tokens=args.max_new_tokens)
     Settings.llm = llm
