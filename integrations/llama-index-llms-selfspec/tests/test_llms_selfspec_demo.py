@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import textwrap
 import time
 
 import pytest
@@ -247,3 +248,17 @@ async def test_astructured_predict(demo_llm):
     prompt = PromptTemplate("Give me a JSON object with keys name and city for {name}, who lives in {city}.")
     person = await demo_llm.astructured_predict(Person, prompt, name="Emma Woodhouse", city="Highbury")
     assert isinstance(person, Person)
+
+
+def test_class_docstring_example_runs(demo_llm, capsys):
+    import re
+
+    from llama_index.core import Settings
+
+    (code,) = re.findall(r"```python\n(.*?)```", SpeculativeLLM.__doc__, re.S)
+    previous = Settings._llm, Settings._embed_model
+    try:
+        exec(compile(textwrap.dedent(code), "SpeculativeLLM.__doc__", "exec"), {})
+    finally:
+        Settings._llm, Settings._embed_model = previous
+    assert "prompt_tokens" in capsys.readouterr().out

@@ -86,23 +86,29 @@ class SpeculativeLLM(FunctionCallingLLM):
     :class:`selfspec.GenerationStats`.
 
     Examples:
-        ``pip install llama-index-llms-selfspec``
+        ``pip install -e integrations/llama-index-llms-selfspec`` (from a selfspec checkout);
+        this runs offline on the demo model bundled with selfspec:
 
         ```python
-        from llama_index.core import Settings, VectorStoreIndex, Document
+        from llama_index.core import Document, Settings, VectorStoreIndex
         from llama_index.core.embeddings import MockEmbedding
+        from llama_index.core.llms import ChatMessage
         from llama_index.llms.selfspec import SpeculativeLLM
 
-        llm = SpeculativeLLM(model="selfspec-demo", max_new_tokens=64)
+        llm = SpeculativeLLM(model="selfspec-demo", max_new_tokens=64)  # loads on first use
         print(llm.complete("Who is Mr. Darcy?").text)
+
+        response = llm.chat([ChatMessage(role="user", content="Tell me about Longbourn.")])
+        print(response.message.content, response.raw["usage"], response.raw["mean_accepted_length"])
+        for chunk in llm.stream_chat([ChatMessage(role="user", content="Hello!")]):
+            print(chunk.delta, end="")
 
         Settings.llm = llm
         Settings.embed_model = MockEmbedding(embed_dim=8)
         index = VectorStoreIndex.from_documents(
             [Document(text="Elizabeth Bennet lives at Longbourn with her four sisters.")]
         )
-        response = index.as_query_engine().query("Where does Elizabeth live?")
-        print(response, response.source_nodes[0].score)
+        print(index.as_query_engine().query("Where does Elizabeth live?"))
         ```
     """
 
