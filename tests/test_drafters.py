@@ -28,7 +28,7 @@ def test_lookup_drafters_equal_generate(arch: str, drafter: str) -> None:
             assert engine.generate_ids(prompt, max_new_tokens=30).token_ids == reference
 
 
-def test_adaptive_auto_is_exact_and_adapts() -> None:
+def test_adaptive_auto_is_exact() -> None:
     model = make_model("llama")
     prompt = list(range(10, 30))
     reference = reference_greedy(model, prompt, 60)
@@ -36,8 +36,8 @@ def test_adaptive_auto_is_exact_and_adapts() -> None:
     assert engine.adaptive and engine.draft_confidence > 0
     out = engine.generate_ids(prompt, max_new_tokens=60)
     assert out.token_ids == reference
-    # an agreeing model accepts everything: the controller lengthens the drafts
-    assert engine.controller.current > engine.num_draft_tokens
+    # the controller saw every round (how it adapts is timing-driven: unit-tested below)
+    assert engine.controller.rounds > 0
 
 
 def test_sampled_lookup_is_deterministic_per_seed() -> None:
