@@ -148,6 +148,29 @@ async def test_async_calls_do_not_block_the_event_loop(demo_llm):
 
 
 @pytest.mark.asyncio
+async def test_abandoned_async_stream_is_closed(demo_llm):
+    messages = [ChatMessage(role=MessageRole.USER, content="Tell me about Pemberley.")]
+    stream = await demo_llm.astream_chat(messages)
+    first = await anext(stream)
+    await stream.aclose()  # abandoned mid-answer: the engine stays free for the next call
+    assert first.delta
+    response = await demo_llm.achat(messages)
+    assert response.message.content.startswith(first.delta)
+
+
+def test_streamed_token_counts(demo_llm):
+    counter = TokenCountingHandler()
+    llm = SpeculativeLLM(
+        model="selfspec-demo",
+        max_new_tokens=demo_llm.max_new_tokens,
+        callback_manager=CallbackManager([counter]),
+    )
+    chunks = list(llm.stream_chat([ChatMessage(role=MessageRole.USER, content="Who is Mr. Bingley?")]))
+    assert counter.prompt_llm_token_count == chunks[-1].raw["usage"]["prompt_tokens"]
+    assert counter.completion_llm_token_count == chunks[-1].raw["usage"]["completion_tokens"]
+
+
+@pytest.mark.asyncio
 async def test_concurrent_achats_each_get_their_own_answer(demo_llm):
     questions = ["Who is Jane Bennet?", "What is Pemberley?"]
     conversations = [[ChatMessage(role=MessageRole.USER, content=q)] for q in questions]

@@ -21,6 +21,7 @@ import asyncio
 import functools
 import json
 import logging
+import threading
 import uuid
 from collections.abc import AsyncGenerator, Iterator, Sequence
 from dataclasses import dataclass
@@ -542,17 +543,29 @@ _T = TypeVar("_T")
 
 
 async def _iterate_in_thread(responses: Iterator[_T]) -> AsyncGenerator[_T, None]:
-    """Iterate a blocking iterator from async code, each step in a worker thread."""
+    """Iterate a blocking iterator from async code, each step in a worker thread.
+
+    Steps and the final ``close`` hold one lock, so closing a stream whose consumer was
+    cancelled mid-step waits for that step (one engine round) instead of failing.
+    """
+    lock = threading.Lock()
+
+    def step() -> Any:
+        with lock:
+            return next(responses, _DONE)
+
+    def close() -> None:
+        with lock:
+            getattr(responses, "close", lambda: None)()
+
     try:
         while True:
-            item = await asyncio.to_thread(next, responses, _DONE)
+            item = await asyncio.to_thread(step)
             if item is _DONE:
                 return
-            yield item  # type: ignore[misc]
+            yield item
     finally:
-        close = getattr(responses, "close", None)
-        if close is not None:
-            await asyncio.to_thread(close)
+        await asyncio.to_thread(close)
 
 
 # --------------------------------------------------------------------- messages and tools
