@@ -93,6 +93,11 @@ def test_metadata_reads_the_model_config(demo_llm):
     assert demo_llm.metadata.context_window == demo_llm.engine.context_window == 2048
 
 
+def test_one_engine_shared_with_the_langchain_adapter(demo_llm):
+    langchain_selfspec = pytest.importorskip("langchain_selfspec")
+    assert langchain_selfspec.ChatSpeculative(model="selfspec-demo").get_engine() is demo_llm.engine
+
+
 def test_chat_matches_engine_and_counts_tokens(demo_llm):
     counter = TokenCountingHandler()
     llm = SpeculativeLLM(
