@@ -143,10 +143,11 @@ def json_constraint(engine: SpeculativeEngine) -> GrammarConstraint:
     )
 
 
-def tools_constraint(engine: SpeculativeEngine, tool_name: str | None = None) -> GrammarConstraint:
+def tools_constraint(engine: SpeculativeEngine, tool_name: str | None = None, *,
+                     required: bool = True) -> GrammarConstraint:
     return tool_call_constraint(
         engine.tokenizer, TOOLS, tool_name=tool_name, vocab_size=engine.adapter.vocab_size,
-        eos_token_ids=engine.eos_token_ids,
+        eos_token_ids=engine.eos_token_ids, required=required,
     )
 
 
@@ -248,6 +249,36 @@ def test_speculative_equals_plain_under_tool_constraint(engine_pair: dict[str, A
         spec = spec_engine.generate_ids(ids, max_new_tokens=120, constraint=tools_constraint(spec_engine))
         plain = plain_engine.generate_ids(ids, max_new_tokens=120, constraint=tools_constraint(plain_engine))
         assert spec.token_ids == plain.token_ids
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_optional_tool_calls_are_well_formed_when_made(engines: dict[str, SpeculativeEngine], tokenizer: Any,
+                                                       temperature: float) -> None:
+    engine = engines["speculative"]
+    kinds = set()
+    for seed in range(8):
+        constraint = tools_constraint(engine, required=False)
+        out = engine.generate_ids(prompt(seed, tokenizer), max_new_tokens=60, temperature=temperature,
+                                  seed=seed, constraint=constraint)
+        text = engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        parsed = parse_tool_calls(text)
+        assert not parsed.invalid_tool_calls, text
+        assert all(valid_tool_call(c.name, c.arguments) for c in parsed.tool_calls), text
+        if out.finish_reason == "stop" and parsed.tool_calls:
+            assert text.rstrip().endswith("</tool_call>")
+        kinds.add("call" if parsed.tool_calls else "text")
+    if temperature:
+        assert kinds == {"call", "text"}  # the model chose both ways
+
+
+def test_optional_grammar_accepts_text_calls_and_nothing(tokenizer: Any) -> None:
+    call = '<tool_call>{"name": "no_args", "arguments": {}}</tool_call>'
+    for text in ["Plain words, no call.", call, "Let me see.\n" + call, call + "\n" + call]:
+        assert accepts(tool_call_constraint(tokenizer, TOOLS, required=False), tokenizer, text), text
+    assert tool_call_constraint(tokenizer, TOOLS, required=False).allowed_tokens()[EOS]  # empty answer
+    assert not accepts(tool_call_constraint(tokenizer, TOOLS, required=False), tokenizer, call + " after")
+    bad = '<tool_call>{"name": "nope", "arguments": {}}</tool_call>'
+    assert not accepts(tool_call_constraint(tokenizer, TOOLS, required=False), tokenizer, bad)
 
 
 def test_tool_tags_are_the_added_tokens(tokenizer: Any) -> None:

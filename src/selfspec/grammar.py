@@ -257,6 +257,7 @@ def tool_call_constraint(
     tool_name: str | None = None,
     vocab_size: int | None = None,
     eos_token_ids: Iterable[int] | None = None,
+    required: bool = True,
 ) -> GrammarConstraint:
     """Constrain the output to exactly one Hermes-style tool call, then end-of-sequence.
 
@@ -267,32 +268,46 @@ def tool_call_constraint(
     ``</tool_call>`` as single added tokens (Hermes, Qwen, the demo model) the grammar
     names those tokens; otherwise it spells the tags out.
 
+    With ``required=False`` the model may also answer in free text (unconstrained, except
+    that special tokens other than the tags and end-of-sequence are not allowed), or write
+    some text and then one or more calls, one per line: a call the model chooses to make is
+    still well formed. This needs the tags to be single tokens (so that text cannot spell
+    them out).
+
     Args:
         tokenizer: the model's transformers fast tokenizer.
         tools: tool descriptions (any form :func:`selfspec.tools.tool_schema` reads).
         tool_name: force this tool; by default any of ``tools``.
         vocab_size: the model's logits vocabulary (may exceed ``len(tokenizer)``).
         eos_token_ids: the end-of-sequence tokens (default: the tokenizer's eos).
+        required: whether a tool call is required (default) or optional.
 
     Returns:
         A fresh constraint for one generation.
 
     Raises:
-        ValueError: no tools, an unknown ``tool_name``, or an invalid parameters schema.
+        ValueError: no tools, an unknown ``tool_name``, an invalid parameters schema, or
+            ``required=False`` with tags that are not single tokens.
         ImportError: llguidance is not installed.
     """
-    grammar = tool_call_grammar(tokenizer, tools, tool_name=tool_name)
+    grammar = tool_call_grammar(tokenizer, tools, tool_name=tool_name, required=required)
     llguidance = _llguidance()
     return _constraint(tokenizer, llguidance.LLMatcher.grammar_from_lark(grammar), vocab_size, eos_token_ids)
 
 
+def has_tool_call_tokens(tokenizer: Any) -> bool:
+    """Whether ``<tool_call>`` and ``</tool_call>`` are single added tokens of ``tokenizer``."""
+    added = _added_vocab(tokenizer)
+    return TOOL_CALL_START in added and TOOL_CALL_END in added
+
+
 def tool_call_grammar(
-    tokenizer: Any, tools: Sequence[Mapping[str, Any]], *, tool_name: str | None = None
+    tokenizer: Any, tools: Sequence[Mapping[str, Any]], *, tool_name: str | None = None, required: bool = True
 ) -> str:
     """The Lark grammar of :func:`tool_call_constraint` (for inspection and tests)."""
     functions = [tool_schema(tool)["function"] for tool in tools]
     if not functions:
-        raise ValueError("a forced tool call needs at least one tool")
+        raise ValueError("a tool-call grammar needs at least one tool")
     if tool_name is not None:
         functions = [f for f in functions if f["name"] == tool_name]
         if not functions:
@@ -305,13 +320,33 @@ def tool_call_grammar(
         rules.append(f"call_{i}: {head} args_{i} \"}}\"\nargs_{i}: %json {schema}")
         alternatives.append(f"call_{i}")
     start, end = _tag(tokenizer, TOOL_CALL_START), _tag(tokenizer, TOOL_CALL_END)
-    return f"start: {start} ({' | '.join(alternatives)}) {end}\n" + "\n".join(rules) + "\n"
+    call = f"{start} ({' | '.join(alternatives)}) {end}"
+    if required:
+        head_rules = f"start: {call}\n"
+    elif has_tool_call_tokens(tokenizer):
+        # nothing, free text (any bytes: the tags are single tokens, which text cannot
+        # spell), or optional text then calls, one per line
+        head_rules = (
+            "start: TEXT? calls?\n"
+            'calls: call ("\\n" call)*\n'
+            f"call: {call}\n"
+            "TEXT: /(?s:.+)/\n"
+        )
+    else:
+        raise ValueError(
+            "an optional tool call needs <tool_call> and </tool_call> as single tokens of the tokenizer"
+        )
+    return head_rules + "\n".join(rules) + "\n"
+
+
+def _added_vocab(tokenizer: Any) -> dict[str, int]:
+    get_added_vocab = getattr(tokenizer, "get_added_vocab", None)
+    return dict(get_added_vocab()) if callable(get_added_vocab) else {}
 
 
 def _tag(tokenizer: Any, text: str) -> str:
     """A tag as a Lark item: the single added token ``<[id]>`` if there is one, else the text."""
-    get_added_vocab = getattr(tokenizer, "get_added_vocab", None)
-    added: dict[str, int] = get_added_vocab() if callable(get_added_vocab) else {}
+    added = _added_vocab(tokenizer)
     if text in added:
         return f"<[{int(added[text])}]>"
     return json.dumps(text)

@@ -83,7 +83,7 @@ class ChatSpeculative(BaseChatModel):
         stop: list[str] | None
             Strings that end the answer (not included in it).
         seed: int | None
-            Seed for reproducible sampling.
+            Seed for reproducible sampling (with a fixed ``num_draft_tokens``).
 
     Key init args — engine params:
         model: str
@@ -164,9 +164,10 @@ class ChatSpeculative(BaseChatModel):
             forced.invoke("Hello!").tool_calls[0]["name"]  # 'get_weather'
 
         Calls are read from the model's own format (``<tool_call>{...}</tool_call>``, or
-        Llama 3.1's JSON); malformed ones are in ``invalid_tool_calls``. A forced call is
-        guaranteed well formed by constrained decoding over the tools' JSON schemas,
-        applied to draft and target alike, so speculation stays lossless.
+        Llama 3.1's JSON); malformed ones are in ``invalid_tool_calls``. Calls are generated
+        under a grammar of the tools' JSON schemas (constrained decoding, applied to draft
+        and target alike, so speculation stays lossless): a forced call always, and with
+        ``tool_choice="auto"`` any call the model chooses to make (``constrain_tool_calls``).
 
     Structured output:
         .. code-block:: python
@@ -258,10 +259,17 @@ class ChatSpeculative(BaseChatModel):
     """Strings that end the answer (not part of it); a call's own ``stop`` replaces these."""
 
     seed: int | None = None
-    """Seed of the random generator, for reproducible sampling."""
+    """Seed of the random generator. Sampling is reproducible with a fixed ``num_draft_tokens``;
+    with ``"auto"`` the draft length adapts between calls, which changes the samples (each is
+    still drawn exactly from the model's distribution)."""
 
     streaming: bool = False
     """Whether ``invoke`` streams internally (so that callbacks see each token)."""
+
+    constrain_tool_calls: bool = True
+    """With tools bound and ``tool_choice="auto"``, generate the calls the model chooses to make
+    under the tools' grammar too (valid names and arguments; free text stays unconstrained).
+    Needs ``<tool_call>`` as a single token of the tokenizer; otherwise calls are only parsed."""
 
     model_config = ConfigDict(use_attribute_docstrings=True)
 
@@ -425,6 +433,8 @@ class ChatSpeculative(BaseChatModel):
         elif response_format is not None:
             request.constraint = _lazy_grammar("json_schema_constraint", engine, _response_schema(response_format))
             request.parse_tools = False
+        elif tools and self.constrain_tool_calls and _has_tool_call_tokens(engine):
+            request.constraint = _lazy_grammar("tool_call_constraint", engine, tools, required=False)
         return request
 
     @staticmethod
@@ -573,6 +583,12 @@ def _lazy_grammar(kind: str, engine: SpeculativeEngine, *args: Any, **kwargs: An
         )
 
     return make
+
+
+def _has_tool_call_tokens(engine: SpeculativeEngine) -> bool:
+    from selfspec.grammar import has_tool_call_tokens
+
+    return has_tool_call_tokens(engine.tokenizer)
 
 
 def _response_schema(response_format: Mapping[str, Any]) -> dict[str, Any]:
