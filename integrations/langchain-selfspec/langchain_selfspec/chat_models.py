@@ -574,7 +574,7 @@ def _lazy_grammar(kind: str, engine: SpeculativeEngine, *args: Any, **kwargs: An
         from selfspec import grammar
 
         factory = getattr(grammar, kind)
-        return factory(  # type: ignore[no-any-return]
+        return factory(
             engine.tokenizer,
             *args,
             vocab_size=engine.adapter.vocab_size,
@@ -622,7 +622,7 @@ def _normalize_tool_choice(choice: Any, names: list[str]) -> str | dict[str, Any
     if choice in ("any", "required") or choice is True:
         return "required"
     if isinstance(choice, dict):
-        function = choice.get("function") if isinstance(choice.get("function"), dict) else choice
+        function = choice["function"] if isinstance(choice.get("function"), dict) else choice
         choice = function.get("name")
     if isinstance(choice, str) and choice in names:
         return {"type": "function", "function": {"name": choice}}
