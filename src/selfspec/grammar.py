@@ -36,6 +36,7 @@ JSON_OPTIONS: dict[str, Any] = {
     "key_separator": ": ",
 }
 _MATCHER_CACHE_SIZE = 64
+_MASK_CACHE_SIZE = 32
 
 _lock = threading.Lock()
 _ll_tokenizers: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], Any]] = weakref.WeakKeyDictionary()
@@ -87,9 +88,23 @@ class GrammarConstraint:
         self._eos_mask = torch.zeros(vocab_size, dtype=torch.bool)
         self._eos_mask[[t for t in self.eos_token_ids if t < vocab_size]] = True
         self._fed: list[bool] = []  # per advanced token: whether the matcher consumed it
+        self._tokens: list[int] = []  # the advanced tokens
+        # masks by prefix: a round computes each position's mask while drafting, then again
+        # while verifying; the second time is a lookup
+        self._masks: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()
 
     def allowed_tokens(self) -> torch.Tensor:
         """A ``[vocab_size]`` bool mask of the tokens the grammar allows next."""
+        key = tuple(self._tokens)
+        cached = self._masks.get(key)
+        if cached is None:
+            cached = self._compute_mask()
+            self._masks[key] = cached
+            if len(self._masks) > _MASK_CACHE_SIZE:
+                self._masks.popitem(last=False)
+        return cached.clone()
+
+    def _compute_mask(self) -> torch.Tensor:
         if self.matcher.is_stopped():
             return self._eos_mask.clone()
         self.matcher.unsafe_compute_mask_ptr(self._bitmask.data_ptr(), self._bitmask.numel() * 4)
@@ -110,10 +125,11 @@ class GrammarConstraint:
         """
         if self.matcher.is_stopped():
             self._fed.append(False)
-            return
-        if not self.matcher.consume_token(int(token_id)):
+        elif self.matcher.consume_token(int(token_id)):
+            self._fed.append(True)
+        else:
             raise ValueError(f"token {token_id} is not allowed by the grammar: {self.matcher.get_error()}")
-        self._fed.append(True)
+        self._tokens.append(int(token_id))
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` advanced tokens."""
@@ -123,6 +139,7 @@ class GrammarConstraint:
             raise ValueError(f"cannot roll back {num_tokens} tokens: only {len(self._fed)} were consumed")
         undone = self._fed[-num_tokens:]
         del self._fed[-num_tokens:]
+        del self._tokens[-num_tokens:]
         fed = sum(undone)
         if fed and not self.matcher.rollback(fed):
             raise RuntimeError(f"grammar rollback failed: {self.matcher.get_error()}")
