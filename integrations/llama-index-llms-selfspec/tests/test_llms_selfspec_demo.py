@@ -260,6 +260,21 @@ def test_forced_tool_call_is_well_formed(demo_llm):
     assert all(isinstance(v, int) for v in selection.tool_kwargs.values())
 
 
+def test_optional_tool_calls_are_well_formed(demo_llm):
+    tools = [FunctionTool.from_defaults(fn=multiply)]
+    response = demo_llm.chat_with_tools(tools, user_msg="What is 7 times 6?", allow_parallel_tool_calls=True)
+    # the model may answer in text or call tools; any call it makes follows the tools' grammar
+    assert not response.message.additional_kwargs.get("invalid_tool_calls")
+    for selection in demo_llm.get_tool_calls_from_response(response, error_on_no_tool_call=False):
+        assert selection.tool_name == "multiply"
+        assert set(selection.tool_kwargs) == {"x", "y"}
+    schemas = [tool.metadata.to_openai_tool() for tool in tools]
+    assert demo_llm._grammar(demo_llm.engine, schemas, "auto", None) is not None
+    unconstrained = SpeculativeLLM(model="selfspec-demo", constrain_tool_calls=False)
+    assert unconstrained._grammar(demo_llm.engine, schemas, "auto", None) is None
+    assert unconstrained._grammar(demo_llm.engine, schemas, "multiply", None) is not None
+
+
 class Person(BaseModel):
     """A person and the city they live in."""
 

@@ -51,7 +51,7 @@ from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
 from llama_index.core.types import PydanticProgramMode
 
-from selfspec import GenerationOutput, GenerationStream, SpeculativeEngine, get_engine
+from selfspec import GenerationOutput, GenerationStream, SpeculativeEngine, TokenConstraint, get_engine
 
 if TYPE_CHECKING:
     from llama_index.core.prompts import BasePromptTemplate
@@ -154,6 +154,12 @@ class SpeculativeLLM(FunctionCallingLLM):
         default=None, description="Strings that end a response (not part of the returned text)."
     )
     seed: int | None = Field(default=None, description="Seed for reproducible sampling.")
+    constrain_tool_calls: bool = Field(
+        default=True,
+        description="With tools offered and no forced choice, generate the calls the model chooses to make "
+        "under the tools' grammar too (valid names and arguments; free text stays unconstrained). Needs "
+        "<tool_call> as a single token of the tokenizer; otherwise calls are only parsed.",
+    )
     context_window: int | None = Field(
         default=None,
         gt=0,
@@ -457,27 +463,31 @@ class SpeculativeLLM(FunctionCallingLLM):
             "seed": kwargs.pop("seed", self.seed),
             "constraint": kwargs.pop("constraint", None),
         }
-        forced = _forced_tool(tools, tool_choice)
-        vocab_size = engine.adapter.vocab_size
-        if json_schema is not None:
-            from selfspec.grammar import json_schema_constraint
-
-            options["constraint"] = json_schema_constraint(
-                engine.tokenizer, json_schema, vocab_size=vocab_size, eos_token_ids=engine.eos_token_ids
-            )
-        elif forced is not None:
-            from selfspec.grammar import tool_call_constraint
-
-            options["constraint"] = tool_call_constraint(
-                engine.tokenizer,
-                tools,
-                tool_name=forced or None,
-                vocab_size=vocab_size,
-                eos_token_ids=engine.eos_token_ids,
-            )
+        if options["constraint"] is None:
+            options["constraint"] = self._grammar(engine, tools, tool_choice, json_schema)
         if kwargs:
             logger.debug("SpeculativeLLM ignores the arguments %s", ", ".join(sorted(kwargs)))
         return _Request(engine=engine, prompt_ids=prompt_ids, options=options, parse_tools=bool(tools))
+
+    def _grammar(
+        self,
+        engine: SpeculativeEngine,
+        tools: list[dict[str, Any]],
+        tool_choice: str | dict[str, Any] | None,
+        json_schema: dict[str, Any] | None,
+    ) -> TokenConstraint | None:
+        """The grammar constraint of a call: a JSON schema, a forced or an optional tool call."""
+        from selfspec.grammar import has_tool_call_tokens, json_schema_constraint, tool_call_constraint
+
+        common = {"vocab_size": engine.adapter.vocab_size, "eos_token_ids": engine.eos_token_ids}
+        if json_schema is not None:
+            return json_schema_constraint(engine.tokenizer, json_schema, **common)
+        forced = _forced_tool(tools, tool_choice)
+        if forced is not None:
+            return tool_call_constraint(engine.tokenizer, tools, tool_name=forced or None, **common)
+        if tools and self.constrain_tool_calls and has_tool_call_tokens(engine.tokenizer):
+            return tool_call_constraint(engine.tokenizer, tools, required=False, **common)
+        return None
 
     def _usage_and_stats(self, output: GenerationOutput) -> tuple[dict[str, Any], dict[str, Any]]:
         """``raw`` and ``additional_kwargs`` of a finished response: token counts and stats."""
