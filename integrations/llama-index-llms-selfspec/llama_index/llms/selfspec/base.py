@@ -479,7 +479,7 @@ class SpeculativeLLM(FunctionCallingLLM):
         """The grammar constraint of a call: a JSON schema, a forced or an optional tool call."""
         from selfspec.grammar import has_tool_call_tokens, json_schema_constraint, tool_call_constraint
 
-        common = {"vocab_size": engine.adapter.vocab_size, "eos_token_ids": engine.eos_token_ids}
+        common: dict[str, Any] = {"vocab_size": engine.adapter.vocab_size, "eos_token_ids": engine.eos_token_ids}
         if json_schema is not None:
             return json_schema_constraint(engine.tokenizer, json_schema, **common)
         forced = _forced_tool(tools, tool_choice)
