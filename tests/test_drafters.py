@@ -124,3 +124,20 @@ def test_fixed_draft_length_never_adapts() -> None:
     controller.record(3, 0, 1, seconds=1.0)
     controller.record(3, 3, 4, seconds=0.001)
     assert controller.budget() == 3
+
+
+def test_same_seed_same_text_with_adaptive_drafting() -> None:
+    """Adaptive draft lengths must not make a seeded sampled run irreproducible."""
+    engine = SpeculativeEngine(make_model("llama", agreeing=False), exit_layer=2)  # "auto": adaptive
+    prompt = list(range(10, 30))
+    first = engine.generate_ids(prompt, max_new_tokens=40, temperature=0.9, seed=11).token_ids
+    for _ in range(3):  # the engine's shared controller keeps learning from greedy calls in between
+        engine.generate_ids(prompt, max_new_tokens=40)
+        assert engine.generate_ids(prompt, max_new_tokens=40, temperature=0.9, seed=11).token_ids == first
+
+
+def test_untimed_controller_ignores_timing() -> None:
+    controller = DraftController(4, adaptive=True).for_sampling()
+    assert controller.budget() == 4  # no plain probe step
+    controller.record(4, 0, 1, seconds=100.0)
+    assert controller.budget() == 3 and controller.fallbacks == 0

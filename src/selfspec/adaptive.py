@@ -27,11 +27,15 @@ class DraftController:
         num_draft_tokens: the starting (calibrated) draft length.
         adaptive: ``False`` fixes the length: no adaptation and no fallback.
         max_draft_tokens: the longest draft an adaptive controller tries.
+        timed: whether measured step times may switch speculation off. A sampling run uses
+            an untimed controller of its own, so that a seed always gives the same text
+            (timing is not reproducible, and the random stream depends on the draft lengths).
     """
 
     num_draft_tokens: int
     adaptive: bool = False
     max_draft_tokens: int = 8
+    timed: bool = True
 
     def __post_init__(self) -> None:
         self.current = self.num_draft_tokens
@@ -46,6 +50,8 @@ class DraftController:
         """Draft tokens to propose this round (0 means a plain decoding step)."""
         if not self.adaptive:
             return self.num_draft_tokens
+        if not self.timed:
+            return self.current
         if self.fallback_left > 0:
             return 0
         if self.plain_seconds_per_token is None or self.rounds % PROBE_EVERY == PROBE_EVERY - 1:
@@ -63,17 +69,23 @@ class DraftController:
             if self.fallback_left > 0:
                 self.fallback_left -= 1
             return
-        self.spec_seconds_per_token = _mean(self.spec_seconds_per_token, per_token)
         if num_accepted == num_drafted:
             self.current = min(self.current + 1, self.max_draft_tokens)
         elif num_accepted < num_drafted // 2:
             self.current = max(self.current - 1, 1)
+        if not self.timed:
+            return
+        self.spec_seconds_per_token = _mean(self.spec_seconds_per_token, per_token)
         plain = self.plain_seconds_per_token
         if plain is not None and self.spec_seconds_per_token > plain * 1.02:
             self.fallback_left = FALLBACK_ROUNDS
             self.fallbacks += 1
             self.spec_seconds_per_token = None  # judge speculation afresh after the pause
             self.current = self.num_draft_tokens
+
+    def for_sampling(self) -> DraftController:
+        """A fresh, untimed controller for one sampled generation (reproducible per seed)."""
+        return DraftController(self.num_draft_tokens, self.adaptive, self.max_draft_tokens, timed=False)
 
     def __repr__(self) -> str:
         return (

@@ -498,7 +498,7 @@ class SpeculativeEngine:
     def _round(self, state: DecodeState, run: _Generation, remaining: int) -> list[int]:
         """One draft-verify-accept round; returns the emitted tokens (eos-truncated)."""
         stats, drafter = run.stats, self.drafter
-        max_draft = min(self._draft_budget(), remaining - 1)
+        max_draft = min(self._draft_budget(run.controller), remaining - 1)
         started = time.perf_counter()
         draft = drafter.propose(state, max_draft) if max_draft > 0 else Draft()
         draft = self._truncate_draft(draft, max_draft)
@@ -516,7 +516,7 @@ class SpeculativeEngine:
 
         num_drafted = len(draft)
         drafter.observe(num_drafted, acceptance.num_accepted)
-        self.controller.record(
+        run.controller.record(
             num_drafted, acceptance.num_accepted, acceptance.num_accepted + 1, time.perf_counter() - started
         )
         stats.num_drafted += num_drafted
@@ -541,8 +541,8 @@ class SpeculativeEngine:
                 state.constraint.advance(token)
         return tokens
 
-    def _draft_budget(self) -> int:
-        return 0 if isinstance(self.drafter, NoDrafter) else self.controller.budget()
+    def _draft_budget(self, controller: DraftController) -> int:
+        return 0 if isinstance(self.drafter, NoDrafter) else controller.budget()
 
     @staticmethod
     def _truncate_draft(draft: Draft, length: int) -> Draft:
@@ -630,6 +630,9 @@ class _Generation:
         self.generator = generator
         self.constraint = constraint
         self.stats = GenerationStats()
+        # greedy text never depends on draft lengths: share the engine's timed controller;
+        # sampled text does (through the random stream): a per-call, untimed one
+        self.controller = engine.controller if params.greedy else engine.controller.for_sampling()
         self.token_ids: list[int] = []
         self.text_parts: list[str] = []
         self.finish_reason: FinishReason | None = None
