@@ -188,7 +188,11 @@ async def test_concurrent_achats_each_get_their_own_answer(demo_llm):
 def test_query(index, demo_llm, recorder):
     response = index.as_query_engine(similarity_top_k=2).query("Where does Elizabeth live?")
     assert len(response.source_nodes) == 2
-    assert response.response == engine_greedy(demo_llm, last_chat(recorder))
+    messages = last_chat(recorder)
+    assert response.response == engine_greedy(demo_llm, messages)
+    # lossless end to end: plain decoding of the same messages writes the same answer
+    plain = SpeculativeLLM(model="selfspec-demo", drafter="none", max_new_tokens=demo_llm.max_new_tokens)
+    assert plain.chat(messages).message.content == response.response
 
 
 @pytest.mark.asyncio
