@@ -124,7 +124,8 @@ class SpeculativeLLM(FunctionCallingLLM):
     )
     num_draft_tokens: int | str = Field(
         default="auto",
-        description="Tokens drafted per round; 'auto' uses the saved calibration, else 4.",
+        description="Tokens drafted per round; 'auto' starts from the saved calibration and adapts "
+        "to recent acceptance.",
     )
     drafter: str = Field(
         default="early_exit",
@@ -153,7 +154,10 @@ class SpeculativeLLM(FunctionCallingLLM):
     stop: list[str] | None = Field(
         default=None, description="Strings that end a response (not part of the returned text)."
     )
-    seed: int | None = Field(default=None, description="Seed for reproducible sampling.")
+    seed: int | None = Field(
+        default=None,
+        description="Seed for sampling; reproducible with a fixed num_draft_tokens ('auto' adapts between calls).",
+    )
     constrain_tool_calls: bool = Field(
         default=True,
         description="With tools offered and no forced choice, generate the calls the model chooses to make "
