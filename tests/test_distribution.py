@@ -118,6 +118,25 @@ def test_early_exit_sampling_follows_target(model, params: SamplingParams) -> No
     assert 0.2 < sum(rates) / len(rates) < 0.9, stats
 
 
+def test_draft_model_sampling_follows_target(model) -> None:
+    draft = make_model(
+        "llama",
+        agreeing=False,
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        initializer_range=0.5,
+        seed=7,
+    )
+    params = SamplingParams(1.0)
+    engine = SpeculativeEngine(model, drafter="draft_model", draft_model=draft, num_draft_tokens=2)
+    counts = sampled_counts(engine, params)
+    assert chi_square_pvalue(counts, exact_distribution(model, params)) > 1e-3
+
+
 class BiasedDrafter(Drafter):
     """Drafts from a distribution far from the target's (mostly token 0)."""
 

@@ -141,3 +141,46 @@ def test_untimed_controller_ignores_timing() -> None:
     assert controller.budget() == 4  # no plain probe step
     controller.record(4, 0, 1, seconds=100.0)
     assert controller.budget() == 3 and controller.fallbacks == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2"])
+def test_draft_model_equals_generate(arch: str) -> None:
+    target = make_model(arch, agreeing=False)
+    draft = make_model("llama", agreeing=False, num_hidden_layers=2, seed=1)
+    for prompt in (repetitive_prompt(), list(range(10, 30))):
+        reference = reference_greedy(target, prompt, 30)
+        for num_draft in (1, 3, 40):
+            engine = SpeculativeEngine(target, drafter="draft_model", draft_model=draft, num_draft_tokens=num_draft)
+            assert engine.generate_ids(prompt, max_new_tokens=30).token_ids == reference
+
+
+def test_draft_model_that_agrees_gets_accepted() -> None:
+    """A draft model identical to the target: every draft is accepted (the caches stay in step)."""
+    target = make_model("llama", agreeing=False)
+    engine = SpeculativeEngine(target, drafter="draft_model", draft_model=target, num_draft_tokens=4)
+    out = engine.generate_ids(list(range(10, 30)), max_new_tokens=30)
+    assert out.token_ids == reference_greedy(target, list(range(10, 30)), 30)
+    assert out.stats.acceptance_rate == 1.0 and out.stats.mean_accepted_length > 4.5  # last round is cut
+
+
+def test_draft_model_errors() -> None:
+    from selfspec import ConfigurationError
+
+    target = make_model("llama")
+    with pytest.raises(ConfigurationError, match="vocabulary differs"):
+        SpeculativeEngine(target, drafter="draft_model", draft_model=make_model("llama", vocab_size=64))
+    with pytest.raises(ConfigurationError, match="needs draft_model="):
+        SpeculativeEngine(target, drafter="draft_model")
+    with pytest.raises(ConfigurationError, match="only used with drafter='draft_model'"):
+        SpeculativeEngine(target, draft_model=make_model("llama"))
+
+
+def test_draft_model_by_name(tmp_path) -> None:
+    target, draft = tmp_path / "target", tmp_path / "draft"
+    make_model("llama", dtype=torch.float32).save_pretrained(target)
+    make_model("llama", dtype=torch.float32, num_hidden_layers=2, seed=3).save_pretrained(draft)
+    engine = SpeculativeEngine.from_pretrained(target, drafter="draft_model", draft_model=draft, num_draft_tokens=3)
+    assert engine.drafter.name == "draft_model"
+    assert engine.generate_ids(list(range(10, 20)), max_new_tokens=12).token_ids == reference_greedy(
+        engine.model, list(range(10, 20)), 12
+    )

@@ -8,7 +8,15 @@ from importlib.metadata import PackageNotFoundError, version
 
 from .adapter import SUPPORTED_ARCHITECTURES, ModelAdapter
 from .constraints import TokenConstraint
-from .drafters import Draft, Drafter, EarlyExitDrafter, NoDrafter
+from .drafters import (
+    Draft,
+    Drafter,
+    DraftModelDrafter,
+    EarlyExitDrafter,
+    HybridDrafter,
+    NoDrafter,
+    PromptLookupDrafter,
+)
 from .engine import GenerationStream, SpeculativeEngine
 from .errors import (
     ConfigurationError,
@@ -34,15 +42,18 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "ConfigurationError",
     "Draft",
+    "DraftModelDrafter",
     "Drafter",
     "EarlyExitDrafter",
     "GenerationOutput",
     "GenerationStats",
     "GenerationStream",
+    "HybridDrafter",
     "InvalidPromptError",
     "ModelAdapter",
     "ModelNotFoundError",
     "NoDrafter",
+    "PromptLookupDrafter",
     "QuantizationError",
     "SamplingError",
     "SelfSpecError",

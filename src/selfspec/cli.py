@@ -27,7 +27,10 @@ def _engine_args(parser: argparse.ArgumentParser, default_model: str | None = No
     parser.add_argument("--device", default="auto")
     parser.add_argument("--exit-layer", default="auto", help="draft exit layer, or 'auto'")
     parser.add_argument("--num-draft-tokens", default="auto", help="draft length, or 'auto'")
-    parser.add_argument("--drafter", default="early_exit", choices=["early_exit", "prompt_lookup", "hybrid", "none"])
+    parser.add_argument(
+        "--drafter", default="early_exit", choices=["early_exit", "prompt_lookup", "hybrid", "draft_model", "none"]
+    )
+    parser.add_argument("--draft-model", default=None, help="with --drafter draft_model: the draft model")
     parser.add_argument("--trust-remote-code", action="store_true")
 
 
@@ -56,6 +59,7 @@ def _load(args: argparse.Namespace) -> Any:
         num_draft_tokens=_int_or_auto(args.num_draft_tokens),
         drafter=args.drafter,
         trust_remote_code=args.trust_remote_code,
+        draft_model=args.draft_model,
     )
 
 

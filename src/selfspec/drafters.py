@@ -206,6 +206,68 @@ class HybridDrafter(Drafter):
         return self.early_exit.propose(state, max_tokens)
 
 
+class DraftModelDrafter(Drafter):
+    """Drafts with a separate, smaller model that shares the target's tokenizer.
+
+    The classic scheme (Leviathan et al. 2023; Chen et al. 2023). The draft model keeps its
+    own KV cache per generation, kept in step with the target's: before each round it is
+    cropped to the accepted text and catches up on the tokens it has not seen (the prompt at
+    first, then the target's recovered or bonus token). Its logits are processed exactly
+    like the target's, so sampling stays lossless.
+
+    Args:
+        draft_model: a loaded causal LM of a supported architecture, on the target's device.
+        vocab_size: the target's vocabulary size (draft logits are cut or padded to it).
+    """
+
+    name = "draft_model"
+
+    def __init__(self, draft_model: Any, vocab_size: int) -> None:
+        self.adapter = ModelAdapter(draft_model)
+        self.vocab_size = vocab_size
+
+    def __repr__(self) -> str:
+        config = self.adapter.config
+        return f"DraftModelDrafter({config.model_type}, num_layers={self.adapter.num_layers})"
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.adapter.logits(hidden)[0]  # [draft vocab]
+        if logits.shape[-1] >= self.vocab_size:
+            return logits[..., : self.vocab_size]
+        pad = logits.new_full((self.vocab_size - logits.shape[-1],), float("-inf"))
+        return torch.cat([logits, pad])
+
+    def propose(self, state: DecodeState, max_tokens: int) -> Draft:
+        """Catch the draft cache up to the accepted text, then draft ``max_tokens`` tokens."""
+        if max_tokens <= 0:
+            return Draft()
+        adapter, device = self.adapter, self.adapter.device
+        cache = state.scratch.get("draft_cache")
+        if cache is None:
+            cache = state.scratch["draft_cache"] = adapter.new_cache(state.cache.max_length + 1)
+        cache.crop_to(state.position)  # keep only positions of the accepted text
+        seen = cache.lengths[0]
+        if seen < state.position:  # tokens the draft model has not processed yet
+            missing = torch.tensor([state.token_ids[seen : state.position]], device=device)
+            positions = torch.arange(seen, state.position, device=device)
+            adapter.run_layers(adapter.embed(missing), 0, adapter.num_layers, positions, cache)
+        token, tokens, probs = state.last_token, [], []
+        constraint = state.constraint
+        for j in range(max_tokens):
+            ids = torch.tensor([[token]], device=device)
+            positions = torch.tensor([state.position + j], device=device)
+            hidden = adapter.run_layers(adapter.embed(ids), 0, adapter.num_layers, positions, cache)
+            token, token_probs = choose_token(self._logits(hidden), state.params, state.generator, constraint)
+            if constraint is not None:
+                constraint.advance(token)
+            tokens.append(token)
+            if token_probs is not None:
+                probs.append(token_probs)
+        if constraint is not None:
+            constraint.rollback(len(tokens))
+        return Draft(tokens=tokens, draft_probs=torch.stack(probs) if probs else None)
+
+
 class EarlyExitDrafter(Drafter):
     """Drafts with the target's own first ``exit_layer`` layers (LayerSkip-style).
 

@@ -30,6 +30,7 @@ from .drafters import (
     DecodeState,
     Draft,
     Drafter,
+    DraftModelDrafter,
     EarlyExitDrafter,
     HybridDrafter,
     NoDrafter,
@@ -43,7 +44,7 @@ from .stopping import IncrementalDetokenizer, StopStringMatcher, normalize_stop
 from .verify import Acceptance, accept_greedy, accept_sampled
 
 #: Drafters selectable by name.
-DRAFTERS = ("early_exit", "prompt_lookup", "hybrid", "none")
+DRAFTERS = ("early_exit", "prompt_lookup", "hybrid", "draft_model", "none")
 #: Draft length used when ``num_draft_tokens="auto"`` finds no calibration.
 DEFAULT_NUM_DRAFT_TOKENS = 4
 #: With ``num_draft_tokens="auto"``, the early exit stops drafting below this top probability.
@@ -82,6 +83,9 @@ class SpeculativeEngine:
             decoding.
         calibration: measured settings to use instead of the saved ``selfspec.json``
             (the ``"exit_layer"`` and ``"num_draft_tokens"`` keys are read).
+        draft_model: with ``drafter="draft_model"``, the loaded draft model (sharing the
+            target's tokenizer); :meth:`from_pretrained` also takes a name.
+        draft_tokenizer: the draft model's tokenizer, checked against the target's.
 
     Example:
         >>> from selfspec import SpeculativeEngine
@@ -101,6 +105,8 @@ class SpeculativeEngine:
         drafter: str | Drafter = "early_exit",
         draft_confidence: float | None = None,
         calibration: dict[str, Any] | None = None,
+        draft_model: Any = None,
+        draft_tokenizer: Any = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -116,6 +122,8 @@ class SpeculativeEngine:
         self.draft_confidence = (
             (DEFAULT_DRAFT_CONFIDENCE if draft_confidence is None else draft_confidence) if self.adaptive else 0.0
         )
+        self.draft_model = draft_model
+        self._check_draft_model(drafter, draft_model, draft_tokenizer)
         self.drafter = self._make_drafter(drafter)
         self.controller = DraftController(self.num_draft_tokens, adaptive=self.adaptive)
         self.eos_token_ids = self._eos_token_ids()
@@ -137,6 +145,7 @@ class SpeculativeEngine:
         trust_remote_code: bool = False,
         allow_pickle: bool = False,
         calibrate: bool = True,
+        draft_model: Any = None,
     ) -> SpeculativeEngine:
         """Load a model from the hub, a local folder, or ``"selfspec-demo"``.
 
@@ -153,6 +162,8 @@ class SpeculativeEngine:
             draft_confidence: see :class:`SpeculativeEngine`.
             trust_remote_code: allow checkpoints that ship their own Python code.
             allow_pickle: allow ``.bin`` (pickle) weights when no safetensors exist.
+            draft_model: with ``drafter="draft_model"``: a loaded model, or a name or folder
+                loaded like the target (same quantization, dtype and device).
             calibrate: when ``exit_layer`` or ``num_draft_tokens`` is ``"auto"`` and the
                 model has no saved calibration, measure one now (a few seconds, with a
                 progress bar) and save it beside the model or in the user cache.
@@ -174,6 +185,16 @@ class SpeculativeEngine:
             allow_pickle=allow_pickle,
         )
         model.config._name_or_path = path
+        draft_tokenizer = None
+        if isinstance(draft_model, (str, os.PathLike)):
+            draft_model, draft_tokenizer, _ = load_model_and_tokenizer(
+                draft_model,
+                quantization=quantization,
+                dtype=dtype,
+                device=device,
+                trust_remote_code=trust_remote_code,
+                allow_pickle=allow_pickle,
+            )
         engine = cls(
             model,
             tokenizer,
@@ -181,8 +202,10 @@ class SpeculativeEngine:
             num_draft_tokens=num_draft_tokens,
             drafter=drafter,
             draft_confidence=draft_confidence,
+            draft_model=draft_model,
+            draft_tokenizer=draft_tokenizer,
         )
-        wants_auto = "auto" in (exit_layer, num_draft_tokens) and drafter != "none"
+        wants_auto = "auto" in (exit_layer, num_draft_tokens) and drafter in ("early_exit", "hybrid")
         if calibrate and wants_auto and not engine.calibration:
             from .calibrate import calibrate as run_calibration
 
@@ -195,6 +218,8 @@ class SpeculativeEngine:
                 drafter=drafter,
                 draft_confidence=draft_confidence,
                 calibration=measured.to_json(),
+                draft_model=draft_model,
+                draft_tokenizer=draft_tokenizer,
             )
         return engine
 
@@ -243,7 +268,31 @@ class SpeculativeEngine:
             return PromptLookupDrafter()
         if drafter == "hybrid":
             return HybridDrafter(self.exit_layer)
+        if drafter == "draft_model":
+            return DraftModelDrafter(self.draft_model, self.adapter.vocab_size)
         return EarlyExitDrafter(self.exit_layer, confidence=self.draft_confidence)
+
+    def _check_draft_model(self, drafter: Any, draft_model: Any, draft_tokenizer: Any) -> None:
+        if drafter != "draft_model":
+            if draft_model is not None:
+                raise ConfigurationError("draft_model= is only used with drafter='draft_model'")
+            return
+        if draft_model is None or isinstance(draft_model, (str, os.PathLike)):
+            raise ConfigurationError(
+                "drafter='draft_model' needs draft_model= a loaded model (from_pretrained also takes a name)"
+            )
+        if self.tokenizer is not None and draft_tokenizer is not None:
+            same = self.tokenizer.get_vocab() == draft_tokenizer.get_vocab()
+        else:
+            same = int(draft_model.config.vocab_size) == self.adapter.vocab_size
+        if not same:
+            raise ConfigurationError(
+                "the draft model's vocabulary differs from the target's; a draft model must share "
+                "the target's tokenizer"
+            )
+        draft_device = draft_model.get_input_embeddings().weight.device
+        if draft_device != self.adapter.device:
+            raise ConfigurationError(f"the draft model is on {draft_device}, the target on {self.adapter.device}")
 
     def _eos_token_ids(self) -> set[int]:
         eos: Any = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
