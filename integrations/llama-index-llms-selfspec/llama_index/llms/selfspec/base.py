@@ -129,7 +129,8 @@ class SpeculativeLLM(FunctionCallingLLM):
     )
     drafter: str = Field(
         default="early_exit",
-        description="'early_exit' (self-speculation), 'prompt_lookup', 'hybrid' or 'none' (plain decoding).",
+        description="'early_exit' (self-speculation), 'prompt_lookup', 'hybrid', 'draft_model' or 'none' "
+        "(plain decoding).",
     )
     draft_confidence: float | None = Field(
         default=None,
@@ -146,6 +147,11 @@ class SpeculativeLLM(FunctionCallingLLM):
     calibrate: bool = Field(
         default=True,
         description="With 'auto' exit layer or draft length and no saved calibration, measure one on first load.",
+    )
+    draft_model: Any = Field(
+        default=None,
+        description="With drafter='draft_model': a smaller model sharing the tokenizer (a name, a folder "
+        "or a loaded model) that drafts instead of the early exit.",
     )
     temperature: float = Field(default=0.0, ge=0.0, description="0 for greedy decoding; > 0 samples.")
     max_new_tokens: int = Field(default=256, gt=0, description="The most new tokens per response.")
@@ -190,7 +196,7 @@ class SpeculativeLLM(FunctionCallingLLM):
         return get_engine(self.model, **self._engine_args())
 
     def _engine_args(self) -> dict[str, Any]:
-        return {
+        args: dict[str, Any] = {
             "quantization": self.quantization,
             "dtype": self.dtype,
             "device": self.device,
@@ -202,6 +208,9 @@ class SpeculativeLLM(FunctionCallingLLM):
             "allow_pickle": self.allow_pickle,
             "calibrate": self.calibrate,
         }
+        if self.draft_model is not None:  # only then, so the registry key matches other adapters'
+            args["draft_model"] = self.draft_model
+        return args
 
     @property
     def metadata(self) -> LLMMetadata:
