@@ -114,6 +114,11 @@ def test_chat_matches_engine_and_counts_tokens(demo_llm):
     assert counter.completion_llm_token_count == response.raw["usage"]["completion_tokens"]
 
 
+def test_sampling_with_a_seed_is_reproducible(demo_llm):
+    texts = [demo_llm.complete("Tell me about Meryton.", temperature=0.9, seed=7).text for _ in range(2)]
+    assert texts[0] == texts[1]
+
+
 def test_stream_complete_is_cumulative(demo_llm):
     final = demo_llm.complete("Tell me about Longbourn.")
     chunks = list(demo_llm.stream_complete("Tell me about Longbourn."))

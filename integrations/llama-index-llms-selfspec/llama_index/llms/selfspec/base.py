@@ -160,10 +160,7 @@ class SpeculativeLLM(FunctionCallingLLM):
     stop: list[str] | None = Field(
         default=None, description="Strings that end a response (not part of the returned text)."
     )
-    seed: int | None = Field(
-        default=None,
-        description="Seed for sampling; reproducible with a fixed num_draft_tokens ('auto' adapts between calls).",
-    )
+    seed: int | None = Field(default=None, description="Seed for reproducible sampling.")
     constrain_tool_calls: bool = Field(
         default=True,
         description="With tools offered and no forced choice, generate the calls the model chooses to make "
