@@ -7,7 +7,7 @@ import torch
 from tiny_models import VOCAB, make_model, reference_greedy
 
 from selfspec import SpeculativeEngine
-from selfspec.adaptive import FALLBACK_ROUNDS, DraftController
+from selfspec.adaptive import FALLBACK_ROUNDS, WINDOW, DraftController
 from selfspec.drafters import DecodeState, EarlyExitDrafter, HybridDrafter, NgramIndex, PromptLookupDrafter
 
 
@@ -109,7 +109,10 @@ def test_controller_falls_back_when_speculation_is_slower_and_probes_again() -> 
     assert controller.budget() == 0  # measures a plain step first
     controller.record(0, 0, 1, seconds=0.010)  # plain: 10 ms per token
     assert controller.budget() == 4
-    controller.record(4, 0, 1, seconds=0.030)  # speculation: 30 ms per token
+    for _ in range(WINDOW - 1):  # one bad round is not enough: a window of them is
+        controller.record(4, 0, 1, seconds=0.030)  # speculation: 30 ms per token
+    assert controller.fallbacks == 0
+    controller.record(4, 0, 1, seconds=0.030)
     assert controller.fallbacks == 1
     budgets = []
     for _ in range(FALLBACK_ROUNDS):

@@ -9,14 +9,20 @@ which tokens are emitted, so the text is the same as with any fixed draft length
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 #: How often (in rounds) plain decoding is re-measured while speculating.
-PROBE_EVERY = 48
+PROBE_EVERY = 64
 #: Rounds of plain decoding after speculation was found slower, before trying it again.
 FALLBACK_ROUNDS = 32
-#: Weight of the newest measurement in the running means.
+#: Speculative rounds whose total time and tokens judge speculation (a window, not one round:
+#: single rounds swing between all-accepted and all-rejected).
+WINDOW = 16
+#: Weight of the newest plain-step measurement in its running mean.
 SMOOTHING = 0.15
+#: Speculation must be this much slower per token than plain decoding before it is paused.
+MARGIN = 1.05
 
 
 @dataclass
@@ -40,7 +46,7 @@ class DraftController:
     def __post_init__(self) -> None:
         self.current = self.num_draft_tokens
         self.max_draft_tokens = max(self.max_draft_tokens, self.num_draft_tokens)
-        self.spec_seconds_per_token: float | None = None
+        self.spec_window: deque[tuple[float, int]] = deque(maxlen=WINDOW)  # (seconds, tokens)
         self.plain_seconds_per_token: float | None = None
         self.rounds = 0
         self.fallback_left = 0
@@ -63,9 +69,8 @@ class DraftController:
         if not self.adaptive or emitted <= 0:
             return
         self.rounds += 1
-        per_token = seconds / emitted
         if num_drafted == 0:
-            self.plain_seconds_per_token = _mean(self.plain_seconds_per_token, per_token)
+            self.plain_seconds_per_token = _mean(self.plain_seconds_per_token, seconds / emitted)
             if self.fallback_left > 0:
                 self.fallback_left -= 1
             return
@@ -75,13 +80,22 @@ class DraftController:
             self.current = max(self.current - 1, 1)
         if not self.timed:
             return
-        self.spec_seconds_per_token = _mean(self.spec_seconds_per_token, per_token)
+        self.spec_window.append((seconds, emitted))
         plain = self.plain_seconds_per_token
-        if plain is not None and self.spec_seconds_per_token > plain * 1.02:
+        if plain is None or len(self.spec_window) < WINDOW:
+            return
+        spec = sum(s for s, _ in self.spec_window) / sum(n for _, n in self.spec_window)
+        if spec > plain * MARGIN:
             self.fallback_left = FALLBACK_ROUNDS
             self.fallbacks += 1
-            self.spec_seconds_per_token = None  # judge speculation afresh after the pause
+            self.spec_window.clear()  # judge speculation afresh after the pause
             self.current = self.num_draft_tokens
+
+    @property
+    def spec_seconds_per_token(self) -> float | None:
+        """Mean seconds per emitted token over the recent speculative rounds."""
+        tokens = sum(n for _, n in self.spec_window)
+        return sum(s for s, _ in self.spec_window) / tokens if tokens else None
 
     def for_sampling(self) -> DraftController:
         """A fresh, untimed controller for one sampled generation (reproducible per seed)."""
