@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml $(addsuffix /pyproject.toml,$(INTEGRATIONS))
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[dev,bench,grammar]" $(addprefix -e ,$(INTEGRATIONS))
+	$(PY) -m pip install --quiet -e ".[dev,bench,grammar,docs]" $(addprefix -e ,$(INTEGRATIONS))
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -27,13 +27,17 @@ demo: setup
 	$(VENV)/bin/selfspec demo
 
 lint: setup
-	$(VENV)/bin/ruff check src tests benchmarks examples integrations
+	$(VENV)/bin/ruff check src tests benchmarks examples integrations docs
 
 typecheck: setup
 	$(VENV)/bin/mypy
 
 pytest: setup
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest $(TEST_DIRS)
+
+# tests/test_docs.py also builds the site strictly and runs every documented code block
+docs: setup
+	$(VENV)/bin/mkdocs build --strict --site-dir site
 
 test: lint typecheck pytest
 

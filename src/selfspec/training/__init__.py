@@ -1,0 +1,1 @@
+"""Training scripts: the bundled demo model (``python -m selfspec.training.demo``)."""
