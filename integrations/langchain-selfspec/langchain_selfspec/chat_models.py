@@ -83,7 +83,7 @@ class ChatSpeculative(BaseChatModel):
         stop: list[str] | None
             Strings that end the answer (not included in it).
         seed: int | None
-            Seed for reproducible sampling (with a fixed ``num_draft_tokens``).
+            Seed for reproducible sampling.
 
     Key init args — engine params:
         model: str
@@ -259,9 +259,7 @@ class ChatSpeculative(BaseChatModel):
     """Strings that end the answer (not part of it); a call's own ``stop`` replaces these."""
 
     seed: int | None = None
-    """Seed of the random generator. Sampling is reproducible with a fixed ``num_draft_tokens``;
-    with ``"auto"`` the draft length adapts between calls, which changes the samples (each is
-    still drawn exactly from the model's distribution)."""
+    """Seed of the random generator: the same seed gives the same sampled text."""
 
     streaming: bool = False
     """Whether ``invoke`` streams internally (so that callbacks see each token)."""
