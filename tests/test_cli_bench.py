@@ -174,3 +174,12 @@ def test_gpu_check_script_runs_on_cpu_with_a_tiny_shape(tmp_path) -> None:
     result = json.loads((tmp_path / "gpu_check_tiny.json").read_text())
     assert set(result["precisions"]) == {"fp32", "nf4"}
     assert set(result["precisions"]["fp32"]["verify_cost"]) == {"1", "2", "4", "8", "16"}
+
+
+def test_calibrate_layer_skip_search(model_dir, capsys) -> None:
+    assert main(["calibrate", "--model", str(model_dir), "--max-new-tokens", "8", "--drafter", "layer_skip"]) == 0
+    saved = load_calibration(str(model_dir))
+    assert saved is not None and saved["layer_skip_layers"]
+    engine = SpeculativeEngine.from_pretrained(model_dir, drafter="layer_skip", num_draft_tokens=2)
+    assert engine.drafter.layers == saved["layer_skip_layers"]
+    assert "layer skip: layers" in capsys.readouterr().out

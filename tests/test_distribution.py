@@ -137,6 +137,15 @@ def test_draft_model_sampling_follows_target(model) -> None:
     assert chi_square_pvalue(counts, exact_distribution(model, params)) > 1e-3
 
 
+def test_layer_skip_sampling_follows_target(model) -> None:
+    params = SamplingParams(1.0)
+    engine = SpeculativeEngine(
+        model, drafter="layer_skip", calibration={"layer_skip_layers": [0, 2]}, num_draft_tokens=2
+    )
+    counts = sampled_counts(engine, params)
+    assert chi_square_pvalue(counts, exact_distribution(model, params)) > 1e-3
+
+
 class BiasedDrafter(Drafter):
     """Drafts from a distribution far from the target's (mostly token 0)."""
 

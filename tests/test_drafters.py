@@ -187,3 +187,27 @@ def test_draft_model_by_name(tmp_path) -> None:
     assert engine.generate_ids(list(range(10, 20)), max_new_tokens=12).token_ids == reference_greedy(
         engine.model, list(range(10, 20)), 12
     )
+
+
+def test_contiguous_runs_and_default_subset() -> None:
+    from selfspec.drafters import contiguous_runs, default_skip_layers
+
+    assert contiguous_runs([0, 1, 2, 5, 6, 9]) == [(0, 3), (5, 7), (9, 10)]
+    assert default_skip_layers(16) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 15]
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3_text", "phi3"])
+def test_layer_skip_equals_generate(arch: str) -> None:
+    model = make_model(arch)
+    for prompt in (repetitive_prompt(), list(range(10, 30))):
+        reference = reference_greedy(model, prompt, 30)
+        for num_draft in (1, 3, 40):
+            engine = SpeculativeEngine(model, drafter="layer_skip", num_draft_tokens=num_draft)
+            out = engine.generate_ids(prompt, max_new_tokens=30)
+            assert out.token_ids == reference
+    assert out.stats.num_accepted > 0
+
+
+def test_layer_skip_uses_calibrated_layers() -> None:
+    engine = SpeculativeEngine(make_model("llama"), drafter="layer_skip", calibration={"layer_skip_layers": [0, 2, 5]})
+    assert engine.drafter.layers == [0, 2, 5]

@@ -50,6 +50,8 @@ class CalibrationResult:
         draft_cost: cost of one draft step at each exit layer, relative to a full step.
         verify_cost: cost of verifying ``k`` drafts (``k + 1`` tokens), relative to a full step.
         step_seconds: median seconds of one full one-token step.
+        layer_skip: with ``layer_skip=True``: the searched layers (``layer_skip_layers``),
+            their agreement, draft length and expected speedup.
     """
 
     exit_layer: int
@@ -59,10 +61,12 @@ class CalibrationResult:
     draft_cost: dict[int, float] = field(default_factory=dict)
     verify_cost: dict[int, float] = field(default_factory=dict)
     step_seconds: float = 0.0
+    layer_skip: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """The calibration file's content (``selfspec.json``)."""
         data = asdict(self)
+        data.update(data.pop("layer_skip"))
         for key in ("agreement", "draft_cost", "verify_cost"):
             data[key] = {str(k): round(v, 4) for k, v in data[key].items()}
         data["expected_speedup"] = round(self.expected_speedup, 3)
@@ -171,6 +175,83 @@ def measure_costs(
     return draft, verify, full
 
 
+def _subset_agreement(
+    engine: SpeculativeEngine, sequences: list[tuple[torch.Tensor, int]], layers: list[int], targets: list[torch.Tensor]
+) -> float:
+    """Teacher-forced greedy agreement of a layer subset with the full model."""
+    from .drafters import contiguous_runs
+
+    adapter = engine.adapter
+    matches = total = 0
+    with torch.inference_mode():
+        for (sequence, start), target in zip(sequences, targets, strict=True):
+            cache = adapter.new_cache(sequence.shape[1])
+            positions = torch.arange(sequence.shape[1], device=adapter.device)
+            hidden = adapter.embed(sequence)
+            for run_start, run_end in contiguous_runs(layers):
+                hidden = adapter.run_layers(hidden, run_start, run_end, positions, cache)
+            tokens = adapter.logits(hidden[:, start:-1]).argmax(-1)
+            matches += int((tokens == target).sum())
+            total += int(target.numel())
+    return matches / max(total, 1)
+
+
+def search_skip_layers(
+    engine: SpeculativeEngine,
+    prompt_ids: Sequence[list[int]],
+    draft_cost: dict[int, float],
+    verify_cost: dict[int, float],
+    max_new_tokens: int = 32,
+) -> tuple[list[int], float, int, float]:
+    """Greedy search for the layer-skip drafter's layers (Draft & Verify / SWIFT style).
+
+    Starting from every layer, it drops the layer whose removal costs the least agreement,
+    one at a time, and keeps the subset (and draft length) with the best expected speed. A
+    draft step's cost is interpolated from the measured cost per early-exit depth.
+
+    Returns:
+        ``(layers, agreement, num_draft_tokens, expected speedup)``.
+    """
+    from .engine import SpeculativeEngine
+
+    adapter = engine.adapter
+    plain = SpeculativeEngine(engine.model, engine.tokenizer, drafter="none")
+    sequences, targets = [], []
+    with torch.inference_mode():
+        for ids in prompt_ids:
+            new = plain.generate_ids(ids, max_new_tokens=max_new_tokens).token_ids
+            sequence = torch.tensor([ids + new], device=adapter.device)
+            sequences.append((sequence, len(ids) - 1))
+    for sequence, start in sequences:
+        targets.append(adapter.logits(_full(adapter, sequence)[:, start:-1]).argmax(-1))
+    depths = sorted(draft_cost)
+    per_layer = (draft_cost[depths[-1]] - draft_cost[depths[0]]) / max(1, depths[-1] - depths[0])
+    head = max(0.0, draft_cost[depths[0]] - per_layer * depths[0])
+
+    def speed(layers: list[int], agreement: float) -> tuple[float, int]:
+        cost = head + per_layer * len(layers)
+        return max((expected_speedup(agreement, cost, v, k), k) for k, v in verify_cost.items())
+
+    layers = list(range(adapter.num_layers))
+    best = (0.0, layers, 1.0, 1)
+    while len(layers) > 1:
+        candidates = [[x for x in layers if x != drop] for drop in layers if drop != layers[-1]]
+        scored = [(_subset_agreement(engine, sequences, c, targets), c) for c in candidates]
+        agreement, layers = max(scored, key=lambda item: item[0])
+        value, k = speed(layers, agreement)
+        if value > best[0]:
+            best = (value, layers, agreement, k)
+    value, layers, agreement, k = best
+    return layers, agreement, k, value
+
+
+def _full(adapter: Any, sequence: torch.Tensor) -> torch.Tensor:
+    cache = adapter.new_cache(sequence.shape[1])
+    positions = torch.arange(sequence.shape[1], device=adapter.device)
+    with torch.inference_mode():
+        return adapter.run_layers(adapter.embed(sequence), 0, adapter.num_layers, positions, cache)
+
+
 def calibrate(
     engine: SpeculativeEngine,
     prompts: Sequence[str] | Sequence[list[int]] | None = None,
@@ -180,6 +261,7 @@ def calibrate(
     max_draft_tokens: int = 8,
     save: bool = True,
     progress: bool = True,
+    layer_skip: bool = False,
 ) -> CalibrationResult:
     """Measure agreement and costs, choose ``exit_layer`` and ``num_draft_tokens``, save them.
 
@@ -191,6 +273,7 @@ def calibrate(
         max_draft_tokens: the longest draft length to consider.
         save: write ``selfspec.json`` beside the model (or in the user cache for a hub model).
         progress: show a progress bar.
+        layer_skip: also search the layer-skip drafter's layers (slower: a greedy search).
 
     Returns:
         The measurements and the choice. The engine itself is not changed; a new engine
@@ -217,6 +300,17 @@ def calibrate(
     bar.close()
 
     exit_layer, num_draft_tokens, speedup = choose(agreement, draft_cost, verify_cost)
+    skip: dict[str, Any] = {}
+    if layer_skip:
+        layers_kept, skip_agreement, skip_k, skip_speed = search_skip_layers(
+            engine, prompt_ids, draft_cost, verify_cost, max_new_tokens
+        )
+        skip = {
+            "layer_skip_layers": layers_kept,
+            "layer_skip_agreement": round(skip_agreement, 4),
+            "layer_skip_num_draft_tokens": skip_k,
+            "layer_skip_expected_speedup": round(skip_speed, 3),
+        }
     result = CalibrationResult(
         exit_layer=exit_layer,
         num_draft_tokens=num_draft_tokens,
@@ -225,6 +319,7 @@ def calibrate(
         draft_cost=draft_cost,
         verify_cost=verify_cost,
         step_seconds=step_seconds,
+        layer_skip=skip,
     )
     if save and engine.name_or_path:
         save_calibration(engine.name_or_path, result.to_json())

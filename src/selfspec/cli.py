@@ -28,7 +28,9 @@ def _engine_args(parser: argparse.ArgumentParser, default_model: str | None = No
     parser.add_argument("--exit-layer", default="auto", help="draft exit layer, or 'auto'")
     parser.add_argument("--num-draft-tokens", default="auto", help="draft length, or 'auto'")
     parser.add_argument(
-        "--drafter", default="early_exit", choices=["early_exit", "prompt_lookup", "hybrid", "draft_model", "none"]
+        "--drafter",
+        default="early_exit",
+        choices=["early_exit", "prompt_lookup", "hybrid", "layer_skip", "draft_model", "none"],
     )
     parser.add_argument("--draft-model", default=None, help="with --drafter draft_model: the draft model")
     parser.add_argument("--trust-remote-code", action="store_true")
@@ -163,7 +165,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         exit_layer=1,
         num_draft_tokens=1,
     )
-    result = calibrate(engine, max_new_tokens=args.max_new_tokens, save=not args.no_save)
+    result = calibrate(
+        engine, max_new_tokens=args.max_new_tokens, save=not args.no_save, layer_skip=args.drafter == "layer_skip"
+    )
     print(f"{'exit layer':>10} {'agreement':>10} {'draft cost':>11}")
     for layer, agreement in result.agreement.items():
         print(f"{layer:>10} {agreement:>10.3f} {result.draft_cost[layer]:>11.3f}")
@@ -172,6 +176,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         f"chosen: exit_layer={result.exit_layer}, num_draft_tokens={result.num_draft_tokens}, "
         f"expected speedup {result.expected_speedup:.2f}x"
     )
+    if result.layer_skip:
+        print(
+            f"layer skip: layers {result.layer_skip['layer_skip_layers']}, agreement "
+            f"{result.layer_skip['layer_skip_agreement']:.3f}, expected speedup "
+            f"{result.layer_skip['layer_skip_expected_speedup']:.2f}x"
+        )
     if not args.no_save:
         from .calibration import calibration_path
 
@@ -239,6 +249,12 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--max-new-tokens", type=int, default=48)
     cal.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     cal.add_argument("--no-save", action="store_true", help="print the result without saving it")
+    cal.add_argument(
+        "--drafter",
+        default="early_exit",
+        choices=["early_exit", "layer_skip"],
+        help="layer_skip also searches the layer-skip drafter's layers",
+    )
     cal.set_defaults(func=cmd_calibrate)
 
     bench = sub.add_parser("bench", help="benchmark plain, transformers' speculative modes and selfspec")

@@ -268,6 +268,72 @@ class DraftModelDrafter(Drafter):
         return Draft(tokens=tokens, draft_probs=torch.stack(probs) if probs else None)
 
 
+def default_skip_layers(num_layers: int) -> list[int]:
+    """The layer-skip drafter's layers without calibration (about 3/4 of the model).
+
+    The first half, then every other layer of the second half, and always the last layer.
+    """
+    half = num_layers // 2
+    kept = [*range(half), *range(half, num_layers - 1, 2), num_layers - 1]
+    return sorted(set(kept))
+
+
+def contiguous_runs(layers: list[int]) -> list[tuple[int, int]]:
+    """``[0, 1, 2, 5, 6, 9]`` -> ``[(0, 3), (5, 7), (9, 10)]`` (half-open ranges)."""
+    runs: list[tuple[int, int]] = []
+    for layer in sorted(layers):
+        if runs and runs[-1][1] == layer:
+            runs[-1] = (runs[-1][0], layer + 1)
+        else:
+            runs.append((layer, layer + 1))
+    return runs
+
+
+class LayerSkipDrafter(Drafter):
+    """Drafts with a subset of the target's layers (Draft & Verify, Zhang et al. 2024; SWIFT).
+
+    Skipped layers pass the residual stream through unchanged. The kept layers read the
+    target's own KV cache for the accepted text and write draft positions into it; those
+    entries are rolled back before verification, which runs the full model on the draft, so
+    the cache again holds exactly the target's states for the accepted text.
+
+    Args:
+        layers: the layers the draft runs (sorted, unique, within the model).
+    """
+
+    name = "layer_skip"
+
+    def __init__(self, layers: list[int]) -> None:
+        self.layers = sorted(set(layers))
+        self.runs = contiguous_runs(self.layers)
+
+    def __repr__(self) -> str:
+        return f"LayerSkipDrafter(layers={self.layers})"
+
+    def propose(self, state: DecodeState, max_tokens: int) -> Draft:
+        """Draft ``max_tokens`` tokens through the kept layers only."""
+        if max_tokens <= 0:
+            return Draft()
+        adapter, device = state.adapter, state.adapter.device
+        token, tokens, probs = state.last_token, [], []
+        constraint = state.constraint
+        for j in range(max_tokens):
+            hidden = adapter.embed(torch.tensor([[token]], device=device))
+            positions = torch.tensor([state.position + j], device=device)
+            for start, end in self.runs:
+                hidden = adapter.run_layers(hidden, start, end, positions, state.cache)
+            token, token_probs = choose_token(adapter.logits(hidden)[0], state.params, state.generator, constraint)
+            if constraint is not None:
+                constraint.advance(token)
+            tokens.append(token)
+            if token_probs is not None:
+                probs.append(token_probs)
+        if constraint is not None:
+            constraint.rollback(len(tokens))
+        state.cache.crop_to(state.position)  # drop the draft's KV: verification recomputes it
+        return Draft(tokens=tokens, draft_probs=torch.stack(probs) if probs else None)
+
+
 class EarlyExitDrafter(Drafter):
     """Drafts with the target's own first ``exit_layer`` layers (LayerSkip-style).
 

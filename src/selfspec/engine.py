@@ -33,9 +33,11 @@ from .drafters import (
     DraftModelDrafter,
     EarlyExitDrafter,
     HybridDrafter,
+    LayerSkipDrafter,
     NoDrafter,
     PromptLookupDrafter,
     choose_token,
+    default_skip_layers,
 )
 from .errors import ConfigurationError, InvalidPromptError, SamplingError
 from .outputs import FinishReason, GenerationOutput, GenerationStats
@@ -44,7 +46,7 @@ from .stopping import IncrementalDetokenizer, StopStringMatcher, normalize_stop
 from .verify import Acceptance, accept_greedy, accept_sampled
 
 #: Drafters selectable by name.
-DRAFTERS = ("early_exit", "prompt_lookup", "hybrid", "draft_model", "none")
+DRAFTERS = ("early_exit", "prompt_lookup", "hybrid", "layer_skip", "draft_model", "none")
 #: Draft length used when ``num_draft_tokens="auto"`` finds no calibration.
 DEFAULT_NUM_DRAFT_TOKENS = 4
 #: With ``num_draft_tokens="auto"``, the early exit stops drafting below this top probability.
@@ -75,7 +77,10 @@ class SpeculativeEngine:
             calibration, else 4.
         drafter: ``"early_exit"`` (default), ``"prompt_lookup"`` (copy n-grams from the
             prompt and output), ``"hybrid"`` (lookup when a match exists, else early exit),
-            ``"none"`` (plain decoding), or a :class:`~selfspec.drafters.Drafter` instance.
+            ``"layer_skip"`` (a subset of the layers: calibrated, else
+            :func:`~selfspec.drafters.default_skip_layers`), ``"draft_model"`` (a separate
+            small model, see ``draft_model``), ``"none"`` (plain decoding), or a
+            :class:`~selfspec.drafters.Drafter` instance.
         draft_confidence: with ``num_draft_tokens="auto"``, the early exit stops drafting
             when its top probability falls below this (default 0.3); ignored for a fixed
             draft length. With ``"auto"`` the draft length also adapts to recent
@@ -270,6 +275,12 @@ class SpeculativeEngine:
             return HybridDrafter(self.exit_layer)
         if drafter == "draft_model":
             return DraftModelDrafter(self.draft_model, self.adapter.vocab_size)
+        if drafter == "layer_skip":
+            saved = self.calibration.get("layer_skip_layers")
+            layers = default_skip_layers(self.adapter.num_layers)
+            if isinstance(saved, list) and saved and all(isinstance(i, int) for i in saved):
+                layers = [i for i in saved if 0 <= i < self.adapter.num_layers] or layers
+            return LayerSkipDrafter(layers)
         return EarlyExitDrafter(self.exit_layer, confidence=self.draft_confidence)
 
     def _check_draft_model(self, drafter: Any, draft_model: Any, draft_tokenizer: Any) -> None:
