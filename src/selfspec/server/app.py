@@ -79,6 +79,7 @@ class _Job:
     def run(self, metrics: Metrics) -> GenerationOutput | None:
         """Decode to the end (or until cancelled), sending deltas to the queue when streaming."""
         started = time.perf_counter()
+        metrics.generation_started()
         try:
             for delta in self.stream:
                 if self.cancelled.is_set():
@@ -278,7 +279,7 @@ class _Server:
         return await asyncio.get_running_loop().run_in_executor(self.executor, func, *args)
 
     # -- checks
-    def check_key(self, request: Request) -> None:
+    async def check_key(self, request: Request) -> None:
         """Refuse a request without the right ``Authorization: Bearer`` key (when one is set)."""
         if self.api_key is None:
             return
@@ -387,7 +388,6 @@ class _Server:
         prepare = self.prepare_chat if isinstance(body, ChatCompletionRequest) else self.prepare_completion
         job: _Job = await self.in_thread(prepare, body)
         render = _Render(kind, self.model_id, job, body.include_usage)
-        self.metrics.request_started()
         if body.stream:
             queue = job.stream_to(asyncio.get_running_loop())
             return StreamingResponse(

@@ -37,8 +37,8 @@ class Metrics:
         self.verify_seconds = 0.0
         self.generation_seconds = 0.0
 
-    def request_started(self) -> None:
-        """Count a generation request in progress."""
+    def generation_started(self) -> None:
+        """Count a generation in progress."""
         with self._lock:
             self.running += 1
 
@@ -92,7 +92,12 @@ class Metrics:
                 "HTTP requests answered, by endpoint and status code.",
                 [(f'{{endpoint="{e}",status="{s}"}}', n) for (e, s), n in sorted(self.requests.items())],
             )
-            metric("requests_running", "gauge", "Generation requests in progress.", [("", self.running)])
+            metric(
+                "requests_running",
+                "gauge",
+                "Generations in progress (running or waiting for the engine).",
+                [("", self.running)],
+            )
             metric(
                 "generations_total",
                 "counter",
