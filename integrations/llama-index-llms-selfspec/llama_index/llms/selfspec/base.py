@@ -129,8 +129,8 @@ class SpeculativeLLM(FunctionCallingLLM):
     )
     drafter: str = Field(
         default="early_exit",
-        description="'early_exit' (self-speculation), 'prompt_lookup', 'hybrid', 'draft_model' or 'none' "
-        "(plain decoding).",
+        description="How drafts are made: 'early_exit' (self-speculation), 'prompt_lookup', 'hybrid', "
+        "'layer_skip', 'draft_model' or 'none' (plain decoding); see selfspec.engine.DRAFTERS.",
     )
     draft_confidence: float | None = Field(
         default=None,
