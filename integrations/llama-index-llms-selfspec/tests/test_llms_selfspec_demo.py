@@ -317,3 +317,21 @@ def test_class_docstring_example_runs(demo_llm, capsys):
     finally:
         Settings._llm, Settings._embed_model = previous
     assert "prompt_tokens" in capsys.readouterr().out
+
+
+def test_example_rag_app_runs(demo_llm, monkeypatch, capsys):
+    import runpy
+    from pathlib import Path
+
+    from llama_index.core import Settings
+
+    example = Path(__file__).resolve().parents[3] / "examples" / "llamaindex_rag.py"
+    monkeypatch.setattr("sys.argv", [str(example), "--max-new-tokens", "24", "--compare"])
+    previous = Settings._llm, Settings._embed_model
+    try:
+        runpy.run_path(str(example), run_name="__main__")
+    finally:
+        Settings._llm, Settings._embed_model = previous
+    out = capsys.readouterr().out
+    assert "A: " in out and "speculation: " in out
+    assert "same text: True" in out
