@@ -197,7 +197,10 @@ def test_bad_requests_get_openai_errors(client: Any, base_url: str) -> None:
     assert _error(bad)["param"] == "messages"
     with pytest.raises(openai.BadRequestError) as bad:
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10_000)
-    assert "context window" in _error(bad)["message"]
+    assert "context window" in _error(bad)["message"] and _error(bad)["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=MODEL, prompt=[10**6], max_tokens=4)
+    assert "vocabulary" in _error(bad)["message"] and _error(bad)["param"] == "prompt"
     with pytest.raises(openai.NotFoundError) as missing:
         client.chat.completions.create(model="gpt-nothing", messages=MESSAGES, max_tokens=4)
     assert _error(missing)["code"] == "model_not_found"

@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from ..errors import InvalidPromptError
 from ..tools import tool_schema
 
 #: Chat roles the server accepts (``developer`` is OpenAI's newer name for ``system``).
@@ -75,13 +76,17 @@ _ENGINE_PARAMS = {
 
 
 def engine_error_param(error: Exception, prompt_field: str) -> str | None:
-    """The request field an engine ``ValueError`` is about, read from its message."""
+    """The request field an engine ``ValueError`` is about.
+
+    Prompt errors (empty, malformed, too long for the context window) are about
+    ``prompt_field``; sampling errors name their argument first in the message.
+    """
+    if isinstance(error, InvalidPromptError):
+        return prompt_field
     message = str(error)
     for name, field in _ENGINE_PARAMS.items():
         if message.startswith(name):
             return field
-    if "prompt" in message or "message" in message or "context window" in message:
-        return prompt_field
     return None
 
 
