@@ -319,3 +319,19 @@ def test_serve_command_line() -> None:
     assert (args.host, args.port, args.func) == ("127.0.0.1", 8000, cmd_serve)
     args = parser.parse_args(["serve", "-m", MODEL, "--port", "9001", "--api-key", "k", "--num-draft-tokens", "3"])
     assert (args.port, args.api_key, args.num_draft_tokens) == (9001, "k", "3")
+
+
+def test_response_format_json_schema(client: Any) -> None:
+    pytest.importorskip("llguidance")
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Which city is the capital of France? Answer in JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+        max_tokens=24,
+        temperature=0,
+    )
+    if reply.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(reply.choices[0].message.content)["city"], str)
+    else:  # cut by max_tokens: still a prefix of the schema's JSON
+        assert reply.choices[0].message.content.lstrip().startswith("{")

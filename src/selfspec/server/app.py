@@ -81,8 +81,9 @@ class _Job:
         started = time.perf_counter()
         metrics.generation_started()
         try:
-            for delta in self.stream:
-                if self.cancelled.is_set():
+            while not self.cancelled.is_set():  # checked before every delta, the first one included
+                delta = next(self.stream, None)
+                if delta is None:
                     break
                 self._emit(delta)
         except Exception as error:  # reported to the client; the engine stays usable
