@@ -1,4 +1,4 @@
-"""The ``selfspec`` command line: ``generate``, ``chat`` and ``demo``."""
+"""The ``selfspec`` command line: ``generate``, ``chat``, ``calibrate``, ``bench``, ``demo``, ``serve``."""
 
 from __future__ import annotations
 
@@ -279,6 +279,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=int, default=128)
     demo.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     demo.set_defaults(func=cmd_demo)
+
+    from .server import add_serve_parser  # FastAPI/uvicorn are imported only when `serve` runs
+
+    add_serve_parser(sub)
     return parser
 
 
