@@ -19,7 +19,13 @@ from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedTokeniz
 
 from selfspec import SpeculativeEngine
 from selfspec.constraints import apply_mask
-from selfspec.grammar import GrammarConstraint, json_schema_constraint, tool_call_constraint, tool_call_grammar
+from selfspec.grammar import (
+    GrammarConstraint,
+    has_tool_call_tokens,
+    json_schema_constraint,
+    tool_call_constraint,
+    tool_call_grammar,
+)
 from selfspec.tools import parse_tool_calls
 
 EOS = 2  # <|im_end|>, also the tiny models' eos
@@ -82,6 +88,10 @@ def valid_tool_call(name: str, arguments: dict[str, Any]) -> bool:
 
 @pytest.fixture(scope="module")
 def tokenizer() -> PreTrainedTokenizerFast:
+    return build_tokenizer(with_tool_tokens=True)
+
+
+def build_tokenizer(*, with_tool_tokens: bool) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
@@ -100,7 +110,8 @@ def tokenizer() -> PreTrainedTokenizerFast:
         "the weather in Paris is sunny and mild",
     ] * 10
     tok.train_from_iterator(corpus, trainer=trainer)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<tool_call>", "</tool_call>")])
+    if with_tool_tokens:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<tool_call>", "</tool_call>")])
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     assert hf.eos_token_id == EOS
     return hf
@@ -285,6 +296,17 @@ def test_tool_tags_are_the_added_tokens(tokenizer: Any) -> None:
     grammar = tool_call_grammar(tokenizer, TOOLS)
     start, end = tokenizer.convert_tokens_to_ids(["<tool_call>", "</tool_call>"])
     assert grammar.startswith(f"start: <[{start}]> (call_0 | call_1 | call_2) <[{end}]>")
+    assert has_tool_call_tokens(tokenizer)
+
+
+def test_tool_tags_spelled_out_without_added_tokens() -> None:
+    plain = build_tokenizer(with_tool_tokens=False)
+    assert not has_tool_call_tokens(plain)
+    assert tool_call_grammar(plain, TOOLS).startswith('start: "<tool_call>" (call_0 | call_1 | call_2) "</tool_call>"')
+    text = '<tool_call>{"name": "no_args", "arguments": {}}</tool_call>'
+    assert accepts(tool_call_constraint(plain, TOOLS), plain, text)
+    with pytest.raises(ValueError, match="single tokens"):
+        tool_call_constraint(plain, TOOLS, required=False)
 
 
 # ---------------------------------------------------------------------------- the protocol
