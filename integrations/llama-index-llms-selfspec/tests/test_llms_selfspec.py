@@ -74,6 +74,7 @@ def test_engine_arguments_follow_the_fields(monkeypatch):
                 "trust_remote_code": False,
                 "allow_pickle": False,
                 "calibrate": True,
+                "draft_model": None,
             },
         )
     ]
@@ -199,6 +200,5 @@ def test_every_engine_argument_is_a_field():
 
     parameters = set(inspect.signature(SpeculativeEngine.from_pretrained).parameters) - {"name_or_path"}
     assert parameters <= set(SpeculativeLLM.model_fields)
-    # draft_model is passed only when set, so that the default key matches other adapters'
-    assert set(SpeculativeLLM()._engine_args()) == parameters - {"draft_model"}
-    assert "draft_model" in SpeculativeLLM(drafter="draft_model", draft_model="small")._engine_args()
+    # all of them, always: the registry key is then the same as the LangChain adapter's
+    assert set(SpeculativeLLM()._engine_args()) == parameters

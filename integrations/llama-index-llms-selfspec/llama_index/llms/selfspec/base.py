@@ -193,7 +193,8 @@ class SpeculativeLLM(FunctionCallingLLM):
         return get_engine(self.model, **self._engine_args())
 
     def _engine_args(self) -> dict[str, Any]:
-        args: dict[str, Any] = {
+        """Every argument of ``SpeculativeEngine.from_pretrained`` (the registry key of the engine)."""
+        return {
             "quantization": self.quantization,
             "dtype": self.dtype,
             "device": self.device,
@@ -204,10 +205,8 @@ class SpeculativeLLM(FunctionCallingLLM):
             "trust_remote_code": self.trust_remote_code,
             "allow_pickle": self.allow_pickle,
             "calibrate": self.calibrate,
+            "draft_model": self.draft_model,
         }
-        if self.draft_model is not None:  # only then, so the registry key matches other adapters'
-            args["draft_model"] = self.draft_model
-        return args
 
     @property
     def metadata(self) -> LLMMetadata:
