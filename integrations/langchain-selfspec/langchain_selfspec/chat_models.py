@@ -94,9 +94,10 @@ class ChatSpeculative(BaseChatModel):
             Where drafts exit and how many are drafted per step (``"auto"``: the model's
             saved calibration, else a default).
         drafter: str
-            ``"early_exit"`` (self-speculation), ``"prompt_lookup"``, ``"hybrid"`` or
+            ``"early_exit"`` (self-speculation, the default), another of
+            ``selfspec.engine.DRAFTERS`` (``"prompt_lookup"``, ``"hybrid"``, ...), or
             ``"none"`` (plain decoding).
-        draft_confidence, calibrate, dtype, device, trust_remote_code, allow_pickle:
+        draft_model, draft_confidence, calibrate, dtype, device, trust_remote_code, allow_pickle:
             As in ``SpeculativeEngine.from_pretrained``.
 
         Weights load on first use; every instance with the same engine arguments shares one
@@ -227,8 +228,8 @@ class ChatSpeculative(BaseChatModel):
     """Tokens drafted per step; ``"auto"`` uses the saved calibration, else 4."""
 
     drafter: str = "early_exit"
-    """How drafts are made: ``"early_exit"`` (self-speculation), ``"prompt_lookup"``, ``"hybrid"``
-    or ``"none"`` (plain decoding, the baseline); see ``selfspec.engine.DRAFTERS``."""
+    """How drafts are made: ``"early_exit"`` (self-speculation), another of
+    ``selfspec.engine.DRAFTERS``, or ``"none"`` (plain decoding, the baseline)."""
 
     draft_confidence: float | None = None
     """With ``num_draft_tokens="auto"``, stop drafting when the draft's top probability falls below
@@ -242,6 +243,10 @@ class ChatSpeculative(BaseChatModel):
 
     calibrate: bool = True
     """With ``"auto"`` exit layer or draft length and no saved calibration, measure one on first load."""
+
+    draft_model: str | None = None
+    """With ``drafter="draft_model"``: a hub id or folder of a separate small draft model, loaded
+    like the target (same quantization, dtype and device)."""
 
     temperature: float = 0.0
     """Sampling temperature: 0 for greedy decoding, > 0 samples."""
@@ -316,6 +321,8 @@ class ChatSpeculative(BaseChatModel):
             "trust_remote_code": self.trust_remote_code,
             "allow_pickle": self.allow_pickle,
             "calibrate": self.calibrate,
+            # only when set, so that engines without a separate draft model need no such argument
+            **({"draft_model": self.draft_model} if self.draft_model is not None else {}),
         }
 
     def get_engine(self, model: str | None = None) -> SpeculativeEngine:
