@@ -193,7 +193,7 @@ class SpeculativeLLM(FunctionCallingLLM):
         return get_engine(self.model, **self._engine_args())
 
     def _engine_args(self) -> dict[str, Any]:
-        """Every argument of ``SpeculativeEngine.from_pretrained`` (the registry key of the engine)."""
+        """The arguments of ``SpeculativeEngine.from_pretrained`` (they key the shared engine)."""
         return {
             "quantization": self.quantization,
             "dtype": self.dtype,
@@ -205,7 +205,8 @@ class SpeculativeLLM(FunctionCallingLLM):
             "trust_remote_code": self.trust_remote_code,
             "allow_pickle": self.allow_pickle,
             "calibrate": self.calibrate,
-            "draft_model": self.draft_model,
+            # only when set, as the LangChain adapter does, so that both share one registry key
+            **({"draft_model": self.draft_model} if self.draft_model is not None else {}),
         }
 
     @property
