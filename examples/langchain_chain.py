@@ -73,7 +73,7 @@ def main() -> None:
 
     print("\n== tool calling")
     llm_with_tools = llm.bind_tools([get_weather])
-    question = "What is the weather in Paris?"
+    question = "What is the weather in San Francisco, CA?"
     call = llm_with_tools.invoke(question)
     print("tool calls:", call.tool_calls)
     if call.tool_calls:
