@@ -118,7 +118,7 @@ class ChatSpeculative(BaseChatModel):
                 ("human", "What is the capital of France?"),
             ]
             ai_msg = llm.invoke(messages)
-            ai_msg.content  # the model's answer, e.g. 'The capital of France is Paris.'
+            ai_msg.content  # the model's answer (the small demo model's facts are unreliable)
 
     Stream:
         .. code-block:: python
@@ -157,8 +157,8 @@ class ChatSpeculative(BaseChatModel):
                 return "It's sunny."
 
             llm_with_tools = llm.bind_tools([get_weather])
-            ai_msg = llm_with_tools.invoke("What is the weather in Paris?")
-            ai_msg.tool_calls  # e.g. [{'name': 'get_weather', 'args': {'location': 'Paris'}, ...}]
+            ai_msg = llm_with_tools.invoke("What is the weather in San Francisco, CA?")
+            ai_msg.tool_calls  # [{'name': 'get_weather', 'args': {'location': ...}, 'id': 'call_...', ...}]
 
             # tool_choice="any" (or "required", or a tool's name) forces a well-formed call
             forced = llm.bind_tools([get_weather], tool_choice="get_weather")
