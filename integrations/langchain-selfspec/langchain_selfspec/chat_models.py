@@ -49,10 +49,11 @@ from selfspec.tools import ContentDelta, StreamEvent, ToolCallChunk, ToolCallStr
 #: Content-block types that carry no text for the model and are skipped (tool calls are
 #: rendered from ``AIMessage.tool_calls``; reasoning is not replayed).
 _SKIPPED_BLOCKS = frozenset({"tool_use", "tool_call", "tool_call_chunk", "function_call", "thinking", "reasoning"})
-#: Per-call keyword arguments this model understands (besides ``stop``).
+#: Per-call keyword arguments this model understands (besides ``stop``); ``stream`` and the
+#: tracing-only structured-output format are accepted and ignored.
 _CALL_ARGS = frozenset(
     {"model", "temperature", "max_tokens", "top_p", "top_k", "seed", "tools", "tool_choice", "response_format",
-     "stream"}
+     "stream", "ls_structured_output_format", "structured_output_format"}
 )
 _T = TypeVar("_T")
 
