@@ -36,6 +36,7 @@ class DecodeState:
     generator: torch.Generator | None
     constraint: TokenConstraint | None = None
     scratch: dict[str, Any] = field(default_factory=dict)  # per-generation drafter state
+    eos_token_ids: frozenset[int] = frozenset()  # drafting past one of these is wasted work
 
 
 @dataclass
@@ -263,6 +264,8 @@ class DraftModelDrafter(Drafter):
             tokens.append(token)
             if token_probs is not None:
                 probs.append(token_probs)
+            if token in state.eos_token_ids:
+                break
         if constraint is not None:
             constraint.rollback(len(tokens))
         return Draft(tokens=tokens, draft_probs=torch.stack(probs) if probs else None)
@@ -328,6 +331,8 @@ class LayerSkipDrafter(Drafter):
             tokens.append(token)
             if token_probs is not None:
                 probs.append(token_probs)
+            if token in state.eos_token_ids:
+                break
         if constraint is not None:
             constraint.rollback(len(tokens))
         state.cache.crop_to(state.position)  # drop the draft's KV: verification recomputes it
@@ -381,6 +386,8 @@ class EarlyExitDrafter(Drafter):
             tokens.append(token)
             if token_probs is not None:
                 probs.append(token_probs)
+            if token in state.eos_token_ids:
+                break
             if self.confidence > 0 and j + 1 < max_tokens and self._unsure(logits, token_probs):
                 break
         if constraint is not None:

@@ -541,6 +541,7 @@ class SpeculativeEngine:
             params=params,
             generator=run.generator,
             constraint=run.constraint,
+            eos_token_ids=frozenset(self.eos_token_ids),
         )
         emitted = 1
         yield [first]
