@@ -7,6 +7,7 @@ use, and handing the same engine to every caller with the same arguments.
 
 from __future__ import annotations
 
+import inspect
 import threading
 from typing import Any
 
@@ -16,12 +17,16 @@ _ENGINES: dict[tuple[tuple[str, Any], ...], SpeculativeEngine] = {}
 _LOCK = threading.Lock()
 
 
-def _key(engine_args: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
-    return tuple(
-        sorted(
-            (k, v if isinstance(v, (str, int, float, bool, type(None))) else repr(v)) for k, v in engine_args.items()
-        )
-    )
+def _key(model: str, engine_args: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """The engine's identity: every ``from_pretrained`` argument with defaults filled in.
+
+    Two callers that spell the same engine differently (an argument left out, or passed at
+    its default) share it.
+    """
+    bound = inspect.signature(SpeculativeEngine.from_pretrained).bind(model, **engine_args)
+    bound.apply_defaults()
+    simple = (str, int, float, bool, type(None))
+    return tuple(sorted((k, v if isinstance(v, simple) else repr(v)) for k, v in bound.arguments.items()))
 
 
 def get_engine(model: str, **engine_args: Any) -> SpeculativeEngine:
@@ -34,7 +39,7 @@ def get_engine(model: str, **engine_args: Any) -> SpeculativeEngine:
     Returns:
         The shared engine (engines serialise concurrent calls, so sharing is safe).
     """
-    key = _key({"model": model, **engine_args})
+    key = _key(model, engine_args)
     with _LOCK:
         engine = _ENGINES.get(key)
         if engine is None:
