@@ -31,8 +31,8 @@ lint: setup
 
 typecheck: setup
 	$(VENV)/bin/mypy
-	cd integrations/langchain-selfspec && ../../$(VENV)/bin/mypy langchain_selfspec
-	cd integrations/llama-index-llms-selfspec && ../../$(VENV)/bin/mypy
+	cd integrations/langchain-selfspec && $(abspath $(VENV))/bin/mypy langchain_selfspec
+	cd integrations/llama-index-llms-selfspec && $(abspath $(VENV))/bin/mypy
 
 pytest: setup
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest $(TEST_DIRS)
