@@ -14,7 +14,8 @@ from .loading import DEMO_MODEL
 DEMO_PROMPT = "It is a truth universally acknowledged, that a single man in possession of a good fortune,"
 
 
-def _engine_args(parser: argparse.ArgumentParser, default_model: str | None = None) -> None:
+def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | None = None) -> None:
+    """Add the engine's loading options (``--model``, ``--drafter``, ...) to a subcommand."""
     parser.add_argument(
         "--model",
         "-m",
@@ -49,20 +50,24 @@ def _int_or_auto(value: str) -> int | str:
     return value if value == "auto" else int(value)
 
 
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``from_pretrained`` keyword arguments (all but the model) given on the command line."""
+    return {
+        "quantization": args.quantization,
+        "dtype": args.dtype,
+        "device": args.device,
+        "exit_layer": _int_or_auto(args.exit_layer),
+        "num_draft_tokens": _int_or_auto(args.num_draft_tokens),
+        "drafter": args.drafter,
+        "trust_remote_code": args.trust_remote_code,
+        "draft_model": args.draft_model,
+    }
+
+
 def _load(args: argparse.Namespace) -> Any:
     from .engine import SpeculativeEngine
 
-    return SpeculativeEngine.from_pretrained(
-        args.model,
-        quantization=args.quantization,
-        dtype=args.dtype,
-        device=args.device,
-        exit_layer=_int_or_auto(args.exit_layer),
-        num_draft_tokens=_int_or_auto(args.num_draft_tokens),
-        drafter=args.drafter,
-        trust_remote_code=args.trust_remote_code,
-        draft_model=args.draft_model,
-    )
+    return SpeculativeEngine.from_pretrained(args.model, **engine_kwargs(args))
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
@@ -227,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for one prompt")
-    _engine_args(gen)
+    add_engine_arguments(gen)
     _sampling_args(gen)
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user chat message")
@@ -235,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="interactive streaming chat")
-    _engine_args(chat)
+    add_engine_arguments(chat)
     _sampling_args(chat)
     chat.add_argument("--system", default=None, help="system prompt")
     chat.set_defaults(func=cmd_chat)
@@ -274,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=cmd_bench)
 
     demo = sub.add_parser("demo", help="plain vs speculative decoding on the bundled demo model")
-    _engine_args(demo, default_model=DEMO_MODEL)
+    add_engine_arguments(demo, default_model=DEMO_MODEL)
     demo.add_argument("--prompt", default=DEMO_PROMPT)
     demo.add_argument("--max-new-tokens", type=int, default=128)
     demo.add_argument("--threads", type=int, default=1, help="torch CPU threads")
