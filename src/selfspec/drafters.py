@@ -8,6 +8,7 @@ two-method contract of transformers' candidate generators).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,6 +106,46 @@ def choose_token(
         return int(logits.argmax().item()), None
     probs = logits_to_probs(logits, params)
     return int(sample(probs.unsqueeze(0), generator)[0].item()), probs
+
+
+def draft_autoregressively(
+    state: DecodeState,
+    max_tokens: int,
+    next_logits: Callable[[int, int], torch.Tensor],
+    confidence: float = 0.0,
+) -> Draft:
+    """The loop every model-based drafter shares: one token at a time from ``next_logits``.
+
+    Args:
+        state: the generation's state (sampling parameters, generator, constraint, eos).
+        max_tokens: the most tokens to draft.
+        next_logits: ``(token, j) -> [vocab] logits`` for the token after ``token``, which
+            sits at position ``state.position + j`` (it runs the drafter's model there).
+        confidence: stop early once the draft's top probability falls below this.
+
+    Returns:
+        The tokens and, when sampling, the distributions they were drawn from. Drafting stops
+        after an end-of-sequence token; the constraint is left as it was found.
+    """
+    token, tokens, probs = state.last_token, [], []
+    constraint = state.constraint
+    for j in range(max_tokens):
+        logits = next_logits(token, j)
+        token, token_probs = choose_token(logits, state.params, state.generator, constraint)
+        if constraint is not None:
+            constraint.advance(token)
+        tokens.append(token)
+        if token_probs is not None:
+            probs.append(token_probs)
+        if token in state.eos_token_ids:
+            break
+        if confidence > 0 and j + 1 < max_tokens:
+            top = (token_probs if token_probs is not None else torch.softmax(logits, dim=-1)).max()
+            if bool(top < confidence):
+                break
+    if constraint is not None:
+        constraint.rollback(len(tokens))
+    return Draft(tokens=tokens, draft_probs=torch.stack(probs) if probs else None)
 
 
 class NgramIndex:
@@ -252,23 +293,13 @@ class DraftModelDrafter(Drafter):
             missing = torch.tensor([state.token_ids[seen : state.position]], device=device)
             positions = torch.arange(seen, state.position, device=device)
             adapter.run_layers(adapter.embed(missing), 0, adapter.num_layers, positions, cache)
-        token, tokens, probs = state.last_token, [], []
-        constraint = state.constraint
-        for j in range(max_tokens):
+
+        def next_logits(token: int, j: int) -> torch.Tensor:
             ids = torch.tensor([[token]], device=device)
             positions = torch.tensor([state.position + j], device=device)
-            hidden = adapter.run_layers(adapter.embed(ids), 0, adapter.num_layers, positions, cache)
-            token, token_probs = choose_token(self._logits(hidden), state.params, state.generator, constraint)
-            if constraint is not None:
-                constraint.advance(token)
-            tokens.append(token)
-            if token_probs is not None:
-                probs.append(token_probs)
-            if token in state.eos_token_ids:
-                break
-        if constraint is not None:
-            constraint.rollback(len(tokens))
-        return Draft(tokens=tokens, draft_probs=torch.stack(probs) if probs else None)
+            return self._logits(adapter.run_layers(adapter.embed(ids), 0, adapter.num_layers, positions, cache))
+
+        return draft_autoregressively(state, max_tokens, next_logits)
 
 
 def default_skip_layers(num_layers: int) -> list[int]:
@@ -318,25 +349,17 @@ class LayerSkipDrafter(Drafter):
         if max_tokens <= 0:
             return Draft()
         adapter, device = state.adapter, state.adapter.device
-        token, tokens, probs = state.last_token, [], []
-        constraint = state.constraint
-        for j in range(max_tokens):
+
+        def next_logits(token: int, j: int) -> torch.Tensor:
             hidden = adapter.embed(torch.tensor([[token]], device=device))
             positions = torch.tensor([state.position + j], device=device)
             for start, end in self.runs:
                 hidden = adapter.run_layers(hidden, start, end, positions, state.cache)
-            token, token_probs = choose_token(adapter.logits(hidden)[0], state.params, state.generator, constraint)
-            if constraint is not None:
-                constraint.advance(token)
-            tokens.append(token)
-            if token_probs is not None:
-                probs.append(token_probs)
-            if token in state.eos_token_ids:
-                break
-        if constraint is not None:
-            constraint.rollback(len(tokens))
+            return adapter.logits(hidden)[0]
+
+        draft = draft_autoregressively(state, max_tokens, next_logits)
         state.cache.crop_to(state.position)  # drop the draft's KV: verification recomputes it
-        return Draft(tokens=tokens, draft_probs=torch.stack(probs) if probs else None)
+        return draft
 
 
 class EarlyExitDrafter(Drafter):
@@ -369,37 +392,16 @@ class EarlyExitDrafter(Drafter):
             return Draft()
         adapter, exit_layer = state.adapter, self.exit_layer
         device = adapter.device
-        token = state.last_token
-        tokens: list[int] = []
-        probs: list[torch.Tensor] = []
         states: list[torch.Tensor] = []
-        constraint = state.constraint
-        for j in range(max_tokens):
+
+        def next_logits(token: int, j: int) -> torch.Tensor:
             ids = torch.tensor([[token]], device=device)
             positions = torch.tensor([state.position + j], device=device)
             hidden = adapter.run_layers(adapter.embed(ids), 0, exit_layer, positions, state.cache)
             states.append(hidden)
-            logits = adapter.logits(hidden)[0]  # [vocab]
-            token, token_probs = choose_token(logits, state.params, state.generator, constraint)
-            if constraint is not None:
-                constraint.advance(token)
-            tokens.append(token)
-            if token_probs is not None:
-                probs.append(token_probs)
-            if token in state.eos_token_ids:
-                break
-            if self.confidence > 0 and j + 1 < max_tokens and self._unsure(logits, token_probs):
-                break
-        if constraint is not None:
-            constraint.rollback(len(tokens))
-        return Draft(
-            tokens=tokens,
-            draft_probs=torch.stack(probs) if probs else None,
-            exit_states=torch.cat(states, dim=1),  # [1, k, hidden]
-            exit_layer=exit_layer,
-        )
+            return adapter.logits(hidden)[0]
 
-    def _unsure(self, logits: torch.Tensor, token_probs: torch.Tensor | None) -> bool:
-        """Whether the draft's top probability is under the confidence threshold."""
-        probs = token_probs if token_probs is not None else torch.softmax(logits, dim=-1)
-        return bool(probs.max() < self.confidence)
+        draft = draft_autoregressively(state, max_tokens, next_logits, self.confidence)
+        draft.exit_states = torch.cat(states, dim=1)  # [1, k, hidden]
+        draft.exit_layer = exit_layer
+        return draft
