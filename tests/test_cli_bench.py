@@ -130,7 +130,14 @@ def test_bench_runs_every_method_and_checks_greedy_identity(model_dir, tmp_path)
     )
     report = json.loads((tmp_path / "b.json").read_text())
     methods = report["methods"]
-    assert {"hf_greedy", "selfspec_plain", "selfspec_auto", "selfspec_hybrid", "hf_sample_t1.0"} <= set(methods)
+    assert {
+        "hf_greedy",
+        "selfspec_plain",
+        "selfspec_auto",
+        "selfspec_hybrid",
+        "selfspec_layer_skip",
+        "hf_sample_t1.0",
+    } <= set(methods)
     greedy = [m for m in methods.values() if m["baseline"] == "hf_greedy"]
     assert greedy and all(m["identical_to_greedy"] is True for m in greedy)
     assert methods["selfspec_plain"]["tau"] == 1.0
