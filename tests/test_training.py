@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from selfspec.training import demo
 from selfspec.training.corpus import WindowPacker, split_corpus, split_sentences
 from selfspec.training.tokenizer import SPECIAL_TOKENS, TOOL_TOKENS
-from selfspec.training.tool_chats import chat_stream
+from selfspec.training.tool_chats import chat_stream, drill_stream
 from selfspec.training.trainer import choose_exit, expected_speedup
 
 EXCERPT = Path(__file__).parent / "data" / "austen_excerpt.txt"
@@ -74,6 +74,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "1",
         "--threads",
         "1",
+        "--copy-phase",
+        "0.3",
         "--log-every",
         "1",
     ]
@@ -105,7 +107,9 @@ def test_output_files(trained: Path) -> None:
     assert spec["source"] == "train-demo"
     assert 1 <= spec["exit_layer"] <= 8 and 1 <= spec["num_draft_tokens"] <= 8
     assert sorted(spec["agreement"], key=int) == [str(e) for e in range(1, 16)]
-    assert "chat_template" in json.loads((trained / "tokenizer_config.json").read_text())
+    tokenizer_config = json.loads((trained / "tokenizer_config.json").read_text())
+    assert "chat_template" in tokenizer_config
+    assert tokenizer_config["tokenizer_class"] == "PreTrainedTokenizerFast"
 
 
 def test_loss_finite_and_decreasing(trained: Path) -> None:
@@ -114,6 +118,9 @@ def test_loss_finite_and_decreasing(trained: Path) -> None:
     assert math.isfinite(first) and math.isfinite(last)
     assert last < first
     assert math.isfinite(report["heldout_austen"]["loss"]["final"])
+    assert 0.0 <= report["copy_accuracy"] <= 1.0
+    stats = json.loads((trained / "training_args.json").read_text())["data_stats"]
+    assert stats["drill_docs"] > 0 and 0.0 < stats["prose_share_trained"] < 1.0
 
 
 def test_model_loads_and_generates(trained: Path) -> None:
@@ -193,3 +200,5 @@ def test_synthetic_mix_is_seeded_and_copies_arguments() -> None:
     calls = [m for c in chats for m in c.messages if m.get("tool_calls")]
     assert any(not (tc.get("function", tc)["arguments"]) for m in calls for tc in m["tool_calls"])
     assert any(len(c.tools or []) > 1 for c in chats)
+    drill = next(drill_stream(split.train_paragraphs, 0)).messages
+    assert drill[0]["content"].endswith(drill[1]["content"])

@@ -102,7 +102,9 @@ class WindowPacker:
     """Pack token documents into fixed-length training windows.
 
     Synthetic documents are kept whole (when they fit); the rest of each window is filled with
-    running prose, so that about ``prose_fraction`` of all tokens are prose.
+    running prose, so that about ``prose_fraction`` of all tokens are prose. An epoch ends when the
+    prose or the documents run out. ``prose_yielded`` and ``tokens_yielded`` count what was handed
+    out so far.
 
     Args:
         prose: One long token stream of prose (documents already separated by ``sep_id``).
@@ -125,6 +127,8 @@ class WindowPacker:
         self.length = length
         self.sep_id = sep_id
         self.prose_fraction = prose_fraction
+        self.prose_yielded = 0
+        self.tokens_yielded = 0
 
     def epoch(self, rng: random.Random) -> Iterator[list[int]]:
         """Yield the windows of one pass over the prose, in a seeded random order.
@@ -139,12 +143,15 @@ class WindowPacker:
         rng.shuffle(order)
         windows = list(self._windows(order, rng))
         rng.shuffle(windows)
-        yield from windows
+        for window, n_prose in windows:
+            self.prose_yielded += n_prose
+            self.tokens_yielded += len(window)
+            yield window
 
-    def _windows(self, order: list[int], rng: random.Random) -> Iterator[list[int]]:
-        """Build the windows of one epoch (prose cursor runs once through the prose)."""
+    def _windows(self, order: list[int], rng: random.Random) -> Iterator[tuple[list[int], int]]:
+        """Build the windows of one epoch, each with its number of prose tokens."""
         cursor, next_doc, synth, total = rng.randrange(self.length), 0, 0, 0
-        while cursor + self.length <= len(self.prose):
+        while cursor + self.length <= len(self.prose) and (not order or next_doc < len(order)):
             parts: list[int] = []
             while order and synth < (1 - self.prose_fraction) * (total + self.length):
                 doc = [*self.docs[order[next_doc % len(order)]], self.sep_id]
@@ -160,4 +167,4 @@ class WindowPacker:
             cursor += fill
             window = filler + parts if rng.random() < 0.5 else parts + filler
             total += self.length
-            yield window[: self.length]
+            yield window[: self.length], min(fill, len(filler))

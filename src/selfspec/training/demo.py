@@ -7,6 +7,11 @@ arXiv:2404.16710): final-layer cross entropy plus 0.2 x the cross entropy of ear
 2, 4 and 8 through the shared final norm and LM head. Its early exits then agree often with the
 last layer, which makes lossless self-speculative decoding pay off on a CPU.
 
+About 60% of the training tokens are Austen prose, the rest the synthetic mix. ``--copy-phase F``
+optionally spends the first fraction ``F`` of the budget on a copy-heavy mix (random sequences and
+JSON objects to echo, little prose) meant to grow induction heads early; in a 30-minute CPU run
+(F = 0.25) it did not yet make the model copy from its prompt, so it is off by default.
+
 Usage::
 
     PYTHONPATH=src python -m selfspec.training.demo --data austen.txt --out DIR --minutes 30
@@ -33,7 +38,7 @@ from selfspec.training.corpus import AustenSplit, WindowPacker, split_corpus
 from selfspec.training.synthetic import Chat
 from selfspec.training.threads import ThreadGovernor
 from selfspec.training.tokenizer import ENDOFTEXT, IM_END, template_renderer, train_tokenizer
-from selfspec.training.tool_chats import chat_stream
+from selfspec.training.tool_chats import chat_stream, drill_stream
 from selfspec.training.trainer import TrainConfig, TrainResult, choose_exit, evaluate, train
 
 logger = logging.getLogger("selfspec.training.demo")
@@ -57,7 +62,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--exit-layers", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--exit-weight", type=float, default=0.2)
     p.add_argument("--layer-dropout", type=float, default=0.05, help="skip rate of the last layer")
-    p.add_argument("--prose-fraction", type=float, default=0.6, help="share of Austen tokens")
+    p.add_argument("--prose-fraction", type=float, default=0.7, help="share of Austen tokens after the copy phase")
+    p.add_argument("--copy-phase", type=float, default=0.0, help="fraction of the budget spent on a copy-heavy phase")
+    p.add_argument("--copy-phase-prose", type=float, default=0.15, help="share of Austen tokens in that phase")
     p.add_argument("--heldout-fraction", type=float, default=0.02)
     p.add_argument(
         "--threads", default="auto", help="torch threads, or 'auto': 2, dropping to 1 while other processes are busy"
@@ -108,10 +115,9 @@ def model_config(tok: PreTrainedTokenizerFast, vocab_size: int) -> LlamaConfig:
 
 
 def synthetic_texts(split: AustenSplit, args: argparse.Namespace) -> list[str]:
-    """Render enough seeded synthetic chats for the target prose share (plus a margin)."""
+    """Render enough seeded synthetic chats for a 60% prose share (plus a margin)."""
     renderer = template_renderer()
-    prose_chars = sum(map(len, split.train_docs))
-    budget = prose_chars * (1 - args.prose_fraction) / args.prose_fraction * 1.15
+    budget = sum(map(len, split.train_docs)) * 0.4 / 0.6 * 1.15
     texts: list[str] = []
     for chat in chat_stream(split.train_paragraphs, args.seed):
         texts.append(render(renderer, chat))
@@ -119,6 +125,12 @@ def synthetic_texts(split: AustenSplit, args: argparse.Namespace) -> list[str]:
         if budget <= 0 and len(texts) >= 300:
             return texts
     return texts
+
+
+def drill_texts(split: AustenSplit, count: int, seed: int) -> list[str]:
+    """Render ``count`` seeded copy drills."""
+    renderer = template_renderer()
+    return [render(renderer, c) for c in itertools.islice(drill_stream(split.train_paragraphs, seed), count)]
 
 
 def tokenize_all(tok: PreTrainedTokenizerFast, texts: Sequence[str]) -> list[list[int]]:
@@ -141,6 +153,13 @@ def eval_windows(tok: PreTrainedTokenizerFast, texts: Sequence[str], length: int
         eot = token_id(tok, ENDOFTEXT)
         windows = [(stream + [eot] * length)[:length]]
     return windows
+
+
+def curriculum(
+    first: Iterator[torch.Tensor], then: Iterator[torch.Tensor], switch: float
+) -> Callable[[float], torch.Tensor]:
+    """Batches from ``first`` until ``switch`` of the budget is used, then from ``then``."""
+    return lambda progress: next(first if progress < switch else then)
 
 
 def batch_iter(packer: WindowPacker, batch_size: int, seed: int) -> Iterator[torch.Tensor]:
@@ -174,10 +193,18 @@ def save_outputs(out: Path, model: LlamaForCausalLM, tok: PreTrainedTokenizerFas
     model.generation_config = GenerationConfig(bos_token_id=eot, eos_token_id=[im_end, eot], pad_token_id=eot)
     model.half().save_pretrained(out)
     tok.save_pretrained(out, save_jinja_files=False)
+    _name_tokenizer_class(out / "tokenizer_config.json")
     for name in ("training_args", "eval", "selfspec"):
         (out / f"{name}.json").write_text(json.dumps(meta[name], indent=2, ensure_ascii=False) + "\n")
     for path in out.iterdir():
         path.chmod(0o644)
+
+
+def _name_tokenizer_class(path: Path) -> None:
+    """Record the portable class name ``PreTrainedTokenizerFast`` (transformers 5 writes its alias)."""
+    config = json.loads(path.read_text(encoding="utf-8"))
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def run(args: argparse.Namespace) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast, dict]:
@@ -190,21 +217,49 @@ def run(args: argparse.Namespace) -> tuple[LlamaForCausalLM, PreTrainedTokenizer
     chats = synthetic_texts(split, args)
     tok = train_tokenizer(itertools.chain(split.train_docs, chats), args.vocab_size)
     prose, docs = prose_stream(tok, split.train_docs), tokenize_all(tok, chats)
-    data = {
+    eot = token_id(tok, ENDOFTEXT)
+    drills = tokenize_all(tok, drill_texts(split, 2 * len(chats), args.seed)) if args.copy_phase > 0 else []
+    copy_packer = WindowPacker(prose, drills + docs[: len(docs) // 3], args.seq_len + 1, eot, args.copy_phase_prose)
+    main_packer = WindowPacker(prose, docs, args.seq_len + 1, eot, args.prose_fraction)
+    data: dict[str, float] = {
         "prose_tokens": len(prose),
         "chat_docs": len(docs),
         "chat_tokens": sum(map(len, docs)),
+        "drill_docs": len(drills),
+        "drill_tokens": sum(map(len, drills)),
         "heldout_paragraphs": len(split.heldout_paragraphs),
         "tokenizer_size": len(tok),
     }
     logger.info("data: %s", data)
-    packer = WindowPacker(prose, docs, args.seq_len + 1, token_id(tok, ENDOFTEXT), args.prose_fraction)
     model = LlamaForCausalLM(model_config(tok, args.vocab_size))
     logger.info("model: %.2f M parameters", sum(p.numel() for p in model.parameters()) / 1e6)
-    batches = batch_iter(packer, args.batch_size, args.seed)
+    batches = curriculum(
+        batch_iter(copy_packer, args.batch_size, args.seed),
+        batch_iter(main_packer, args.batch_size, args.seed),
+        args.copy_phase,
+    )
     result = train(model, batches, train_config(args), args.seed, governor)
+    used = [copy_packer, main_packer]
+    data["prose_share_trained"] = round(
+        sum(p.prose_yielded for p in used) / max(1, sum(p.tokens_yielded for p in used)), 3
+    )
     data["thread_switches"] = governor.switches if governor else 0
     return model, tok, reports(args, model, tok, split, result, data)
+
+
+@torch.no_grad()
+def copy_accuracy(model: LlamaForCausalLM, tok: PreTrainedTokenizerFast, chats: Sequence[Chat]) -> float:
+    """Teacher-forced accuracy of the last layer on the answers of two-message chats (copy drills)."""
+    correct = total = 0
+    for chat in chats:
+        prompt = tok.apply_chat_template(chat.messages[:1], add_generation_prompt=True, tokenize=False)
+        start = len(tokenize_all(tok, [str(prompt)])[0])
+        full = tokenize_all(tok, [render(tok, chat)])[0]
+        answer = torch.tensor(full[start:-2])  # the answer without "<|im_end|>\n"
+        logits = model(input_ids=torch.tensor([full]), use_cache=False).logits[0]
+        correct += int((logits[start - 1 : len(full) - 3].argmax(-1) == answer).sum())
+        total += answer.numel()
+    return round(correct / max(1, total), 4)
 
 
 def reports(
@@ -222,6 +277,7 @@ def reports(
     renderer = template_renderer()
     chat_texts = [render(renderer, c) for c in chat_eval]
     chat = evaluate(model, eval_windows(tok, chat_texts, length))
+    drills = list(itertools.islice(drill_stream(split.train_paragraphs, args.seed + 2), 64))
     layers = model.config.num_hidden_layers
     exit_layer, drafts, speedup = choose_exit(heldout["agreement"], layers)
     train_args = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "argv"}
@@ -230,8 +286,8 @@ def reports(
             **train_args,
             "command": " ".join(["python -m selfspec.training.demo", *args.argv]),
             "data_stats": data,
-            "steps": result.steps,
-            "tokens": result.tokens,
+            "steps_done": result.steps,
+            "tokens_seen": result.tokens,
             "train_seconds": round(result.seconds, 1),
             "tokens_per_second": round(result.tokens / max(result.seconds, 1e-9), 1),
             "parameters": sum(p.numel() for p in model.parameters()),
@@ -242,6 +298,7 @@ def reports(
         "eval": {
             "heldout_austen": heldout,
             "heldout_chat": chat,
+            "copy_accuracy": copy_accuracy(model, tok, drills),
             "train_loss_first": round(result.first_loss, 4),
             "train_loss_last": round(result.last_loss, 4),
             "history": result.history,

@@ -9,6 +9,7 @@ rewrite answers copy spans of the prompt verbatim, which makes copying from cont
 
 from __future__ import annotations
 
+import json
 import random
 import re
 from collections.abc import Callable, Sequence
@@ -37,6 +38,14 @@ LLAMA_INDEX_SUMMARY = (
     'Try to include as many key details as possible.\n\n\n{context}\n\n\nSUMMARY:"""\n'
 )
 _WORD = re.compile(r"[A-Za-z]{5,}")
+_ANY_WORD = re.compile(r"[A-Za-z']{2,}")
+COPY_ASKS = (
+    "Repeat after me: {s}",
+    "Copy this exactly: {s}",
+    "Say this back to me exactly: {s}",
+    "Repeat this list: {s}",
+    "Echo: {s}",
+)
 
 
 @dataclass
@@ -75,6 +84,7 @@ class TextChats:
         self.paragraphs = [p for p in paragraphs if 150 <= len(p) <= 700]
         self.by_name = {n: [s for s in self.sentences if n in s] for n in banks.CHARACTERS}
         self.by_name = {n: v for n, v in self.by_name.items() if v}
+        self.vocab = sorted({w for s in self.sentences for w in _ANY_WORD.findall(s)})
 
     # -- dialogues -------------------------------------------------------------------------
     def greeting(self) -> list[Message]:
@@ -142,6 +152,44 @@ class TextChats:
         new = self.rng.choice(banks.ASCII_WORDS + banks.NON_ASCII_WORDS)
         ask = f'Rewrite the following sentence, replacing "{old}" with "{new}": {s}'
         return turn(ask, s.replace(old, new))
+
+    def _random_item(self) -> str:
+        """A random word, number or (often non-ASCII) name: predictable only by copying."""
+        r = self.rng.random()
+        if r < 0.6 and self.vocab:
+            return self.rng.choice(self.vocab)
+        if r < 0.8:
+            return str(self.rng.randrange(10 ** self.rng.randrange(1, 7)))
+        return self.rng.choice(banks.ASCII_WORDS + banks.NON_ASCII_WORDS + banks.CITIES)
+
+    def copy_drill(self) -> list[Message]:
+        """Repeat a random sequence of words and numbers verbatim.
+
+        The sequence is random, so only copying from the prompt predicts the answer: this is
+        what teaches a small model to copy (induction) early in training.
+        """
+        items = [self._random_item() for _ in range(self.rng.randrange(3, 40))]
+        seq = self.rng.choice((" ", ", ", " | ")).join(items)
+        return turn(self.rng.choice(COPY_ASKS).format(s=seq), seq)
+
+    def copy_json(self) -> list[Message]:
+        """Return a random JSON object unchanged (copying keys and typed values)."""
+        keys = self.rng.sample(banks.PARAM_NAMES, self.rng.randrange(1, 5))
+        obj = {k: self._json_value() for k in keys}
+        text = json.dumps(obj, ensure_ascii=False)
+        ask = self.rng.choice(("Return this JSON object unchanged: {s}", "Echo this JSON: {s}"))
+        return turn(ask.format(s=text), text)
+
+    def _json_value(self) -> object:
+        """A random JSON value: integer, decimal, string or boolean."""
+        r = self.rng.random()
+        if r < 0.35:
+            return self.rng.randrange(-1000, 100000)
+        if r < 0.5:
+            return round(self.rng.uniform(0, 1000), self.rng.randrange(1, 3))
+        if r < 0.9:
+            return self._random_item()
+        return self.rng.random() < 0.5
 
     def single_turn(self) -> list[Message]:
         """One turn of any plain kind."""

@@ -166,6 +166,25 @@ def chat_stream(paragraphs: Sequence[str], seed: int) -> Iterator[Chat]:
         yield made if isinstance(made, Chat) else Chat(made, None, name)
 
 
+def drill_stream(paragraphs: Sequence[str], seed: int) -> Iterator[Chat]:
+    """Yield an endless, seeded stream of copy drills (random sequences and JSON to echo).
+
+    Args:
+        paragraphs: Austen training paragraphs (their words fill the random sequences).
+        seed: Random seed.
+
+    Yields:
+        ``copy_drill`` (70%) and ``copy_json`` (30%) chats.
+    """
+    rng = random.Random(seed)
+    text = TextChats(paragraphs, rng)
+    while True:
+        if rng.random() < 0.7:
+            yield Chat(text.copy_drill(), None, "copy_drill")
+        else:
+            yield Chat(text.copy_json(), None, "copy_json")
+
+
 def chat_to_json(chat: Chat) -> str:
     """Serialise a chat for inspection (one JSON object per line)."""
     return json.dumps({"kind": chat.kind, "tools": chat.tools, "messages": chat.messages}, ensure_ascii=False)

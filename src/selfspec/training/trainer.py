@@ -13,7 +13,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -151,7 +151,7 @@ def _progress(step: int, elapsed: float, cfg: TrainConfig) -> float:
 
 def train(
     model: LlamaForCausalLM,
-    batches: Iterator[torch.Tensor],
+    batches: Callable[[float], torch.Tensor],
     cfg: TrainConfig,
     seed: int = 0,
     governor: ThreadGovernor | None = None,
@@ -160,7 +160,8 @@ def train(
 
     Args:
         model: The model (trained in place).
-        batches: Endless iterator of ``(batch, seq_len + 1)`` token windows.
+        batches: Returns the next ``(batch, seq_len + 1)`` token windows, given the fraction of
+            the budget used so far (which allows a curriculum).
         cfg: Training settings.
         seed: Seed of the layer-dropout generator.
         governor: Optional thread-count governor, consulted every step.
@@ -174,11 +175,12 @@ def train(
     opt, rng, res = make_optimizer(model, cfg), random.Random(seed), TrainResult()
     start, window_loss = time.monotonic(), []
     while _progress(res.steps, time.monotonic() - start, cfg) < 1.0:
-        batch = next(batches)
+        progress = _progress(res.steps, time.monotonic() - start, cfg)
+        batch = batches(progress)
         if governor is not None:
             governor.update()
         for g in opt.param_groups:
-            g["lr"] = cfg.lr * lr_factor(res.steps, _progress(res.steps, time.monotonic() - start, cfg), cfg)
+            g["lr"] = cfg.lr * lr_factor(res.steps, progress, cfg)
         with layer_dropout(model, cfg.layer_dropout, rng):
             loss, parts = layerskip_loss(model, batch, cfg)
         opt.zero_grad(set_to_none=True)
