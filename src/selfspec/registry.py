@@ -29,6 +29,16 @@ def _key(model: str, engine_args: dict[str, Any]) -> tuple[tuple[str, Any], ...]
     return tuple(sorted((k, v if isinstance(v, simple) else repr(v)) for k, v in bound.arguments.items()))
 
 
+def engine_args(source: Any) -> dict[str, Any]:
+    """The ``from_pretrained`` arguments (all but the model name) read from ``source``'s attributes.
+
+    Adapters keep one field per engine argument; this collects them under the engine's own
+    names, so a new engine argument needs only a new field, not new plumbing.
+    """
+    names = list(inspect.signature(SpeculativeEngine.from_pretrained).parameters)[1:]  # after the model
+    return {name: getattr(source, name) for name in names if hasattr(source, name)}
+
+
 def get_engine(model: str, **engine_args: Any) -> SpeculativeEngine:
     """Return the process-wide engine for these arguments, loading it on first use.
 

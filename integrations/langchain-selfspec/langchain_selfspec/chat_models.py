@@ -44,6 +44,7 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict
 from selfspec import GenerationOutput, SpeculativeEngine, TokenConstraint, get_engine
+from selfspec.registry import engine_args
 from selfspec.tools import ContentDelta, StreamEvent, ToolCallChunk, ToolCallStreamParser, parse_tool_calls, tool_schema
 
 #: Content-block types that carry no text for the model and are skipped (tool calls are
@@ -52,8 +53,20 @@ _SKIPPED_BLOCKS = frozenset({"tool_use", "tool_call", "tool_call_chunk", "functi
 #: Per-call keyword arguments this model understands (besides ``stop``); ``stream`` and the
 #: tracing-only structured-output format are accepted and ignored.
 _CALL_ARGS = frozenset(
-    {"model", "temperature", "max_tokens", "top_p", "top_k", "seed", "tools", "tool_choice", "response_format",
-     "stream", "ls_structured_output_format", "structured_output_format"}
+    {
+        "model",
+        "temperature",
+        "max_tokens",
+        "top_p",
+        "top_k",
+        "seed",
+        "tools",
+        "tool_choice",
+        "response_format",
+        "stream",
+        "ls_structured_output_format",
+        "structured_output_format",
+    }
 )
 _T = TypeVar("_T")
 
@@ -311,20 +324,8 @@ class ChatSpeculative(BaseChatModel):
 
     # ------------------------------------------------------------------ engine
     def _engine_args(self) -> dict[str, Any]:
-        return {
-            "quantization": self.quantization,
-            "dtype": self.dtype,
-            "device": self.device,
-            "exit_layer": self.exit_layer,
-            "num_draft_tokens": self.num_draft_tokens,
-            "drafter": self.drafter,
-            "draft_confidence": self.draft_confidence,
-            "trust_remote_code": self.trust_remote_code,
-            "allow_pickle": self.allow_pickle,
-            "calibrate": self.calibrate,
-            # only when set, so that engines without a separate draft model need no such argument
-            **({"draft_model": self.draft_model} if self.draft_model is not None else {}),
-        }
+        """The arguments of ``SpeculativeEngine.from_pretrained`` (they key the shared engine)."""
+        return engine_args(self)
 
     def get_engine(self, model: str | None = None) -> SpeculativeEngine:
         """The shared engine of this model (loaded on first use).
@@ -338,9 +339,7 @@ class ChatSpeculative(BaseChatModel):
         """Token ids of ``text`` under the model's own tokenizer."""
         return list(self.get_engine().tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def get_num_tokens_from_messages(
-        self, messages: list[BaseMessage], tools: Sequence[Any] | None = None
-    ) -> int:
+    def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence[Any] | None = None) -> int:
         """Prompt length of ``messages`` (and ``tools``) under the model's chat template."""
         schemas = [_tool_dict(t) for t in tools] if tools else None
         return len(self.get_engine().encode_prompt(to_engine_messages(messages), tools=schemas))
@@ -449,9 +448,7 @@ class ChatSpeculative(BaseChatModel):
         window = engine.context_window
         room = window - prompt_length if window is not None else None
         if room is not None and room < 1:
-            raise ValueError(
-                f"the prompt ({prompt_length} tokens) fills the model's context window of {window} tokens"
-            )
+            raise ValueError(f"the prompt ({prompt_length} tokens) fills the model's context window of {window} tokens")
         if max_tokens is None:
             return room if room is not None else 256
         return max(1, min(max_tokens, room)) if room is not None else max_tokens
@@ -533,9 +530,7 @@ class ChatSpeculative(BaseChatModel):
             llm = self.bind(response_format=response_format, ls_structured_output_format=trace)
             parser = PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()  # type: ignore[arg-type]
         else:
-            raise ValueError(
-                f"unknown method {method!r}: use 'function_calling', 'json_schema' or 'json_mode'"
-            )
+            raise ValueError(f"unknown method {method!r}: use 'function_calling', 'json_schema' or 'json_mode'")
         if not include_raw:
             return llm | parser
         parse = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
@@ -667,14 +662,18 @@ def to_engine_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
             entry: dict[str, Any] = {"role": "assistant", "content": text}
             if message.tool_calls:
                 entry["tool_calls"] = [
-                    {"type": "function", "id": call.get("id"),
-                     "function": {"name": call["name"], "arguments": call["args"]}}
+                    {
+                        "type": "function",
+                        "id": call.get("id"),
+                        "function": {"name": call["name"], "arguments": call["args"]},
+                    }
                     for call in message.tool_calls
                 ]
             converted.append(entry)
         elif isinstance(message, ToolMessage):
-            converted.append({"role": "tool", "content": text, "tool_call_id": message.tool_call_id,
-                              "name": message.name})
+            converted.append(
+                {"role": "tool", "content": text, "tool_call_id": message.tool_call_id, "name": message.name}
+            )
         elif isinstance(message, ChatMessage):
             converted.append({"role": message.role, "content": text})
         else:
@@ -713,8 +712,7 @@ def _message(request: _Request, output: GenerationOutput) -> AIMessage:
         content=parsed.content,
         tool_calls=[tool_call(name=c.name, args=c.arguments, id=c.id) for c in parsed.tool_calls],
         invalid_tool_calls=[
-            invalid_tool_call(name=c.name, args=c.arguments, id=c.id, error=c.error)
-            for c in parsed.invalid_tool_calls
+            invalid_tool_call(name=c.name, args=c.arguments, id=c.id, error=c.error) for c in parsed.invalid_tool_calls
         ],
         usage_metadata=_usage(output),
         response_metadata=_metadata(request, output),
@@ -745,8 +743,11 @@ def _chunk(
 
 def _usage(output: GenerationOutput) -> Any:
     generated = len(output.token_ids)
-    return {"input_tokens": output.prompt_tokens, "output_tokens": generated,
-            "total_tokens": output.prompt_tokens + generated}
+    return {
+        "input_tokens": output.prompt_tokens,
+        "output_tokens": generated,
+        "total_tokens": output.prompt_tokens + generated,
+    }
 
 
 def _metadata(request: _Request, output: GenerationOutput) -> dict[str, Any]:

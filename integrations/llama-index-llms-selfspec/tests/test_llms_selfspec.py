@@ -74,6 +74,7 @@ def test_engine_arguments_follow_the_fields(monkeypatch):
                 "trust_remote_code": False,
                 "allow_pickle": False,
                 "calibrate": True,
+                "draft_model": None,
             },
         )
     ]
@@ -199,8 +200,8 @@ def test_every_engine_argument_is_a_field():
 
     parameters = set(inspect.signature(SpeculativeEngine.from_pretrained).parameters) - {"name_or_path"}
     assert parameters <= set(SpeculativeLLM.model_fields)
-    # draft_model only when set, as the LangChain adapter does: both then share one registry key
-    assert set(SpeculativeLLM()._engine_args()) == parameters - {"draft_model"}
+    # every engine argument is passed; the registry fills defaults, so both adapters share one key
+    assert set(SpeculativeLLM()._engine_args()) == parameters
     assert (
         SpeculativeLLM(drafter="draft_model", draft_model="small/model")._engine_args()["draft_model"] == "small/model"
     )

@@ -52,6 +52,7 @@ from llama_index.core.llms.llm import ToolSelection
 from llama_index.core.types import PydanticProgramMode
 
 from selfspec import GenerationOutput, GenerationStream, SpeculativeEngine, TokenConstraint, get_engine
+from selfspec.registry import engine_args
 
 if TYPE_CHECKING:
     from llama_index.core.prompts import BasePromptTemplate
@@ -194,20 +195,7 @@ class SpeculativeLLM(FunctionCallingLLM):
 
     def _engine_args(self) -> dict[str, Any]:
         """The arguments of ``SpeculativeEngine.from_pretrained`` (they key the shared engine)."""
-        return {
-            "quantization": self.quantization,
-            "dtype": self.dtype,
-            "device": self.device,
-            "exit_layer": self.exit_layer,
-            "num_draft_tokens": self.num_draft_tokens,
-            "drafter": self.drafter,
-            "draft_confidence": self.draft_confidence,
-            "trust_remote_code": self.trust_remote_code,
-            "allow_pickle": self.allow_pickle,
-            "calibrate": self.calibrate,
-            # only when set, as the LangChain adapter does, so that both share one registry key
-            **({"draft_model": self.draft_model} if self.draft_model is not None else {}),
-        }
+        return engine_args(self)
 
     @property
     def metadata(self) -> LLMMetadata:
