@@ -200,32 +200,21 @@ class SpeculativeEngine:
                 trust_remote_code=trust_remote_code,
                 allow_pickle=allow_pickle,
             )
-        engine = cls(
-            model,
-            tokenizer,
-            exit_layer=exit_layer,
-            num_draft_tokens=num_draft_tokens,
-            drafter=drafter,
-            draft_confidence=draft_confidence,
-            draft_model=draft_model,
-            draft_tokenizer=draft_tokenizer,
-        )
+        engine_kwargs: dict[str, Any] = {
+            "exit_layer": exit_layer,
+            "num_draft_tokens": num_draft_tokens,
+            "drafter": drafter,
+            "draft_confidence": draft_confidence,
+            "draft_model": draft_model,
+            "draft_tokenizer": draft_tokenizer,
+        }
+        engine = cls(model, tokenizer, **engine_kwargs)
         wants_auto = "auto" in (exit_layer, num_draft_tokens) and drafter in ("early_exit", "hybrid")
         if calibrate and wants_auto and not engine.calibration:
             from .calibrate import calibrate as run_calibration
 
             measured = run_calibration(engine, max_new_tokens=32, max_draft_tokens=6)
-            engine = cls(
-                model,
-                tokenizer,
-                exit_layer=exit_layer,
-                num_draft_tokens=num_draft_tokens,
-                drafter=drafter,
-                draft_confidence=draft_confidence,
-                calibration=measured.to_json(),
-                draft_model=draft_model,
-                draft_tokenizer=draft_tokenizer,
-            )
+            engine = cls(model, tokenizer, calibration=measured.to_json(), **engine_kwargs)
         return engine
 
     @staticmethod
