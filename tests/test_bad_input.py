@@ -79,6 +79,18 @@ def test_prompt_alone_over_context_window(engine) -> None:
         engine.generate_ids([5] * 300, max_new_tokens=1)
 
 
+def test_truncate_prompt_keeps_the_end(model, engine) -> None:
+    long_prompt = [(7 * i) % 90 + 3 for i in range(300)]
+    with pytest.raises(InvalidPromptError, match="truncate_prompt=True"):
+        engine.generate_ids(long_prompt, max_new_tokens=16)
+    out = engine.generate_ids(long_prompt, max_new_tokens=16, truncate_prompt=True)
+    assert out.prompt_tokens == 256 - 16
+    assert out.token_ids == reference_greedy(model, long_prompt[-(256 - 16) :], 16)
+    # nothing to keep: max_new_tokens alone fills the window
+    with pytest.raises(InvalidPromptError, match="context window"):
+        engine.generate_ids(long_prompt, max_new_tokens=256, truncate_prompt=True)
+
+
 def test_text_prompt_without_tokenizer(engine) -> None:
     with pytest.raises(ConfigurationError, match="tokenizer"):
         engine.generate("hello")

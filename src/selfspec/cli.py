@@ -44,6 +44,11 @@ def _sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    parser.add_argument(
+        "--truncate-prompt",
+        action="store_true",
+        help="keep only the end of a prompt that does not fit the context window (default: refuse it)",
+    )
 
 
 def _int_or_auto(value: str) -> int | str:
@@ -78,6 +83,7 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
         "top_p": args.top_p,
         "seed": args.seed,
         "stop": args.stop,
+        "truncate_prompt": args.truncate_prompt,
     }
 
 

@@ -360,6 +360,7 @@ class SpeculativeEngine:
         stop: str | list[str] | None = None,
         seed: int | None = None,
         constraint: TokenConstraint | None = None,
+        truncate_prompt: bool = False,
     ) -> GenerationOutput:
         """Generate text for a prompt.
 
@@ -372,6 +373,9 @@ class SpeculativeEngine:
             stop: strings that end the generation; they are not part of the returned text.
             seed: seed of the random generator, for reproducible sampling.
             constraint: restrict the allowed tokens (grammar-constrained decoding).
+            truncate_prompt: when the prompt plus ``max_new_tokens`` exceeds the context
+                window, keep only the prompt's last tokens instead of raising
+                :class:`~selfspec.errors.InvalidPromptError`.
 
         Returns:
             The text, new token ids, finish reason and speculation statistics.
@@ -385,6 +389,7 @@ class SpeculativeEngine:
             stop=stop,
             seed=seed,
             constraint=constraint,
+            truncate_prompt=truncate_prompt,
         )
 
     def generate_ids(
@@ -398,9 +403,12 @@ class SpeculativeEngine:
         stop: str | list[str] | None = None,
         seed: int | None = None,
         constraint: TokenConstraint | None = None,
+        truncate_prompt: bool = False,
     ) -> GenerationOutput:
         """Like :meth:`generate`, from token ids (no tokenizer needed unless ``stop`` is given)."""
-        run = self._start(prompt_ids, max_new_tokens, temperature, top_k, top_p, stop, seed, constraint)
+        run = self._start(
+            prompt_ids, max_new_tokens, temperature, top_k, top_p, stop, seed, constraint, truncate_prompt
+        )
         for _ in run.deltas():
             pass
         return run.output()
@@ -416,6 +424,7 @@ class SpeculativeEngine:
         stop: str | list[str] | None = None,
         seed: int | None = None,
         constraint: TokenConstraint | None = None,
+        truncate_prompt: bool = False,
     ) -> GenerationStream:
         """Stream the text of :meth:`generate` as ``str`` deltas.
 
@@ -431,6 +440,7 @@ class SpeculativeEngine:
             stop=stop,
             seed=seed,
             constraint=constraint,
+            truncate_prompt=truncate_prompt,
         )
 
     def stream_ids(
@@ -444,10 +454,13 @@ class SpeculativeEngine:
         stop: str | list[str] | None = None,
         seed: int | None = None,
         constraint: TokenConstraint | None = None,
+        truncate_prompt: bool = False,
     ) -> GenerationStream:
         """Like :meth:`stream`, from token ids (a tokenizer is needed to produce text)."""
         self._require_tokenizer("streams")
-        run = self._start(prompt_ids, max_new_tokens, temperature, top_k, top_p, stop, seed, constraint)
+        run = self._start(
+            prompt_ids, max_new_tokens, temperature, top_k, top_p, stop, seed, constraint, truncate_prompt
+        )
         return GenerationStream(run)
 
     # ----------------------------------------------------------------- the loop
@@ -461,6 +474,7 @@ class SpeculativeEngine:
         stop: str | list[str] | None,
         seed: int | None,
         constraint: TokenConstraint | None,
+        truncate_prompt: bool = False,
     ) -> _Generation:
         """Validate every argument, then set up a generation (nothing runs yet)."""
         ids = self._check_prompt_ids(prompt_ids)
@@ -472,10 +486,15 @@ class SpeculativeEngine:
             self._require_tokenizer("stop strings")
         window = self.context_window
         if window is not None and len(ids) + max_new_tokens > window:
-            raise InvalidPromptError(
-                f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-                f"context window of {window} tokens; shorten the prompt or lower max_new_tokens"
-            )
+            keep = window - max_new_tokens
+            if truncate_prompt and keep >= 1:
+                ids = ids[-keep:]  # left truncation: keep the end of the prompt, nearest the answer
+            else:
+                hint = "" if truncate_prompt else " (or pass truncate_prompt=True to keep only its end)"
+                raise InvalidPromptError(
+                    f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                    f"context window of {window} tokens; shorten the prompt or lower max_new_tokens{hint}"
+                )
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise SamplingError(f"seed must be an int or None, got {seed!r}")
         generator = torch.Generator(device=self.adapter.device)
