@@ -222,3 +222,45 @@ def test_empty_message_list_and_bad_messages() -> None:
         engine.generate([{"content": "no role"}])
     with pytest.raises(InvalidPromptError, match="empty"):
         engine.generate("")
+
+
+OOM_SCRIPT = """
+import resource, sys
+sys.path.insert(0, {tests!r})
+import torch
+from tiny_models import make_model, reference_greedy
+from selfspec import GenerationMemoryError, SpeculativeEngine
+
+model = make_model("llama", max_position_embeddings=2**22)
+engine = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=3)
+expected = reference_greedy(model, [5, 6, 7, 8, 9], 12)
+
+def vm_size():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmSize"):
+            return int(line.split()[1]) * 1024
+
+# a tiny memory limit: 256 MiB above what the process maps now
+resource.setrlimit(resource.RLIMIT_AS, (vm_size() + 2**28, resource.RLIM_INFINITY))
+try:
+    engine.generate_ids([5, 6, 7, 8, 9], max_new_tokens=2**22 - 16)  # a cache of ~3 GiB
+except GenerationMemoryError as error:
+    print("REPORTED:", error)
+assert engine.generate_ids([5, 6, 7, 8, 9], max_new_tokens=12).token_ids == expected
+print("USABLE")
+"""
+
+
+def test_out_of_memory_is_reported_and_the_engine_stays_usable(tmp_path) -> None:
+    """A real allocation failure under a tiny address-space limit (its own process)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "oom.py"
+    script.write_text(OOM_SCRIPT.format(tests=os.path.dirname(__file__)))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "REPORTED: out of memory after 0 new tokens" in result.stdout
+    assert "max_new_tokens 4194288" in result.stdout and "quantization" in result.stdout
+    assert "USABLE" in result.stdout

@@ -20,6 +20,7 @@ from .drafters import (
 from .engine import GenerationStream, SpeculativeEngine
 from .errors import (
     ConfigurationError,
+    GenerationMemoryError,
     InvalidPromptError,
     ModelNotFoundError,
     QuantizationError,
@@ -45,6 +46,7 @@ __all__ = [
     "DraftModelDrafter",
     "Drafter",
     "EarlyExitDrafter",
+    "GenerationMemoryError",
     "GenerationOutput",
     "GenerationStats",
     "GenerationStream",

@@ -39,7 +39,7 @@ from .drafters import (
     choose_token,
     default_skip_layers,
 )
-from .errors import ConfigurationError, InvalidPromptError, SamplingError
+from .errors import ConfigurationError, GenerationMemoryError, InvalidPromptError, SamplingError
 from .outputs import FinishReason, GenerationOutput, GenerationStats
 from .sampling import SamplingParams, logits_to_probs
 from .stopping import IncrementalDetokenizer, StopStringMatcher, normalize_stop
@@ -679,6 +679,14 @@ class SpeculativeEngine:
         return accept_sampled(draft_tokens, draft.draft_probs, target_probs, generator)
 
 
+def _is_out_of_memory(error: BaseException) -> bool:
+    """Whether an exception is an allocation failure (CUDA, or the CPU allocator)."""
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    message = str(error)
+    return "can't allocate memory" in message or "out of memory" in message.lower()
+
+
 class _Generation:
     """One generation's state: tokens so far, text tracking, stop strings, statistics."""
 
@@ -722,6 +730,10 @@ class _Generation:
                 except StopIteration as done:
                     self.finish_reason = done.value
                     break
+                except (torch.OutOfMemoryError, MemoryError, RuntimeError) as error:
+                    if not _is_out_of_memory(error):
+                        raise
+                    raise self._memory_error(error) from error
                 for token in tokens:
                     self.token_ids.append(token)
                     delta = self._push_text(token)
@@ -738,6 +750,17 @@ class _Generation:
             if self.finish_reason is None:
                 self.finish_reason = "cancelled"
             self._finish()
+
+    def _memory_error(self, error: BaseException) -> GenerationMemoryError:
+        """The clear error for an allocation failure; the failed round's cache is already gone."""
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # hand the failed generation's blocks back
+        return GenerationMemoryError(
+            f"out of memory after {len(self.token_ids)} new tokens (prompt {len(self.prompt_ids)} tokens, "
+            f"max_new_tokens {self.max_new_tokens}; the KV cache is sized for both up front). Lower "
+            f"max_new_tokens, shorten the prompt, or load the model with quantization='4bit'/'8bit'. "
+            f"The engine is still usable. Cause: {str(error).splitlines()[0][:200]}"
+        )
 
     def _push_text(self, token: int) -> str:
         if self.detokenizer is None:

@@ -38,3 +38,7 @@ class ModelNotFoundError(SelfSpecError, OSError):
 
 class UnsafeCheckpointError(SelfSpecError, ValueError):
     """The checkpoint would need pickle (``.bin``) or remote code, which is refused by default."""
+
+
+class GenerationMemoryError(SelfSpecError, MemoryError):
+    """A generation ran out of memory (GPU or host); its cache is freed and the engine stays usable."""
