@@ -163,3 +163,47 @@ def test_stream_of_token_ids_without_tokenizer_fails_clearly() -> None:
     engine = SpeculativeEngine(make_model("llama"))
     with pytest.raises(ValueError, match="tokenizer"):
         engine.stream_ids(torch.tensor([5, 6]), max_new_tokens=3)
+
+
+class ForcedTokens:
+    """A constraint that allows exactly one scripted token at each step (then anything)."""
+
+    def __init__(self, script: list[int], vocab: int) -> None:
+        self.script, self.vocab, self.done = script, vocab, 0
+
+    def allowed_tokens(self) -> torch.Tensor:
+        allowed = torch.zeros(self.vocab, dtype=torch.bool)
+        if self.done < len(self.script):
+            allowed[self.script[self.done]] = True
+        else:
+            allowed[:] = True
+        return allowed
+
+    def advance(self, token_id: int) -> None:
+        self.done += 1
+
+    def rollback(self, num_tokens: int) -> None:
+        self.done -= num_tokens
+
+
+def test_invalid_utf8_in_output_becomes_replacement_characters(demo_engine) -> None:
+    """Byte tokens that never form a UTF-8 character decode to U+FFFD; nothing crashes or hangs."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tokenizer = demo_engine.tokenizer
+    byte_char = bytes_to_unicode()
+    lone = [tokenizer.convert_tokens_to_ids(byte_char[b]) for b in (0x80, 0xFF, 0xC3)]  # never valid alone
+    text_ids = tokenizer.encode(" Elizabeth smiled", add_special_tokens=False)
+    script = [*text_ids[:1], *lone, *text_ids[1:], lone[0]]
+    expected = tokenizer.decode(script, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    assert "\ufffd" in expected
+
+    def forced() -> ForcedTokens:
+        return ForcedTokens(script, len(tokenizer))
+
+    out = demo_engine.generate("Hello", max_new_tokens=len(script), constraint=forced())
+    assert out.token_ids == script
+    assert out.text == expected
+    streamed = "".join(demo_engine.stream("Hello", max_new_tokens=len(script), constraint=forced()))
+    assert streamed == expected
+    assert demo_engine.generate("Hello", max_new_tokens=4).finish_reason == "length"  # still usable
