@@ -134,6 +134,7 @@ def test_bench_runs_every_method_and_checks_greedy_identity(model_dir, tmp_path)
         "hf_greedy",
         "selfspec_plain",
         "selfspec_auto",
+        "selfspec_prompt_lookup",
         "selfspec_hybrid",
         "selfspec_layer_skip",
         "hf_sample_t1.0",

@@ -89,6 +89,30 @@ def test_hybrid_copies_repeated_spans_and_drafts_fresh_text() -> None:
     assert len(fresh.tokens) == 3 and fresh.exit_states is not None
 
 
+def test_hybrid_learns_which_source_pays_in_this_generation() -> None:
+    """Lookups that keep failing give way to the early exit (with a periodic retry); lookups that
+    keep landing are preferred. The record is settled from the text that followed each draft."""
+    model = make_model("llama")
+    hybrid = HybridDrafter(exit_layer=2)
+    hybrid._draft_cost = 0.1  # an early-exit token at a tenth of a step (the tiny model's head dominates)
+    repeated = [20, 21, 22, 23, 24, 25, 30, 31, 20, 21, 22]
+    with torch.inference_mode():
+        state = state_for(repeated, model)
+        first = hybrid.propose(state, 3)
+    assert first.tokens == [23, 24, 25]  # a fresh generation trusts a match
+    # the target rejected the copy at once: settled from the emitted text on the next call
+    state.token_ids.extend([99, 20, 21, 22])
+    book = hybrid._book(state)
+    assert book["lookup"].rate < 0.5 and book["pending"] is None
+    for _ in range(6):
+        book["lookup"].record(3, 0)
+    choices = [hybrid.choose(state, [23, 24, 25], 3) for _ in range(16)]
+    assert choices.count("early_exit") == 14 and choices.count("lookup") == 2  # probes
+    for _ in range(12):
+        book["lookup"].record(3, 3)
+    assert hybrid.choose(state, [23, 24, 25], 3) == "lookup"
+
+
 def test_prompt_lookup_proposes_nothing_without_a_match() -> None:
     model = make_model("llama")
     with torch.inference_mode():

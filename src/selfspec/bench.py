@@ -117,6 +117,7 @@ def build_methods(
     fixed = SpeculativeEngine(model, tokenizer, exit_layer=exit_layer, num_draft_tokens=num_draft_tokens)
     hybrid = SpeculativeEngine(model, tokenizer, drafter="hybrid", exit_layer="auto", num_draft_tokens="auto")
     skip = SpeculativeEngine(model, tokenizer, drafter="layer_skip", num_draft_tokens=3)
+    lookup = SpeculativeEngine(model, tokenizer, drafter="prompt_lookup", num_draft_tokens="auto")
     methods = [
         _hf_method("hf_greedy", model, "hf_greedy", "transformers generate, greedy", do_sample=False),
         _selfspec_method("selfspec_plain", plain, "hf_greedy", "selfspec loop without drafts"),
@@ -148,7 +149,8 @@ def build_methods(
             "hf_greedy",
             f"early exit, calibrated (E={auto_engine.exit_layer}, k={auto_engine.num_draft_tokens}), adaptive",
         ),
-        _selfspec_method("selfspec_hybrid", hybrid, "hf_greedy", "prompt lookup, else early exit; adaptive"),
+        _selfspec_method("selfspec_prompt_lookup", lookup, "hf_greedy", "prompt lookup alone; adaptive length"),
+        _selfspec_method("selfspec_hybrid", hybrid, "hf_greedy", "prompt lookup or early exit per round; adaptive"),
         _selfspec_method("selfspec_layer_skip", skip, "hf_greedy", f"layer skipping ({skip.drafter!r}), 3 drafts"),
     ]
     for t in temperatures:

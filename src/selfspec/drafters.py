@@ -212,23 +212,73 @@ class PromptLookupDrafter(Drafter):
         return Draft(tokens=self.lookup(state, max_tokens)) if max_tokens > 0 else Draft()
 
 
-class HybridDrafter(Drafter):
-    """Prompt lookup when the text's last n-gram occurred before, else the early exit.
+class _SourceRecord:
+    """Decayed acceptance counts of one draft source within one generation.
 
-    Chosen per round: copied spans (free drafts) in RAG answers and summaries, and the
-    model's own early layers for fresh text.
+    Each drafted token is a trial until the first rejection, so the per-token acceptance is
+    estimated as ``accepted / (accepted + rejections)``, with old rounds decaying.
+    """
+
+    DECAY = 0.8
+
+    def __init__(self, prior_rate: float, prior_weight: float = 2.0) -> None:
+        self.accepted = prior_rate * prior_weight
+        self.rejected = (1.0 - prior_rate) * prior_weight
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.accepted = self.accepted * self.DECAY + num_accepted
+        self.rejected = self.rejected * self.DECAY + (1.0 if num_accepted < num_drafted else 0.0)
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / max(self.accepted + self.rejected, 1e-9)
+
+
+def expected_tokens(rate: float, num_drafted: int) -> float:
+    """Expected tokens a round emits: accepted drafts plus the corrected or bonus token."""
+    rate = min(max(rate, 0.0), 0.999)
+    return float((1.0 - rate ** (num_drafted + 1)) / (1.0 - rate))
+
+
+class HybridDrafter(Drafter):
+    """Prompt lookup or the early exit, chosen per round by expected tokens per unit of cost.
+
+    When the text's last n-gram occurred before, a copied continuation is a free draft; the
+    early exit costs ``exit_layer`` layers plus the head per token but knows fresh text.
+    Each round it settles the previous round's draft (how many of its tokens the target
+    kept, read from the text itself), keeps a decayed per-token acceptance for each source
+    in this generation, and takes the lookup only when its expected tokens per round beat
+    the early exit's per unit of cost. So copy-heavy answers (RAG, summaries, code edits)
+    get the copies and a model that does not copy its context is not slowed by rejected
+    ones. A source that lost is retried every ``PROBE_EVERY`` matches. The choice reads only
+    the token history, so it is deterministic, and any choice is lossless.
 
     Args:
         exit_layer: the early-exit drafter's layer.
         max_ngram: longest n-gram prompt lookup matches.
         min_ngram: shortest n-gram that counts as a match (2 avoids spurious one-token matches).
+        exit_agreement: the early exit's expected per-token acceptance before any round is
+            seen (the calibrated agreement at ``exit_layer``, else 0.6).
+        confidence: the early exit's confidence stop (see :class:`EarlyExitDrafter`).
     """
 
     name = "hybrid"
+    PROBE_EVERY = 8
+    #: Extra cost of verifying one more draft token, relative to a one-token step.
+    VERIFY_COST = 0.05
 
-    def __init__(self, exit_layer: int, max_ngram: int = 3, min_ngram: int = 2) -> None:
+    def __init__(
+        self,
+        exit_layer: int,
+        max_ngram: int = 3,
+        min_ngram: int = 2,
+        exit_agreement: float = 0.6,
+        confidence: float = 0.0,
+    ) -> None:
         self.lookup_drafter = PromptLookupDrafter(max_ngram=max_ngram, min_ngram=min_ngram)
-        self.early_exit = EarlyExitDrafter(exit_layer)
+        self.early_exit = EarlyExitDrafter(exit_layer, confidence=confidence)
+        self.exit_agreement = exit_agreement
+        self._draft_cost: float | None = None
 
     @property
     def exit_layer(self) -> int:
@@ -238,14 +288,58 @@ class HybridDrafter(Drafter):
     def __repr__(self) -> str:
         return f"HybridDrafter(exit_layer={self.exit_layer}, max_ngram={self.lookup_drafter.max_ngram})"
 
+    def draft_cost(self, adapter: Any) -> float:
+        """One early-exit draft token's cost relative to a full step, from parameter counts."""
+        if self._draft_cost is None:
+            layer = sum(p.numel() for p in adapter.layers[0].parameters())
+            head = adapter.vocab_size * int(adapter.config.hidden_size)
+            self._draft_cost = (self.exit_layer * layer + head) / (adapter.num_layers * layer + head)
+        return self._draft_cost
+
+    def choose(self, state: DecodeState, copied: list[int], max_tokens: int) -> str:
+        """``"lookup"`` or ``"early_exit"`` for this round (``copied`` is non-empty)."""
+        book = self._book(state)
+        lookup, early = book["lookup"], book["early_exit"]
+        verify = self.VERIFY_COST
+        lookup_gain = expected_tokens(lookup.rate, len(copied)) / (1.0 + verify * len(copied))
+        early_cost = 1.0 + max_tokens * (self.draft_cost(state.adapter) + verify)
+        early_gain = expected_tokens(early.rate, max_tokens) / early_cost
+        if lookup_gain >= early_gain:
+            return "lookup"
+        book["skipped"] += 1
+        return "lookup" if book["skipped"] % self.PROBE_EVERY == 0 else "early_exit"
+
+    def _book(self, state: DecodeState) -> dict[str, Any]:
+        book = state.scratch.get("hybrid")
+        if book is None:
+            book = state.scratch["hybrid"] = {
+                "lookup": _SourceRecord(0.5),
+                "early_exit": _SourceRecord(self.exit_agreement),
+                "pending": None,
+                "skipped": 0,
+            }
+        pending = book["pending"]
+        if pending is not None:  # settle the previous round from the text that followed it
+            kind, tokens, start = pending
+            emitted = state.token_ids[start:]
+            accepted = 0
+            while accepted < min(len(tokens), len(emitted)) and tokens[accepted] == emitted[accepted]:
+                accepted += 1
+            book[kind].record(len(tokens), accepted)
+            book["pending"] = None
+        return book
+
     def propose(self, state: DecodeState, max_tokens: int) -> Draft:
-        """A lookup draft if there is one, else an early-exit draft."""
+        """A lookup draft when it is the better bet this round, else an early-exit draft."""
         if max_tokens <= 0:
             return Draft()
+        book = self._book(state)
         copied = self.lookup_drafter.lookup(state, max_tokens)
-        if copied:
-            return Draft(tokens=copied)
-        return self.early_exit.propose(state, max_tokens)
+        kind = self.choose(state, copied, max_tokens) if copied else "early_exit"
+        draft = Draft(tokens=copied) if kind == "lookup" else self.early_exit.propose(state, max_tokens)
+        if draft.tokens:
+            book["pending"] = (kind, list(draft.tokens), len(state.token_ids))
+        return draft
 
 
 class DraftModelDrafter(Drafter):

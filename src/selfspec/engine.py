@@ -261,7 +261,12 @@ class SpeculativeEngine:
         if drafter == "prompt_lookup":
             return PromptLookupDrafter()
         if drafter == "hybrid":
-            return HybridDrafter(self.exit_layer)
+            agreement = (self.calibration.get("agreement") or {}).get(str(self.exit_layer))
+            return HybridDrafter(
+                self.exit_layer,
+                exit_agreement=float(agreement) if isinstance(agreement, (int, float)) else 0.6,
+                confidence=self.draft_confidence,
+            )
         if drafter == "draft_model":
             return DraftModelDrafter(self.draft_model, self.adapter.vocab_size)
         if drafter == "layer_skip":
