@@ -350,6 +350,8 @@ class _Server:
         if limit is None:
             window = engine.context_window
             limit = DEFAULT_MAX_TOKENS if window is None else window - len(prompt_ids)
+            if limit < 1 and sampling.get("truncate_prompt") and window is not None and window > 1:
+                limit = min(DEFAULT_MAX_TOKENS, window // 2)  # the engine keeps the prompt's end
             if limit < 1:
                 raise APIError(
                     400,

@@ -117,6 +117,7 @@ class _SamplingRequest(BaseModel):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    truncate_prompt: bool = False
 
     def check_supported(self) -> None:
         """Refuse options that would change the answer and that selfspec cannot honour."""
@@ -146,6 +147,7 @@ class _SamplingRequest(BaseModel):
             "top_k": self.top_k,
             "stop": self.stop,
             "seed": self.seed,
+            "truncate_prompt": self.truncate_prompt,
         }
 
 
