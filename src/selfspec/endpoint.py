@@ -161,6 +161,7 @@ def chat_body(
     response_format: Mapping[str, Any] | None = None,
     truncate_prompt: bool = False,
     stream: bool = False,
+    constrain_tool_calls: bool = True,
 ) -> dict[str, Any]:
     """The keyword arguments of ``client.chat.completions.create`` for one call.
 
@@ -179,6 +180,8 @@ def chat_body(
             ``{"type": "json_schema", "schema": ...}`` is put in OpenAI's wrapped form).
         truncate_prompt: ask ``selfspec serve`` to keep the end of a prompt that does not fit.
         stream: stream the answer (usage is then asked for in a last chunk).
+        constrain_tool_calls: ``False`` asks ``selfspec serve`` not to constrain the calls the
+            model chooses to make under ``tool_choice="auto"`` (other servers never do).
     """
     body = _sampling(
         model=model,
@@ -196,6 +199,8 @@ def chat_body(
         body["tools"] = [dict(tool) for tool in tools]
         if tool_choice is not None:
             body["tool_choice"] = tool_choice
+        if not constrain_tool_calls:
+            body.setdefault("extra_body", {})["constrain_tool_calls"] = False
     if response_format is not None:
         body["response_format"] = _wire_response_format(response_format)
     return body

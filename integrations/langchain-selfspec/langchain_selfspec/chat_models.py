@@ -557,6 +557,7 @@ class ChatSpeculative(BaseChatModel):
             response_format=kwargs.get("response_format"),
             truncate_prompt=self.truncate_prompt,
             stream=stream,
+            constrain_tool_calls=self.constrain_tool_calls,
         )
 
     def _request(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> _Request:

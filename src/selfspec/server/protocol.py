@@ -159,6 +159,9 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    #: selfspec's own field: with tools and ``tool_choice="auto"``, generate the calls the model
+    #: chooses to make under the tools' grammar (as the adapters' ``constrain_tool_calls``)
+    constrain_tool_calls: bool = True
 
     @property
     def token_limit(self) -> int | None:

@@ -599,6 +599,7 @@ class SpeculativeLLM(FunctionCallingLLM):
             tools=tools or None,
             tool_choice=choice,
             response_format=response_format,
+            constrain_tool_calls=self.constrain_tool_calls,
             **sampling,
         )
 
