@@ -603,6 +603,10 @@ class ChatSpeculative(BaseChatModel):
         With ``truncate`` the engine cuts the prompt instead: ``max_tokens`` is kept as given
         (without it, a prompt that fills the window leaves ``min(256, window // 2)``).
         """
+        if max_tokens is not None and (
+            isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
+        ):
+            return max_tokens  # the engine refuses it with a SamplingError naming max_new_tokens
         window = engine.context_window
         room = window - prompt_length if window is not None else None
         if truncate and window is not None and room is not None:
@@ -616,7 +620,7 @@ class ChatSpeculative(BaseChatModel):
             )
         if max_tokens is None:
             return room if room is not None else 256
-        return max(1, min(max_tokens, room)) if room is not None else max_tokens
+        return min(max_tokens, room) if room is not None else max_tokens
 
     # ------------------------------------------------------------------ tools and structure
     def bind_tools(

@@ -544,8 +544,11 @@ class SpeculativeLLM(FunctionCallingLLM):
     def _sampling_options(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """A call's sampling options (its keyword arguments over the fields); consumes them."""
         max_tokens = kwargs.pop("max_tokens", None)  # the name other LlamaIndex LLMs use
+        max_new_tokens = kwargs.pop("max_new_tokens", None)
+        if max_new_tokens is None:
+            max_new_tokens = max_tokens if max_tokens is not None else self.max_new_tokens
         return {
-            "max_new_tokens": kwargs.pop("max_new_tokens", None) or max_tokens or self.max_new_tokens,
+            "max_new_tokens": max_new_tokens,
             "temperature": kwargs.pop("temperature", self.temperature),
             "top_k": kwargs.pop("top_k", self.top_k),
             "top_p": kwargs.pop("top_p", self.top_p),
