@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -401,7 +401,7 @@ class EndpointClient:
             _reraise(error, self.base_url)
         return read_response(reply)
 
-    def stream(self, body: Mapping[str, Any]) -> Iterator[StreamEvent | EndpointResult]:
+    def stream(self, body: Mapping[str, Any]) -> Generator[StreamEvent | EndpointResult, None, None]:
         """Stream a request: events while it is generated, then the :class:`EndpointResult`.
 
         Closing the iterator early closes the HTTP response (the server cancels the
@@ -430,7 +430,7 @@ class EndpointClient:
                 _reraise(error, self.base_url)
         return read_response(reply)
 
-    async def astream(self, body: Mapping[str, Any]) -> AsyncIterator[StreamEvent | EndpointResult]:
+    async def astream(self, body: Mapping[str, Any]) -> AsyncGenerator[StreamEvent | EndpointResult, None]:
         """Async :meth:`stream`; closing (or cancelling) it closes the HTTP response."""
         async with self._async_client() as client:
             try:

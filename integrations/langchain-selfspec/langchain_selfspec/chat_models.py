@@ -520,7 +520,7 @@ class ChatSpeculative(BaseChatModel):
             for event in events:
                 yield _endpoint_last_chunk(event, model) if isinstance(event, EndpointResult) else _chunk(event)
         finally:
-            events.close()  # type: ignore[attr-defined]
+            events.close()
 
     async def _endpoint_achunks(
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
@@ -532,7 +532,7 @@ class ChatSpeculative(BaseChatModel):
             async for event in events:
                 yield _endpoint_last_chunk(event, model) if isinstance(event, EndpointResult) else _chunk(event)
         finally:
-            await events.aclose()  # type: ignore[attr-defined]
+            await events.aclose()
 
     def _endpoint_body(
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any], stream: bool = False

@@ -21,7 +21,6 @@ from typing import Any
 
 import pytest
 import torch
-from langchain_core.messages import HumanMessage
 from selfspec import (
     ConfigurationError,
     InvalidPromptError,
@@ -91,7 +90,7 @@ def test_stop_list_with_an_empty_string(mode: dict[str, Any], reference: str) ->
 
 def test_empty_message_list(mode: dict[str, Any], reference: str) -> None:
     llm = make(mode)
-    with pytest.raises(InvalidPromptError, match="non-empty|empty"):
+    with pytest.raises(InvalidPromptError, match="empty"):
         llm.invoke([])
     assert llm.invoke(REFERENCE_QUESTION).content == reference
 
@@ -315,7 +314,7 @@ def test_closing_a_stream_stops_the_engine(
     cancelled = _cancelled_count(mode["base_url"]) if mode else 0
     llm = make(mode, max_tokens=1500)
     stream = llm.stream("Tell me a long story about the sea.")
-    for _, chunk in zip(range(3), stream):
+    for _, chunk in zip(range(3), stream, strict=False):
         assert chunk.text is not None
     at_close = counter.calls
     assert at_close > 0

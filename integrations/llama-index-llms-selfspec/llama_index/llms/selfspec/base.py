@@ -26,7 +26,7 @@ import json
 import logging
 import threading
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -707,7 +707,7 @@ def _held(events: Iterator[StreamEvent | EndpointResult]) -> Iterator[tuple[str,
 
 
 async def _aiter_held(
-    events: AsyncIterator[StreamEvent | EndpointResult],
+    events: AsyncGenerator[StreamEvent | EndpointResult, None],
 ) -> AsyncGenerator[tuple[str, str, EndpointResult | None], None]:
     """Async :func:`_held`."""
     text, pending = "", None
@@ -722,7 +722,7 @@ async def _aiter_held(
                     yield text, pending, None
                 pending = event.text
     finally:
-        await events.aclose()  # type: ignore[attr-defined]
+        await events.aclose()
 
 
 def _endpoint_chats(llm: SpeculativeLLM, events: Iterator[StreamEvent | EndpointResult]) -> ChatResponseGen:
