@@ -114,6 +114,28 @@ def test_tools_round_trip_and_structured_output_equal_local_mode(
         assert got.invoke("Tell me a joke about cats.") == expected.invoke("Tell me a joke about cats.")
 
 
+def test_optional_tool_calls_constrained_or_not_as_in_local_mode(selfspec_server: dict[str, str]) -> None:
+    """``constrain_tool_calls`` reaches the server (tools offered, ``tool_choice="auto"``).
+
+    On this question the demo model, unconstrained, calls ``get_weather`` with a ``city``
+    argument its schema does not have; under the tools' grammar it writes ``location``.
+    """
+    question = "What is the weather in San Francisco, CA?"
+    arguments = {}
+    for constrain in (True, False):
+        local = ChatSpeculative(model="selfspec-demo", max_tokens=40, constrain_tool_calls=constrain)
+        remote = ChatSpeculative(
+            model="selfspec-demo", max_tokens=40, constrain_tool_calls=constrain, **selfspec_server
+        )
+        expected = local.bind_tools([get_weather]).invoke(question)
+        got = remote.bind_tools([get_weather]).invoke(question)
+        assert got.content == expected.content
+        assert [(c["name"], c["args"]) for c in got.tool_calls] == [(c["name"], c["args"]) for c in expected.tool_calls]
+        [call] = got.tool_calls
+        arguments[constrain] = set(call["args"])
+    assert arguments == {True: {"location"}, False: {"city"}}
+
+
 def test_cut_off_tool_call_is_an_invalid_tool_call_in_both_modes(
     remote: ChatSpeculative, local: ChatSpeculative
 ) -> None:
