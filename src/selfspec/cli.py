@@ -35,6 +35,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | N
     )
     parser.add_argument("--draft-model", default=None, help="with --drafter draft_model: the draft model")
     parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--allow-pickle", action="store_true", help="allow .bin (pickle) weights without safetensors")
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -65,6 +66,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "num_draft_tokens": _int_or_auto(args.num_draft_tokens),
         "drafter": args.drafter,
         "trust_remote_code": args.trust_remote_code,
+        "allow_pickle": args.allow_pickle,
         "draft_model": args.draft_model,
     }
 

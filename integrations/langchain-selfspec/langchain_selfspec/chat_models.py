@@ -6,16 +6,19 @@ Where each part lives:
 - reading the model's tool calls, streaming them, normalising tool schemas:
   :mod:`selfspec.tools` (shared with the LlamaIndex adapter);
 - forced tool calls and structured output by constrained decoding: :mod:`selfspec.grammar`;
+- endpoint mode (``base_url=...``: an OpenAI-compatible server instead of a local engine):
+  :mod:`selfspec.endpoint` (shared with the LlamaIndex adapter);
 - here: LangChain messages to chat-template messages (:func:`to_engine_messages`), one
-  request per call (:meth:`ChatSpeculative._request`), and the one place that builds
-  messages and chunks (:func:`_message`, :func:`_chunk`) for every sync, async and streaming
-  path.
+  request per call (:meth:`ChatSpeculative._request`, :meth:`ChatSpeculative._endpoint_body`),
+  and the one place that builds messages and chunks (:func:`_ai_message`, :func:`_chunk`,
+  :func:`_last_chunk`) for every sync, async and streaming path, local or endpoint.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -40,12 +43,24 @@ from langchain_core.output_parsers.pydantic import PydanticOutputParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
+from langchain_core.utils import secret_from_env
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
-from pydantic import ConfigDict
+from pydantic import ConfigDict, Field, PrivateAttr, SecretStr
 from selfspec import GenerationOutput, SpeculativeEngine, TokenConstraint, get_engine
+from selfspec.endpoint import API_KEY_ENV_VARS, EndpointClient, EndpointResult, chat_body
+from selfspec.errors import ConfigurationError, InvalidPromptError
 from selfspec.registry import engine_args
-from selfspec.tools import ContentDelta, StreamEvent, ToolCallChunk, ToolCallStreamParser, parse_tool_calls, tool_schema
+from selfspec.tools import (
+    ContentDelta,
+    InvalidToolCall,
+    StreamEvent,
+    ToolCall,
+    ToolCallChunk,
+    ToolCallStreamParser,
+    parse_tool_calls,
+    tool_schema,
+)
 
 #: Content-block types that carry no text for the model and are skipped (tool calls are
 #: rendered from ``AIMessage.tool_calls``; reasoning is not replayed).
@@ -116,6 +131,16 @@ class ChatSpeculative(BaseChatModel):
 
         Weights load on first use; every instance with the same engine arguments shares one
         engine in the process.
+
+    Key init args — endpoint mode:
+        base_url: str | None
+            An OpenAI-compatible server's API root (``selfspec serve``, vLLM, SGLang), e.g.
+            ``"http://localhost:8000/v1"``: no local engine is loaded, ``model`` is the id
+            the server serves, and the engine params above are the server's business.
+        api_key: SecretStr | None
+            The server's key (default: ``$SELFSPEC_API_KEY``, else ``$OPENAI_API_KEY``).
+        timeout, max_retries: float | None, int
+            Per-request timeout in seconds and retries of failed connections.
 
     Instantiate:
         .. code-block:: python
@@ -288,6 +313,29 @@ class ChatSpeculative(BaseChatModel):
     under the tools' grammar too (valid names and arguments; free text stays unconstrained).
     Needs ``<tool_call>`` as a single token of the tokenizer; otherwise calls are only parsed."""
 
+    truncate_prompt: bool = False
+    """When the prompt and the answer do not fit in the context window, keep only the prompt's end
+    (left truncation) instead of raising ``InvalidPromptError``. Without ``max_tokens``, a prompt
+    that fills the window leaves room for ``min(256, window // 2)`` new tokens."""
+
+    # -- endpoint mode: an OpenAI-compatible server instead of a local engine
+    base_url: str | None = None
+    """Endpoint mode: the API root of an OpenAI-compatible server (``selfspec serve``, vLLM,
+    SGLang), e.g. ``"http://localhost:8000/v1"``. No local engine is loaded; ``model`` is the id
+    the server serves and the engine fields are ignored."""
+
+    api_key: SecretStr | None = Field(default_factory=secret_from_env(list(API_KEY_ENV_VARS), default=None))
+    """Endpoint mode: the server's key (sent as ``Authorization: Bearer``); default:
+    ``$SELFSPEC_API_KEY``, else ``$OPENAI_API_KEY``, else none."""
+
+    timeout: float | None = None
+    """Endpoint mode: seconds before a request fails (``None``: the ``openai`` client's 600 s)."""
+
+    max_retries: int = 2
+    """Endpoint mode: retries of failed connections and 429/5xx answers."""
+
+    _endpoint: EndpointClient | None = PrivateAttr(default=None)
+
     model_config = ConfigDict(use_attribute_docstrings=True)
 
     # ------------------------------------------------------------------ LangChain hooks
@@ -296,10 +344,16 @@ class ChatSpeculative(BaseChatModel):
         return "selfspec"
 
     @property
+    def lc_secrets(self) -> dict[str, str]:
+        """Secrets are serialised as the name of their environment variable."""
+        return {"api_key": API_KEY_ENV_VARS[0]}
+
+    @property
     def _identifying_params(self) -> dict[str, Any]:
+        engine = {"base_url": self.base_url} if self.base_url is not None else self._engine_args()
         return {
             "model": self.model,
-            **self._engine_args(),
+            **engine,
             "temperature": self.temperature,
             "max_tokens": self.max_tokens,
             "top_p": self.top_p,
@@ -332,17 +386,50 @@ class ChatSpeculative(BaseChatModel):
 
         Args:
             model: another model to use with the same engine arguments (a per-call override).
+
+        Raises:
+            ConfigurationError: in endpoint mode (``base_url`` set), which has no local engine.
         """
+        if self.base_url is not None:
+            raise ConfigurationError(
+                f"ChatSpeculative(base_url={self.base_url!r}) talks to a server and has no local engine; "
+                "leave base_url unset to run the model in this process"
+            )
         return get_engine(model or self.model, **self._engine_args())
 
+    def endpoint(self) -> EndpointClient:
+        """Endpoint mode's client of the server at ``base_url`` (created on first use)."""
+        if self.base_url is None:
+            raise ConfigurationError("endpoint() needs base_url (the API root of an OpenAI-compatible server)")
+        if self._endpoint is None:
+            key = self.api_key.get_secret_value() if self.api_key is not None else None
+            self._endpoint = EndpointClient(self.base_url, key, timeout=self.timeout, max_retries=self.max_retries)
+        return self._endpoint
+
     def get_token_ids(self, text: str) -> list[int]:
-        """Token ids of ``text`` under the model's own tokenizer."""
-        return list(self.get_engine().tokenizer(text, add_special_tokens=False)["input_ids"])
+        """Token ids of ``text`` under the model's own tokenizer (endpoint mode: a local copy)."""
+        return list(self._tokenizer()(text, add_special_tokens=False)["input_ids"])
 
     def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence[Any] | None = None) -> int:
-        """Prompt length of ``messages`` (and ``tools``) under the model's chat template."""
+        """Prompt length of ``messages`` (and ``tools``) under the model's chat template.
+
+        In endpoint mode this needs the model's tokenizer locally (``model`` a local folder,
+        a hub id in the cache, or ``"selfspec-demo"``); the server's counts are in
+        ``usage_metadata``.
+        """
         schemas = [_tool_dict(t) for t in tools] if tools else None
-        return len(self.get_engine().encode_prompt(to_engine_messages(messages), tools=schemas))
+        if self.base_url is None:
+            return len(self.get_engine().encode_prompt(to_engine_messages(messages), tools=schemas))
+        tokenizer = self._tokenizer()
+        text = tokenizer.apply_chat_template(
+            to_engine_messages(messages), tools=schemas, add_generation_prompt=True, tokenize=False
+        )
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _tokenizer(self) -> Any:
+        if self.base_url is None:
+            return self.get_engine().tokenizer
+        return _local_tokenizer(self.model, self.trust_remote_code)
 
     # ------------------------------------------------------------------ generation
     def _generate(
@@ -352,6 +439,9 @@ class ChatSpeculative(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
+        if self.base_url is not None:
+            result = self.endpoint().create(self._endpoint_body(messages, stop, kwargs))
+            return _endpoint_chat_result(result, kwargs.get("model") or self.model)
         request = self._request(messages, stop, kwargs)
         output = request.engine.generate_ids(request.prompt_ids, **request.options())
         return ChatResult(generations=[ChatGeneration(message=_message(request, output))])
@@ -363,6 +453,9 @@ class ChatSpeculative(BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
+        if self.base_url is not None:
+            result = await self.endpoint().acreate(self._endpoint_body(messages, stop, kwargs))
+            return _endpoint_chat_result(result, kwargs.get("model") or self.model)
         return await asyncio.to_thread(self._generate, messages, stop, None, **kwargs)
 
     def _stream(
@@ -384,15 +477,25 @@ class ChatSpeculative(BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        async for chunk in _iterate_in_thread(lambda: self._chunks(messages, stop, kwargs)):
-            if run_manager is not None:
-                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
-            yield chunk
+        if self.base_url is not None:
+            chunks = self._endpoint_achunks(messages, stop, kwargs)
+        else:
+            chunks = _iterate_in_thread(lambda: self._chunks(messages, stop, kwargs))
+        try:
+            async for chunk in chunks:
+                if run_manager is not None:
+                    await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                yield chunk
+        finally:
+            await chunks.aclose()  # type: ignore[attr-defined]
 
     def _chunks(
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
     ) -> Iterator[ChatGenerationChunk]:
         """The chunks of one streamed answer (the sync and async streams both use this)."""
+        if self.base_url is not None:
+            yield from self._endpoint_chunks(messages, stop, kwargs)
+            return
         request = self._request(messages, stop, kwargs)
         stream = request.engine.stream_ids(request.prompt_ids, **request.options())
         parser = ToolCallStreamParser() if request.parse_tools else None
@@ -407,11 +510,59 @@ class ChatSpeculative(BaseChatModel):
         assert stream.output is not None
         yield _chunk(None, request=request, output=stream.output)
 
+    def _endpoint_chunks(
+        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
+    ) -> Iterator[ChatGenerationChunk]:
+        """Endpoint mode's chunks; closing early closes the HTTP stream (the server cancels)."""
+        model = kwargs.get("model") or self.model
+        events = self.endpoint().stream(self._endpoint_body(messages, stop, kwargs, stream=True))
+        try:
+            for event in events:
+                yield _endpoint_last_chunk(event, model) if isinstance(event, EndpointResult) else _chunk(event)
+        finally:
+            events.close()
+
+    async def _endpoint_achunks(
+        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        """Async :meth:`_endpoint_chunks` (the ``openai`` async client: no worker thread)."""
+        model = kwargs.get("model") or self.model
+        events = self.endpoint().astream(self._endpoint_body(messages, stop, kwargs, stream=True))
+        try:
+            async for event in events:
+                yield _endpoint_last_chunk(event, model) if isinstance(event, EndpointResult) else _chunk(event)
+        finally:
+            await events.aclose()
+
+    def _endpoint_body(
+        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any], stream: bool = False
+    ) -> dict[str, Any]:
+        """Endpoint mode's request: the same options as :meth:`_request`, in OpenAI's form."""
+        _check_call_args(kwargs)
+        tools: list[dict[str, Any]] = list(kwargs.get("tools") or [])
+        tool_choice = kwargs.get("tool_choice") or "auto"
+        if tool_choice == "none":
+            tools = []
+        return chat_body(
+            to_engine_messages(messages),
+            model=kwargs.get("model") or self.model,
+            max_tokens=kwargs.get("max_tokens", self.max_tokens),
+            temperature=kwargs.get("temperature", self.temperature),
+            top_p=kwargs.get("top_p", self.top_p),
+            top_k=kwargs.get("top_k", self.top_k),
+            seed=kwargs.get("seed", self.seed),
+            stop=list(stop if stop is not None else self.stop or []) or None,
+            tools=tools or None,
+            tool_choice=tool_choice if tools else None,
+            response_format=kwargs.get("response_format"),
+            truncate_prompt=self.truncate_prompt,
+            stream=stream,
+            constrain_tool_calls=self.constrain_tool_calls,
+        )
+
     def _request(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> _Request:
         """Everything one call needs: engine, prompt ids, sampling options, constraint."""
-        unknown = set(kwargs) - _CALL_ARGS
-        if unknown:
-            raise ValueError(f"ChatSpeculative got unsupported arguments: {', '.join(sorted(unknown))}")
+        _check_call_args(kwargs)
         model = kwargs.get("model") or self.model
         engine = self.get_engine(model)
         tools: list[dict[str, Any]] = list(kwargs.get("tools") or [])
@@ -423,13 +574,16 @@ class ChatSpeculative(BaseChatModel):
             engine=engine,
             model_name=model,
             prompt_ids=prompt_ids,
-            max_new_tokens=self._budget(engine, len(prompt_ids), kwargs.get("max_tokens", self.max_tokens)),
+            max_new_tokens=self._budget(
+                engine, len(prompt_ids), kwargs.get("max_tokens", self.max_tokens), self.truncate_prompt
+            ),
             temperature=kwargs.get("temperature", self.temperature),
             top_p=kwargs.get("top_p", self.top_p),
             top_k=kwargs.get("top_k", self.top_k),
             seed=kwargs.get("seed", self.seed),
             stop=list(stop if stop is not None else self.stop or []) or None,
             parse_tools=bool(tools),
+            truncate_prompt=self.truncate_prompt,
         )
         forced = _forced_tool(tool_choice, tools)
         response_format = kwargs.get("response_format")
@@ -443,15 +597,30 @@ class ChatSpeculative(BaseChatModel):
         return request
 
     @staticmethod
-    def _budget(engine: SpeculativeEngine, prompt_length: int, max_tokens: int | None) -> int:
-        """New tokens allowed: ``max_tokens``, never past the end of the context window."""
+    def _budget(engine: SpeculativeEngine, prompt_length: int, max_tokens: int | None, truncate: bool = False) -> int:
+        """New tokens allowed: ``max_tokens``, never past the end of the context window.
+
+        With ``truncate`` the engine cuts the prompt instead: ``max_tokens`` is kept as given
+        (without it, a prompt that fills the window leaves ``min(256, window // 2)``).
+        """
+        if max_tokens is not None and (
+            isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
+        ):
+            return max_tokens  # the engine refuses it with a SamplingError naming max_new_tokens
         window = engine.context_window
         room = window - prompt_length if window is not None else None
+        if truncate and window is not None and room is not None:
+            if max_tokens is not None:
+                return max_tokens
+            return room if room >= 1 else min(256, window // 2)
         if room is not None and room < 1:
-            raise ValueError(f"the prompt ({prompt_length} tokens) fills the model's context window of {window} tokens")
+            raise InvalidPromptError(
+                f"the prompt ({prompt_length} tokens) fills the model's context window of {window} tokens "
+                "(or pass truncate_prompt=True to keep only its end)"
+            )
         if max_tokens is None:
             return room if room is not None else 256
-        return max(1, min(max_tokens, room)) if room is not None else max_tokens
+        return min(max_tokens, room) if room is not None else max_tokens
 
     # ------------------------------------------------------------------ tools and structure
     def bind_tools(
@@ -554,6 +723,7 @@ class _Request:
     stop: list[str] | None
     parse_tools: bool
     constraint: Callable[[], TokenConstraint] | None = field(default=None)
+    truncate_prompt: bool = False
 
     def options(self) -> dict[str, Any]:
         """Keyword arguments of ``engine.generate_ids`` / ``stream_ids`` (a fresh constraint)."""
@@ -565,6 +735,7 @@ class _Request:
             "seed": self.seed,
             "stop": self.stop,
             "constraint": self.constraint() if self.constraint is not None else None,
+            "truncate_prompt": self.truncate_prompt,
         }
 
 
@@ -584,6 +755,27 @@ def _lazy_grammar(kind: str, engine: SpeculativeEngine, *args: Any, **kwargs: An
         )
 
     return make
+
+
+def _check_call_args(kwargs: Mapping[str, Any]) -> None:
+    unknown = set(kwargs) - _CALL_ARGS
+    if unknown:
+        raise ValueError(f"ChatSpeculative got unsupported arguments: {', '.join(sorted(unknown))}")
+
+
+@functools.lru_cache(maxsize=8)
+def _local_tokenizer(model: str, trust_remote_code: bool) -> Any:
+    """The tokenizer of ``model`` read from disk (endpoint mode counts tokens with it)."""
+    from selfspec.loading import resolve_model_path
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(resolve_model_path(model), trust_remote_code=trust_remote_code)
+    except OSError as error:
+        raise ConfigurationError(
+            f"counting tokens in endpoint mode needs {model!r}'s tokenizer on this machine ({error}); "
+            "the server reports its counts in usage_metadata"
+        ) from error
 
 
 def _has_tool_call_tokens(engine: SpeculativeEngine) -> bool:
@@ -706,17 +898,55 @@ def _message(request: _Request, output: GenerationOutput) -> AIMessage:
     """The AI message of a finished (non-streamed) answer."""
     text = output.text or ""
     if not request.parse_tools:
-        return AIMessage(content=text, usage_metadata=_usage(output), response_metadata=_metadata(request, output))
+        return _ai_message(text, [], [], _usage(output), _metadata(request, output))
     parsed = parse_tool_calls(text)
-    return AIMessage(
-        content=parsed.content,
-        tool_calls=[tool_call(name=c.name, args=c.arguments, id=c.id) for c in parsed.tool_calls],
-        invalid_tool_calls=[
-            invalid_tool_call(name=c.name, args=c.arguments, id=c.id, error=c.error) for c in parsed.invalid_tool_calls
-        ],
-        usage_metadata=_usage(output),
-        response_metadata=_metadata(request, output),
+    return _ai_message(
+        parsed.content, parsed.tool_calls, parsed.invalid_tool_calls, _usage(output), _metadata(request, output)
     )
+
+
+def _ai_message(
+    content: str,
+    calls: Sequence[ToolCall],
+    invalid: Sequence[InvalidToolCall],
+    usage: Any,
+    metadata: dict[str, Any],
+) -> AIMessage:
+    """An AI message: text, tool calls (well formed or not), usage and response metadata."""
+    return AIMessage(
+        content=content,
+        tool_calls=[tool_call(name=c.name, args=c.arguments, id=c.id) for c in calls],
+        invalid_tool_calls=[invalid_tool_call(name=c.name, args=c.arguments, id=c.id, error=c.error) for c in invalid],
+        usage_metadata=usage,
+        response_metadata=metadata,
+    )
+
+
+def _endpoint_chat_result(result: EndpointResult, model: str) -> ChatResult:
+    """Endpoint mode's answer as a chat result."""
+    usage, metadata = _endpoint_usage(result), _endpoint_metadata(result, model)
+    message = _ai_message(result.text, result.tool_calls, result.invalid_tool_calls, usage, metadata)
+    info = {"finish_reason": result.finish_reason}
+    return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)])
+
+
+def _endpoint_last_chunk(result: EndpointResult, model: str) -> ChatGenerationChunk:
+    return _last_chunk(_endpoint_usage(result), _endpoint_metadata(result, model), result.finish_reason)
+
+
+def _endpoint_usage(result: EndpointResult) -> Any:
+    if result.prompt_tokens is None or result.completion_tokens is None:
+        return None
+    return {
+        "input_tokens": result.prompt_tokens,
+        "output_tokens": result.completion_tokens,
+        "total_tokens": result.prompt_tokens + result.completion_tokens,
+    }
+
+
+def _endpoint_metadata(result: EndpointResult, model: str) -> dict[str, Any]:
+    """``model_name`` and ``finish_reason``; the speculation statistics when the server sends them."""
+    return {"model_name": result.model or model, "finish_reason": result.finish_reason, **result.stats}
 
 
 def _chunk(
@@ -732,13 +962,13 @@ def _chunk(
         piece = tool_call_chunk(name=event.name, args=event.arguments, id=event.id, index=event.index)
         return ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[piece]))
     assert request is not None and output is not None
-    message = AIMessageChunk(
-        content="",
-        usage_metadata=_usage(output),
-        response_metadata=_metadata(request, output),
-        chunk_position="last",
-    )
-    return ChatGenerationChunk(message=message, generation_info={"finish_reason": output.finish_reason})
+    return _last_chunk(_usage(output), _metadata(request, output), output.finish_reason)
+
+
+def _last_chunk(usage: Any, metadata: dict[str, Any], finish_reason: str | None) -> ChatGenerationChunk:
+    """The last chunk of a stream: usage and response metadata, once per stream."""
+    message = AIMessageChunk(content="", usage_metadata=usage, response_metadata=metadata, chunk_position="last")
+    return ChatGenerationChunk(message=message, generation_info={"finish_reason": finish_reason})
 
 
 def _usage(output: GenerationOutput) -> Any:

@@ -316,6 +316,9 @@ class _Server:
             constraint = self._grammar("tool_call_constraint", tools, tool_name=forced or None)
         elif schema is not None:
             constraint = self._grammar("json_schema_constraint", schema)
+        elif tools and body.constrain_tool_calls and _can_constrain_calls(engine):
+            # as the adapters do: the calls the model chooses to make follow the tools' grammar
+            constraint = self._grammar("tool_call_constraint", tools, required=False)
         return self._start(prompt_ids, body.token_limit, body.sampling(), constraint, "messages", bool(tools))
 
     def prepare_completion(self, body: CompletionRequest) -> _Job:
@@ -350,6 +353,8 @@ class _Server:
         if limit is None:
             window = engine.context_window
             limit = DEFAULT_MAX_TOKENS if window is None else window - len(prompt_ids)
+            if limit < 1 and sampling.get("truncate_prompt") and window is not None and window > 1:
+                limit = min(DEFAULT_MAX_TOKENS, window // 2)  # the engine keeps the prompt's end
             if limit < 1:
                 raise APIError(
                     400,
@@ -428,6 +433,15 @@ class _Server:
         finally:
             job.cancelled.set()  # a no-op when finished; else the client has gone
             self._jobs.discard(job)
+
+
+def _can_constrain_calls(engine: SpeculativeEngine) -> bool:
+    """Whether optional tool calls can be grammar-constrained (llguidance, single-token tags)."""
+    import importlib.util
+
+    from ..grammar import has_tool_call_tokens
+
+    return importlib.util.find_spec("llguidance") is not None and has_tool_call_tokens(engine.tokenizer)
 
 
 @contextmanager

@@ -117,6 +117,7 @@ class _SamplingRequest(BaseModel):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    truncate_prompt: bool = False
 
     def check_supported(self) -> None:
         """Refuse options that would change the answer and that selfspec cannot honour."""
@@ -146,6 +147,7 @@ class _SamplingRequest(BaseModel):
             "top_k": self.top_k,
             "stop": self.stop,
             "seed": self.seed,
+            "truncate_prompt": self.truncate_prompt,
         }
 
 
@@ -157,6 +159,9 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    #: selfspec's own field: with tools and ``tool_choice="auto"``, generate the calls the model
+    #: chooses to make under the tools' grammar (as the adapters' ``constrain_tool_calls``)
+    constrain_tool_calls: bool = True
 
     @property
     def token_limit(self) -> int | None:

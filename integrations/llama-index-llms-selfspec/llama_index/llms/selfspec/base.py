@@ -12,7 +12,10 @@ Where things live:
 - tool schemas, forced tool calls, parsing the model's tool calls: :mod:`selfspec.tools` and
   :mod:`selfspec.grammar` (shared with the LangChain adapter);
 - response objects, streamed or not: :meth:`SpeculativeLLM._chat_response` and
-  :meth:`SpeculativeLLM._completion_response` (the sync, async and streaming paths all end there).
+  :meth:`SpeculativeLLM._completion_response` (the sync, async and streaming paths all end there);
+- endpoint mode (``base_url=...``: an OpenAI-compatible server instead of a local engine):
+  :mod:`selfspec.endpoint` (shared with the LangChain adapter) and
+  :meth:`SpeculativeLLM._endpoint_body`; its answers end in the same two response builders.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from llama_index.core.base.llms.types import (
     MessageRole,
     ToolCallBlock,
 )
-from llama_index.core.bridge.pydantic import BaseModel, Field, ValidationError
+from llama_index.core.bridge.pydantic import BaseModel, Field, PrivateAttr, ValidationError
 from llama_index.core.constants import DEFAULT_CONTEXT_WINDOW
 from llama_index.core.instrumentation.events.llm import (
     LLMStructuredPredictEndEvent,
@@ -52,7 +55,10 @@ from llama_index.core.llms.llm import ToolSelection
 from llama_index.core.types import PydanticProgramMode
 
 from selfspec import GenerationOutput, GenerationStream, SpeculativeEngine, TokenConstraint, get_engine
+from selfspec.endpoint import EndpointClient, EndpointResult, chat_body, text_body
+from selfspec.errors import ConfigurationError
 from selfspec.registry import engine_args
+from selfspec.tools import ContentDelta, InvalidToolCall, StreamEvent, ToolCall
 
 if TYPE_CHECKING:
     from llama_index.core.prompts import BasePromptTemplate
@@ -83,6 +89,9 @@ class SpeculativeLLM(FunctionCallingLLM):
     valid JSON by a grammar applied to draft and target alike).
 
     Weights load on first use; every instance with the same engine arguments shares one engine.
+    With ``base_url`` set (endpoint mode) no engine is loaded: every call goes to that
+    OpenAI-compatible server (``selfspec serve``, vLLM or SGLang), streaming, tools and token
+    counts included.
     Responses carry token counts (``raw["usage"]`` and ``additional_kwargs``, read by
     ``TokenCountingHandler``) and the speculation statistics under the names of
     :class:`selfspec.GenerationStats`.
@@ -173,6 +182,30 @@ class SpeculativeLLM(FunctionCallingLLM):
         gt=0,
         description="Prompt plus output tokens; None reads max_position_embeddings from the model config.",
     )
+    truncate_prompt: bool = Field(
+        default=False,
+        description="When the prompt and max_new_tokens do not fit in the context window, keep only the "
+        "prompt's end (left truncation) instead of raising InvalidPromptError.",
+    )
+    # -- endpoint mode: an OpenAI-compatible server instead of a local engine
+    base_url: str | None = Field(
+        default=None,
+        description="Endpoint mode: the API root of an OpenAI-compatible server (selfspec serve, vLLM, "
+        "SGLang), e.g. 'http://localhost:8000/v1'. No local engine is loaded; model is the id the server "
+        "serves and the engine fields are ignored.",
+    )
+    api_key: str | None = Field(
+        default=None,
+        exclude=True,
+        repr=False,
+        description="Endpoint mode: the server's key; None reads $SELFSPEC_API_KEY, else $OPENAI_API_KEY.",
+    )
+    timeout: float | None = Field(
+        default=None, description="Endpoint mode: seconds before a request fails (None: the openai client's 600 s)."
+    )
+    max_retries: int = Field(default=2, ge=0, description="Endpoint mode: retries of failed connections.")
+
+    _endpoint: EndpointClient | None = PrivateAttr(default=None)
 
     @classmethod
     def class_name(cls) -> str:
@@ -184,14 +217,34 @@ class SpeculativeLLM(FunctionCallingLLM):
             f"SpeculativeLLM(model={self.model!r}, quantization={self.quantization!r}, "
             f"exit_layer={self.exit_layer!r}, num_draft_tokens={self.num_draft_tokens!r}, "
             f"drafter={self.drafter!r}, device={self.device!r}, temperature={self.temperature}, "
-            f"max_new_tokens={self.max_new_tokens})"
+            f"max_new_tokens={self.max_new_tokens}"
+            + (f", base_url={self.base_url!r})" if self.base_url is not None else ")")
         )
 
     # ----------------------------------------------------------------- engine and metadata
     @property
     def engine(self) -> SpeculativeEngine:
-        """The shared :class:`selfspec.SpeculativeEngine` for this model (loaded on first use)."""
+        """The shared :class:`selfspec.SpeculativeEngine` for this model (loaded on first use).
+
+        Raises:
+            ConfigurationError: in endpoint mode (``base_url`` set), which has no local engine.
+        """
+        if self.base_url is not None:
+            raise ConfigurationError(
+                f"SpeculativeLLM(base_url={self.base_url!r}) talks to a server and has no local engine; "
+                "leave base_url unset to run the model in this process"
+            )
         return get_engine(self.model, **self._engine_args())
+
+    def endpoint(self) -> EndpointClient:
+        """Endpoint mode's client of the server at ``base_url`` (created on first use)."""
+        if self.base_url is None:
+            raise ConfigurationError("endpoint() needs base_url (the API root of an OpenAI-compatible server)")
+        if self._endpoint is None:
+            self._endpoint = EndpointClient(
+                self.base_url, self.api_key, timeout=self.timeout, max_retries=self.max_retries
+            )
+        return self._endpoint
 
     def _engine_args(self) -> dict[str, Any]:
         """The arguments of ``SpeculativeEngine.from_pretrained`` (they key the shared engine)."""
@@ -199,8 +252,18 @@ class SpeculativeLLM(FunctionCallingLLM):
 
     @property
     def metadata(self) -> LLMMetadata:
-        """Context window, output budget and capabilities (reads the config, not the weights)."""
-        window = self.context_window or _config_context_window(self.model, self.trust_remote_code)
+        """Context window, output budget and capabilities (reads the config, not the weights).
+
+        In endpoint mode a model whose config is not on this machine counts as
+        LlamaIndex's default window unless ``context_window`` is given.
+        """
+        window = self.context_window
+        if window is None and self.base_url is not None:
+            try:
+                window = _config_context_window(self.model, self.trust_remote_code)
+            except (OSError, ValueError):
+                window = DEFAULT_CONTEXT_WINDOW
+        window = window or _config_context_window(self.model, self.trust_remote_code)
         return LLMMetadata(
             context_window=window,
             num_output=self.max_new_tokens,
@@ -239,22 +302,34 @@ class SpeculativeLLM(FunctionCallingLLM):
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         """Async :meth:`complete`, computed in a worker thread (the event loop stays free)."""
+        if self.base_url is not None:
+            body = self._endpoint_body(self._endpoint_prompt(prompt, formatted), dict(kwargs))
+            return self._endpoint_completion(await self.endpoint().acreate(body))
         return await asyncio.to_thread(self._complete, prompt, formatted, kwargs)
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
         """Async :meth:`stream_complete`; each step of the engine runs in a worker thread."""
+        if self.base_url is not None:
+            body = self._endpoint_body(self._endpoint_prompt(prompt, formatted), dict(kwargs), stream=True)
+            return _completions_from_events(self, _aiter_held(self.endpoint().astream(body)))
         responses = await asyncio.to_thread(self._stream_complete, prompt, formatted, kwargs)
         return _iterate_in_thread(responses)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         """Async :meth:`chat`, computed in a worker thread (the event loop stays free)."""
+        if self.base_url is not None:
+            body = self._endpoint_body(to_engine_messages(messages), dict(kwargs))
+            return self._endpoint_chat(await self.endpoint().acreate(body))
         return await asyncio.to_thread(self._chat, messages, kwargs)
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
         """Async :meth:`stream_chat`; each step of the engine runs in a worker thread."""
+        if self.base_url is not None:
+            body = self._endpoint_body(to_engine_messages(messages), dict(kwargs), stream=True)
+            return _chats_from_events(self, _aiter_held(self.endpoint().astream(body)))
         responses = await asyncio.to_thread(self._stream_chat, messages, kwargs)
         return _iterate_in_thread(responses)
 
@@ -392,10 +467,16 @@ class SpeculativeLLM(FunctionCallingLLM):
 
     # ----------------------------------------------------------------- the shared paths
     def _complete(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> CompletionResponse:
+        if self.base_url is not None:
+            body = self._endpoint_body(self._endpoint_prompt(prompt, formatted), dict(kwargs))
+            return self._endpoint_completion(self.endpoint().create(body))
         request = self._request(self._completion_prompt(prompt, formatted), dict(kwargs))
         return self._completion_response(request.generate())
 
     def _stream_complete(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> CompletionResponseGen:
+        if self.base_url is not None:
+            body = self._endpoint_body(self._endpoint_prompt(prompt, formatted), dict(kwargs), stream=True)
+            return _endpoint_completions(self, self.endpoint().stream(body))
         request = self._request(self._completion_prompt(prompt, formatted), dict(kwargs))
         stream = request.stream()
 
@@ -409,10 +490,16 @@ class SpeculativeLLM(FunctionCallingLLM):
         return responses()
 
     def _chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
+        if self.base_url is not None:
+            body = self._endpoint_body(to_engine_messages(messages), dict(kwargs))
+            return self._endpoint_chat(self.endpoint().create(body))
         request = self._request(to_engine_messages(messages), dict(kwargs))
         return self._chat_response(request.generate(), request)
 
     def _stream_chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponseGen:
+        if self.base_url is not None:
+            body = self._endpoint_body(to_engine_messages(messages), dict(kwargs), stream=True)
+            return _endpoint_chats(self, self.endpoint().stream(body))
         request = self._request(to_engine_messages(messages), dict(kwargs))
         stream = request.stream()
 
@@ -439,33 +526,104 @@ class SpeculativeLLM(FunctionCallingLLM):
     def _request(self, prompt: str | list[dict[str, Any]], kwargs: dict[str, Any]) -> _Request:
         """Encode the prompt (with any tools) and resolve the per-call options; consumes ``kwargs``."""
         engine = self.engine
-        tools = [tool_schema(tool) for tool in kwargs.pop("tools", None) or []]
-        tool_choice = kwargs.pop("tool_choice", None)
-        if tool_choice == "none":
-            tools = []
-        json_schema = kwargs.pop("json_schema", None)
+        tools, tool_choice, json_schema = _tool_options(kwargs)
         prompt_ids = engine.encode_prompt(prompt, tools=tools or None)
-
-        max_tokens = kwargs.pop("max_tokens", None)  # the name other LlamaIndex LLMs use
-        max_new_tokens = kwargs.pop("max_new_tokens", None) or max_tokens or self.max_new_tokens
+        options = self._sampling_options(kwargs)
         window = engine.context_window
-        if window is not None and len(prompt_ids) < window:
+        if window is not None and len(prompt_ids) < window and not self.truncate_prompt:
             # LlamaIndex budgets num_output tokens for the answer; never overrun the window
-            max_new_tokens = min(max_new_tokens, window - len(prompt_ids))
-        options: dict[str, Any] = {
+            options["max_new_tokens"] = min(options["max_new_tokens"], window - len(prompt_ids))
+        options["truncate_prompt"] = self.truncate_prompt
+        options["constraint"] = kwargs.pop("constraint", None)
+        if options["constraint"] is None:
+            options["constraint"] = self._grammar(engine, tools, tool_choice, json_schema)
+        if kwargs:
+            logger.debug("SpeculativeLLM ignores the arguments %s", ", ".join(sorted(kwargs)))
+        return _Request(engine=engine, prompt_ids=prompt_ids, options=options, parse_tools=bool(tools))
+
+    def _sampling_options(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """A call's sampling options (its keyword arguments over the fields); consumes them."""
+        max_tokens = kwargs.pop("max_tokens", None)  # the name other LlamaIndex LLMs use
+        max_new_tokens = kwargs.pop("max_new_tokens", None)
+        if max_new_tokens is None:
+            max_new_tokens = max_tokens if max_tokens is not None else self.max_new_tokens
+        return {
             "max_new_tokens": max_new_tokens,
             "temperature": kwargs.pop("temperature", self.temperature),
             "top_k": kwargs.pop("top_k", self.top_k),
             "top_p": kwargs.pop("top_p", self.top_p),
             "stop": kwargs.pop("stop", self.stop),
             "seed": kwargs.pop("seed", self.seed),
-            "constraint": kwargs.pop("constraint", None),
         }
-        if options["constraint"] is None:
-            options["constraint"] = self._grammar(engine, tools, tool_choice, json_schema)
+
+    # ----------------------------------------------------------------- endpoint mode
+    def _endpoint_prompt(self, prompt: str, formatted: bool) -> str | list[dict[str, Any]]:
+        """A user turn of the server's chat template, or the raw text when ``formatted``."""
+        if formatted:
+            return prompt
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return [*system, {"role": "user", "content": prompt}]
+
+    def _endpoint_body(
+        self, prompt: str | list[dict[str, Any]], kwargs: dict[str, Any], stream: bool = False
+    ) -> dict[str, Any]:
+        """Endpoint mode's request: the options of :meth:`_request` in OpenAI's form."""
+        tools, tool_choice, json_schema = _tool_options(kwargs)
+        options = self._sampling_options(kwargs)
+        kwargs.pop("constraint", None)
         if kwargs:
             logger.debug("SpeculativeLLM ignores the arguments %s", ", ".join(sorted(kwargs)))
-        return _Request(engine=engine, prompt_ids=prompt_ids, options=options, parse_tools=bool(tools))
+        sampling = {
+            "model": self.model,
+            "max_tokens": options["max_new_tokens"],
+            "temperature": options["temperature"],
+            "top_p": options["top_p"],
+            "top_k": options["top_k"],
+            "seed": options["seed"],
+            "stop": options["stop"],
+            "truncate_prompt": self.truncate_prompt,
+            "stream": stream,
+        }
+        if isinstance(prompt, str):
+            return text_body(prompt, **sampling)
+        forced = _forced_tool(tools, tool_choice)
+        choice: str | dict[str, Any] | None = None
+        if forced == "":
+            choice = "required"
+        elif forced is not None:
+            choice = {"type": "function", "function": {"name": forced}}
+        elif tools:
+            choice = "auto"
+        response_format = None
+        if json_schema is not None:
+            response_format = {"type": "json_schema", "json_schema": {"name": "response", "schema": json_schema}}
+        return chat_body(
+            prompt,
+            tools=tools or None,
+            tool_choice=choice,
+            response_format=response_format,
+            constrain_tool_calls=self.constrain_tool_calls,
+            **sampling,
+        )
+
+    def _endpoint_raw(self, result: EndpointResult) -> tuple[dict[str, Any], dict[str, Any]]:
+        usage = {}
+        if result.prompt_tokens is not None and result.completion_tokens is not None:
+            usage = {
+                "prompt_tokens": result.prompt_tokens,
+                "completion_tokens": result.completion_tokens,
+                "total_tokens": result.prompt_tokens + result.completion_tokens,
+            }
+        return _raw_and_extra(result.model or self.model, result.finish_reason, usage, result.stats)
+
+    def _endpoint_completion(self, result: EndpointResult, delta: str | None = None) -> CompletionResponse:
+        raw, extra = self._endpoint_raw(result)
+        return CompletionResponse(text=result.text, delta=delta, raw=raw, additional_kwargs=extra)
+
+    def _endpoint_chat(self, result: EndpointResult, delta: str | None = None) -> ChatResponse:
+        raw, extra = self._endpoint_raw(result)
+        message = _message_with_calls(result.text, result.tool_calls, result.invalid_tool_calls)
+        return ChatResponse(message=message, delta=delta, raw=raw, additional_kwargs=extra)
 
     def _grammar(
         self,
@@ -495,9 +653,7 @@ class SpeculativeLLM(FunctionCallingLLM):
             "completion_tokens": completion_tokens,
             "total_tokens": output.prompt_tokens + completion_tokens,
         }
-        stats = output.stats.to_dict()
-        raw = {"model": self.model, "finish_reason": output.finish_reason, "usage": usage, **stats}
-        return raw, {**usage, "finish_reason": output.finish_reason, **stats}
+        return _raw_and_extra(self.model, output.finish_reason, usage, output.stats.to_dict())
 
     def _completion_response(self, output: GenerationOutput, delta: str | None = None) -> CompletionResponse:
         raw, extra = self._usage_and_stats(output)
@@ -507,6 +663,105 @@ class SpeculativeLLM(FunctionCallingLLM):
         raw, extra = self._usage_and_stats(output)
         message = _assistant_message(output.text or "", parse_tools=request.parse_tools)
         return ChatResponse(message=message, delta=delta, raw=raw, additional_kwargs=extra)
+
+
+def _raw_and_extra(
+    model: str, finish_reason: str | None, usage: dict[str, int], stats: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``raw`` (``model``, ``finish_reason``, ``usage``, stats) and ``additional_kwargs`` (flat)."""
+    raw = {"model": model, "finish_reason": finish_reason, "usage": usage, **stats}
+    return raw, {**usage, "finish_reason": finish_reason, **stats}
+
+
+def _tool_options(kwargs: dict[str, Any]) -> tuple[list[dict[str, Any]], Any, dict[str, Any] | None]:
+    """``(tools, tool_choice, json_schema)`` of a call; consumes them from ``kwargs``."""
+    tools = [tool_schema(tool) for tool in kwargs.pop("tools", None) or []]
+    tool_choice = kwargs.pop("tool_choice", None)
+    if tool_choice == "none":
+        tools = []
+    return tools, tool_choice, kwargs.pop("json_schema", None)
+
+
+# --------------------------------------------------------------------- endpoint streams
+def _held(events: Iterator[StreamEvent | EndpointResult]) -> Iterator[tuple[str, str, EndpointResult | None]]:
+    """``(cumulative text, delta, result)`` per text delta, ``result`` on the last one only.
+
+    Tool-call chunks are gathered by the server's stream reader and arrive parsed in the
+    result. Closing this closes the HTTP stream (the server cancels the generation).
+    """
+    text, pending = "", None
+    try:
+        for event in events:
+            if isinstance(event, EndpointResult):
+                yield text + (pending or ""), pending or "", event
+                return
+            if isinstance(event, ContentDelta) and event.text:
+                if pending is not None:
+                    text += pending
+                    yield text, pending, None
+                pending = event.text
+    finally:
+        close = getattr(events, "close", None)
+        if close is not None:
+            close()
+
+
+async def _aiter_held(
+    events: AsyncGenerator[StreamEvent | EndpointResult, None],
+) -> AsyncGenerator[tuple[str, str, EndpointResult | None], None]:
+    """Async :func:`_held`."""
+    text, pending = "", None
+    try:
+        async for event in events:
+            if isinstance(event, EndpointResult):
+                yield text + (pending or ""), pending or "", event
+                return
+            if isinstance(event, ContentDelta) and event.text:
+                if pending is not None:
+                    text += pending
+                    yield text, pending, None
+                pending = event.text
+    finally:
+        await events.aclose()
+
+
+def _endpoint_chats(llm: SpeculativeLLM, events: Iterator[StreamEvent | EndpointResult]) -> ChatResponseGen:
+    for text, delta, result in _held(events):
+        if result is None:
+            yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta)
+        else:
+            yield llm._endpoint_chat(result, delta=delta)
+
+
+def _endpoint_completions(llm: SpeculativeLLM, events: Iterator[StreamEvent | EndpointResult]) -> CompletionResponseGen:
+    for text, delta, result in _held(events):
+        yield CompletionResponse(text=text, delta=delta) if result is None else llm._endpoint_completion(result, delta)
+
+
+async def _chats_from_events(
+    llm: SpeculativeLLM, held: AsyncGenerator[tuple[str, str, EndpointResult | None], None]
+) -> ChatResponseAsyncGen:
+    try:
+        async for text, delta, result in held:
+            if result is None:
+                yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta)
+            else:
+                yield llm._endpoint_chat(result, delta=delta)
+    finally:
+        await held.aclose()
+
+
+async def _completions_from_events(
+    llm: SpeculativeLLM, held: AsyncGenerator[tuple[str, str, EndpointResult | None], None]
+) -> CompletionResponseAsyncGen:
+    try:
+        async for text, delta, result in held:
+            if result is None:
+                yield CompletionResponse(text=text, delta=delta)
+            else:
+                yield llm._endpoint_completion(result, delta)
+    finally:
+        await held.aclose()
 
 
 # --------------------------------------------------------------------- requests and streams
@@ -647,14 +902,19 @@ def _assistant_message(text: str, *, parse_tools: bool) -> ChatMessage:
     from selfspec.tools import parse_tool_calls
 
     parsed = parse_tool_calls(text)
+    return _message_with_calls(parsed.content, parsed.tool_calls, parsed.invalid_tool_calls)
+
+
+def _message_with_calls(content: str, calls: Sequence[ToolCall], invalid: Sequence[InvalidToolCall]) -> ChatMessage:
+    """The assistant's message with its tool calls in ``additional_kwargs`` (well formed or not)."""
     extra: dict[str, Any] = {}
-    if parsed.tool_calls:
-        extra["tool_calls"] = [_openai_call(c.name, c.arguments, c.id) for c in parsed.tool_calls]
-    if parsed.invalid_tool_calls:
+    if calls:
+        extra["tool_calls"] = [_openai_call(c.name, c.arguments, c.id) for c in calls]
+    if invalid:
         extra["invalid_tool_calls"] = [
-            {"id": c.id, "name": c.name, "arguments": c.arguments, "error": c.error} for c in parsed.invalid_tool_calls
+            {"id": c.id, "name": c.name, "arguments": c.arguments, "error": c.error} for c in invalid
         ]
-    return ChatMessage(role=MessageRole.ASSISTANT, content=parsed.content, additional_kwargs=extra)
+    return ChatMessage(role=MessageRole.ASSISTANT, content=content, additional_kwargs=extra)
 
 
 def tool_schema(tool: Any) -> dict[str, Any]:
