@@ -1,4 +1,4 @@
-"""The ``selfspec`` command line: ``generate``, ``chat``, ``calibrate``, ``bench``, ``demo``, ``serve``."""
+"""The ``selfspec`` command line: ``generate``, ``chat``, ``calibrate``, ``bench``, ``demo``, ``serve``, ..."""
 
 from __future__ import annotations
 
@@ -34,6 +34,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | N
         choices=["early_exit", "prompt_lookup", "hybrid", "layer_skip", "draft_model", "none"],
     )
     parser.add_argument("--draft-model", default=None, help="with --drafter draft_model: the draft model")
+    parser.add_argument(
+        "--exit-adapter", default=None, help="trained exit adapter folder for early_exit/hybrid, or 'auto'"
+    )
     parser.add_argument("--trust-remote-code", action="store_true")
 
 
@@ -66,6 +69,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "drafter": args.drafter,
         "trust_remote_code": args.trust_remote_code,
         "draft_model": args.draft_model,
+        "exit_adapter": args.exit_adapter,
     }
 
 
@@ -290,6 +294,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=int, default=128)
     demo.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     demo.set_defaults(func=cmd_demo)
+
+    from .training.adapter_cli import add_train_adapter_parser
+
+    add_train_adapter_parser(sub)
 
     from .server import add_serve_parser  # FastAPI/uvicorn are imported only when `serve` runs
 
