@@ -134,6 +134,8 @@ class ExitAdapter(nn.Module):
         save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": FORMAT})
         data = {"format": FORMAT, "version": 1, **asdict(self.config)}
         (out / CONFIG_FILE).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        for name in (WEIGHTS_FILE, CONFIG_FILE):
+            (out / name).chmod(0o644)  # safetensors writes owner-only files
         return out
 
 

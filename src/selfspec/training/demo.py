@@ -219,6 +219,8 @@ def _name_tokenizer_class(path: Path) -> None:
     """Record the portable class name ``PreTrainedTokenizerFast`` (transformers 5 writes its alias)."""
     config = json.loads(path.read_text(encoding="utf-8"))
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    for key in ("is_local", "local_files_only"):  # left by loading a reused tokenizer from a folder
+        config.pop(key, None)
     path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
