@@ -118,7 +118,7 @@ def build_methods(
     With a loaded ``draft_model`` (sharing the tokenizer) a draft-model method is added; with an
     exit adapter saved beside the model (``selfspec train-adapter``), an early-exit method with
     the adapter at its exit layer and ``num_draft_tokens`` drafts (compare it with the fixed
-    early exit at the same layer).
+    early exit at the same layer) and a hybrid one (compare it with ``selfspec_hybrid``).
     """
     model, tokenizer = auto_engine.model, auto_engine.tokenizer
     plain = SpeculativeEngine(model, tokenizer, drafter="none")
@@ -170,12 +170,28 @@ def build_methods(
                 f"early exit at layer {e} through the trained exit adapter, {num_draft_tokens} drafts, fixed",
             )
         )
-    if draft_model is not None:
-        drafting = SpeculativeEngine(model, tokenizer, drafter="draft_model", draft_model=draft_model)
-        name = getattr(draft_model.config, "_name_or_path", "") or type(draft_model).__name__
+        hybrid_adapted = SpeculativeEngine(
+            model, tokenizer, drafter="hybrid", exit_adapter="auto", num_draft_tokens="auto"
+        )
         methods.append(
             _selfspec_method(
-                "selfspec_draft_model", drafting, "hf_greedy", f"separate draft model {Path(name).name}, adaptive"
+                "selfspec_hybrid_exit_adapter",
+                hybrid_adapted,
+                "hf_greedy",
+                f"prompt lookup, else early exit at layer {e} through the exit adapter; adaptive",
+            )
+        )
+    if draft_model is not None:
+        drafting = SpeculativeEngine(
+            model, tokenizer, drafter="draft_model", draft_model=draft_model, num_draft_tokens=num_draft_tokens
+        )
+        name = Path(getattr(draft_model.config, "_name_or_path", "") or type(draft_model).__name__).name
+        methods.append(
+            _selfspec_method(
+                "selfspec_draft_model",
+                drafting,
+                "hf_greedy",
+                f"separate draft model {name}, {num_draft_tokens} drafts, fixed",
             )
         )
     for t in temperatures:
