@@ -86,7 +86,7 @@ def main() -> int:
     logger.info("exit adapter: %s", summary)
     training = adapter.config.training
     md = args.out / "exit_adapter_cpu.md"
-    md.write_text(
+    note = (
         "Stock model `selfspec-demo-draft` (6 layers, trained without early-exit losses), exit layer "
         f"{args.exit_layer}, {args.num_draft_tokens} drafts, greedy. The exit adapter shipped beside it "
         f"(rank {adapter.config.rank}, {training.get('steps')} self-distillation steps in "
@@ -95,10 +95,12 @@ def main() -> int:
         f"{summary['tau_without_adapter']} -> {summary['tau_with_adapter']}, speedup over transformers greedy "
         f"{summary['speedup_without_adapter']}x -> {summary['speedup_with_adapter']}x (hybrid: tau "
         f"{summary['hybrid_tau_without_adapter']} -> {summary['hybrid_tau_with_adapter']}, "
-        f"{summary['hybrid_speedup_without_adapter']}x -> {summary['hybrid_speedup_with_adapter']}x). "
-        "Made by `benchmarks/exit_adapter_bench.py`.\n\n" + md.read_text(encoding="utf-8"),
-        encoding="utf-8",
+        f"{summary['hybrid_speedup_without_adapter']}x -> {summary['hybrid_speedup_with_adapter']}x; "
+        "`selfspec_hybrid` uses the calibrated exit layer, the adapter's hybrid its layer). "
+        "Made by `benchmarks/exit_adapter_bench.py`."
     )
+    title, rest = md.read_text(encoding="utf-8").split("\n\n", 1)
+    md.write_text(f"{title}\n\n{note}\n\n{rest}", encoding="utf-8")
     print(format_table(stock))
     if not args.skip_draft_model:
         demo = run_benchmark(DEMO_MODEL, draft_model=DEMO_DRAFT_MODEL, exit_layer=None, **common)

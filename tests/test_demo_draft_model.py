@@ -85,3 +85,28 @@ def test_shipped_exit_adapter_raises_tau_of_the_stock_model() -> None:
         without.append(b.stats.mean_accepted_length)
     # measured: 3.0, 3.0, 2.79 with the adapter; 2.6, 2.29, 1.77 without
     assert sum(with_adapter) > sum(without) + 0.3 * len(without), (with_adapter, without)
+
+
+def test_training_script_makes_a_stock_draft_model_with_the_target_tokenizer(tmp_path) -> None:
+    """The options that made ``selfspec-demo-draft``: shape, a reused tokenizer, no early-exit loss."""
+    from selfspec.training import demo
+
+    out = tmp_path / "draft"
+    argv = ["--data", str(Path(__file__).parent / "data" / "austen_excerpt.txt"), "--out", str(out)]
+    argv += ["--steps", "2", "--seq-len", "32", "--batch-size", "2", "--threads", "1", "--layers", "2"]
+    argv += ["--hidden", "64", "--tokenizer", str(demo_model_path()), "--exit-layers", "--layer-dropout", "0"]
+    threads = torch.get_num_threads()
+    try:
+        assert demo.main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]) == (2, 64, 1)
+    assert (out / "tokenizer.json").read_bytes() == (demo_model_path() / "tokenizer.json").read_bytes()
+    tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
+    assert "is_local" not in tokenizer_config and "local_files_only" not in tokenizer_config
+    args = json.loads((out / "training_args.json").read_text())
+    assert args["exit_layers"] == [] and args["loss"] == "final CE only (no early-exit losses)"
+    assert json.loads((out / "selfspec.json").read_text())["exit_layer"] == 1  # only layer 1 of 2 can exit
+    with pytest.raises(ValueError, match="multiple of 64"):
+        demo.model_config(demo.PreTrainedTokenizerFast.from_pretrained(str(out)), 4096, 2, 100)
