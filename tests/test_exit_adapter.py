@@ -171,6 +171,16 @@ def test_train_adapter_cli_end_to_end(model_dir, tmp_path, capsys) -> None:
     assert "no exit adapter at" in capsys.readouterr().err
 
 
+def test_default_folders_follow_the_calibration(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    assert exit_adapter_path("org/model") == tmp_path / "cache" / "org--model" / "exit_adapter"
+    assert exit_adapter_path(str(tmp_path)) == tmp_path / "exit_adapter"
+    assert exit_adapter_path(None) is None
+    # "auto" for a model without a saved adapter (or without a name) is no adapter, not an error
+    model = make_model("llama")
+    assert SpeculativeEngine(model, exit_adapter="auto").exit_adapter is None
+
+
 def test_bad_adapters_are_clear_errors_and_the_engine_stays_usable(tmp_path) -> None:
     model = make_model("llama")
     prompt = PROMPTS[0]

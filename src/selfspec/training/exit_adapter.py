@@ -94,7 +94,13 @@ def _start_token(model: Any) -> int:
 
 @torch.no_grad()
 def self_generated_sequences(
-    model: Any, count: int, length: int, temperatures: Sequence[float], seed: int, batch_size: int = 16
+    model: Any,
+    count: int,
+    length: int,
+    temperatures: Sequence[float],
+    seed: int,
+    batch_size: int = 16,
+    progress: bool = False,
 ) -> list[list[int]]:
     """``count`` sequences of ``length`` tokens the model samples from its own start token.
 
@@ -105,12 +111,14 @@ def self_generated_sequences(
         temperatures: sampling temperatures, one per batch in turn.
         seed: seed of the sampling.
         batch_size: sequences sampled together.
+        progress: show a progress bar.
     """
     device = model.get_input_embeddings().weight.device
     start = _start_token(model)
     torch.manual_seed(seed)
     out: list[list[int]] = []
-    for i, first in enumerate(range(0, count, batch_size)):
+    starts = range(0, count, batch_size)
+    for i, first in enumerate(tqdm(starts, desc="sampling the model's own text", disable=not progress)):
         n = min(batch_size, count - first)
         ids = torch.full((n, 1), start, dtype=torch.long, device=device)
         generated = model.generate(
@@ -216,7 +224,7 @@ def train_exit_adapter(
     started = time.monotonic()
     total = config.sequences + config.eval_sequences
     logger.info("sampling %d sequences of %d tokens from the model itself", total, config.seq_len)
-    pool = self_generated_sequences(model, total, config.seq_len, config.temperatures, config.seed)
+    pool = self_generated_sequences(model, total, config.seq_len, config.temperatures, config.seed, progress=progress)
     held_out, pool = pool[: config.eval_sequences], pool[config.eval_sequences :]
     if texts:
         if tokenizer is None:
