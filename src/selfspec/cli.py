@@ -1,4 +1,4 @@
-"""The ``selfspec`` command line: ``generate``, ``chat``, ``calibrate``, ``bench``, ``demo``, ``serve``, ..."""
+"""The ``selfspec`` command line: ``generate``, ``chat``, ``calibrate``, ``bench``, ``demo``, ``serve``."""
 
 from __future__ import annotations
 
