@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from .bench_prompts import PROMPT_SETS
 from .engine import SpeculativeEngine
+from .loading import DEMO_DRAFT_MODEL, DEMO_MODEL, load_model_and_tokenizer
 
 
 @dataclass
@@ -110,8 +111,15 @@ def build_methods(
     num_draft_tokens: int,
     lookup_tokens: int,
     temperatures: Sequence[float],
+    draft_model: Any = None,
 ) -> list[Method]:
-    """The methods compared: transformers' baselines and peers, and selfspec's variants."""
+    """The methods compared: transformers' baselines and peers, and selfspec's variants.
+
+    With a loaded ``draft_model`` (sharing the tokenizer) a draft-model method is added; with an
+    exit adapter saved beside the model (``selfspec train-adapter``), an early-exit method with
+    the adapter at its exit layer and ``num_draft_tokens`` drafts (compare it with the fixed
+    early exit at the same layer) and a hybrid one (compare it with ``selfspec_hybrid``).
+    """
     model, tokenizer = auto_engine.model, auto_engine.tokenizer
     plain = SpeculativeEngine(model, tokenizer, drafter="none")
     fixed = SpeculativeEngine(model, tokenizer, exit_layer=exit_layer, num_draft_tokens=num_draft_tokens)
@@ -153,6 +161,41 @@ def build_methods(
         _selfspec_method("selfspec_hybrid", hybrid, "hf_greedy", "prompt lookup or early exit per round; adaptive"),
         _selfspec_method("selfspec_layer_skip", skip, "hf_greedy", f"layer skipping ({skip.drafter!r}), 3 drafts"),
     ]
+    adapted = SpeculativeEngine(model, tokenizer, exit_adapter="auto", num_draft_tokens=num_draft_tokens)
+    if adapted.exit_adapter is not None:
+        e = adapted.exit_layer
+        methods.append(
+            _selfspec_method(
+                f"selfspec_exit_adapter_E{e}_k{num_draft_tokens}",
+                adapted,
+                "hf_greedy",
+                f"early exit at layer {e} through the trained exit adapter, {num_draft_tokens} drafts, fixed",
+            )
+        )
+        hybrid_adapted = SpeculativeEngine(
+            model, tokenizer, drafter="hybrid", exit_adapter="auto", num_draft_tokens="auto"
+        )
+        methods.append(
+            _selfspec_method(
+                "selfspec_hybrid_exit_adapter",
+                hybrid_adapted,
+                "hf_greedy",
+                f"prompt lookup, else early exit at layer {e} through the exit adapter; adaptive",
+            )
+        )
+    if draft_model is not None:
+        drafting = SpeculativeEngine(
+            model, tokenizer, drafter="draft_model", draft_model=draft_model, num_draft_tokens=num_draft_tokens
+        )
+        name = Path(getattr(draft_model.config, "_name_or_path", "") or type(draft_model).__name__).name
+        methods.append(
+            _selfspec_method(
+                "selfspec_draft_model",
+                drafting,
+                "hf_greedy",
+                f"separate draft model {name}, {num_draft_tokens} drafts, fixed",
+            )
+        )
     for t in temperatures:
         base = f"hf_sample_t{t}"
         methods += [
@@ -189,6 +232,7 @@ def run_benchmark(
     temperatures: Sequence[float] = (0.7, 1.0),
     categories: Sequence[str] | None = None,
     progress: bool = True,
+    draft_model: str | None = "auto",
     **engine_args: Any,
 ) -> BenchReport:
     """Run every method on every prompt ``repeats`` times, interleaved, and summarise.
@@ -206,6 +250,8 @@ def run_benchmark(
         temperatures: sampling temperatures to compare at.
         categories: restrict to these categories.
         progress: show a progress bar.
+        draft_model: a draft model (name or folder) for the ``selfspec_draft_model`` method;
+            ``"auto"``: ``"selfspec-demo-draft"`` when benchmarking ``"selfspec-demo"``, else none.
         **engine_args: passed to :meth:`SpeculativeEngine.from_pretrained`.
     """
     if threads:
@@ -217,12 +263,23 @@ def run_benchmark(
     if categories:
         sets = {c: sets[c] for c in categories}
     prompts = [(cat, i, _encode(engine, p)) for cat, items in sets.items() for i, p in enumerate(items)]
+    if draft_model == "auto":
+        draft_model = DEMO_DRAFT_MODEL if model == DEMO_MODEL else None
+    loaded_draft = None
+    if draft_model is not None:
+        loaded_draft, _, _ = load_model_and_tokenizer(
+            draft_model,
+            quantization=engine_args.get("quantization"),
+            dtype=engine.adapter.dtype,
+            device=engine.adapter.device,
+        )
     methods = build_methods(
         engine,
         exit_layer=exit_layer,
         num_draft_tokens=num_draft_tokens,
         lookup_tokens=lookup_tokens,
         temperatures=temperatures,
+        draft_model=loaded_draft,
     )
     on_cuda = engine.adapter.device.type == "cuda"
     report = BenchReport(

@@ -34,6 +34,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | N
         choices=["early_exit", "prompt_lookup", "hybrid", "layer_skip", "draft_model", "none"],
     )
     parser.add_argument("--draft-model", default=None, help="with --drafter draft_model: the draft model")
+    parser.add_argument(
+        "--exit-adapter", default=None, help="trained exit adapter folder for early_exit/hybrid, or 'auto'"
+    )
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--allow-pickle", action="store_true", help="allow .bin (pickle) weights without safetensors")
 
@@ -68,6 +71,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "trust_remote_code": args.trust_remote_code,
         "allow_pickle": args.allow_pickle,
         "draft_model": args.draft_model,
+        "exit_adapter": args.exit_adapter,
     }
 
 
@@ -292,6 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=int, default=128)
     demo.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     demo.set_defaults(func=cmd_demo)
+
+    from .training.adapter_cli import add_train_adapter_parser
+
+    add_train_adapter_parser(sub)
 
     from .server import add_serve_parser  # FastAPI/uvicorn are imported only when `serve` runs
 

@@ -17,6 +17,7 @@ import torch
 from .adapter import ModelAdapter
 from .cache import StaticKVCache
 from .constraints import TokenConstraint, apply_mask
+from .exit_adapter import ExitAdapter
 from .sampling import SamplingParams, logits_to_probs, sample
 
 
@@ -260,6 +261,7 @@ class HybridDrafter(Drafter):
         exit_agreement: the early exit's expected per-token acceptance before any round is
             seen (the calibrated agreement at ``exit_layer``, else 0.6).
         confidence: the early exit's confidence stop (see :class:`EarlyExitDrafter`).
+        exit_adapter: optional trained :class:`~selfspec.exit_adapter.ExitAdapter` for the early exit.
     """
 
     name = "hybrid"
@@ -274,9 +276,10 @@ class HybridDrafter(Drafter):
         min_ngram: int = 2,
         exit_agreement: float = 0.6,
         confidence: float = 0.0,
+        exit_adapter: ExitAdapter | None = None,
     ) -> None:
         self.lookup_drafter = PromptLookupDrafter(max_ngram=max_ngram, min_ngram=min_ngram)
-        self.early_exit = EarlyExitDrafter(exit_layer, confidence=confidence)
+        self.early_exit = EarlyExitDrafter(exit_layer, confidence=confidence, exit_adapter=exit_adapter)
         self.exit_agreement = exit_agreement
         self._draft_cost: float | None = None
 
@@ -286,7 +289,8 @@ class HybridDrafter(Drafter):
         return self.early_exit.exit_layer
 
     def __repr__(self) -> str:
-        return f"HybridDrafter(exit_layer={self.exit_layer}, max_ngram={self.lookup_drafter.max_ngram})"
+        adapter = "" if self.early_exit.exit_adapter is None else f", exit_adapter={self.early_exit.exit_adapter!r}"
+        return f"HybridDrafter(exit_layer={self.exit_layer}, max_ngram={self.lookup_drafter.max_ngram}{adapter})"
 
     def draft_cost(self, adapter: Any) -> float:
         """One early-exit draft token's cost relative to a full step, from parameter counts."""
@@ -469,22 +473,27 @@ class EarlyExitDrafter(Drafter):
         exit_layer: number of layers the draft runs (``1 .. num_layers - 1``).
         confidence: stop drafting once the draft's top probability falls below this
             (``0`` drafts the full length every round).
+        exit_adapter: optional trained :class:`~selfspec.exit_adapter.ExitAdapter` (for this
+            exit layer) applied before the shared norm and head; it changes the draft logits
+            only, never the exit states handed to verification.
     """
 
     name = "early_exit"
 
-    def __init__(self, exit_layer: int, confidence: float = 0.0) -> None:
+    def __init__(self, exit_layer: int, confidence: float = 0.0, exit_adapter: ExitAdapter | None = None) -> None:
         self.exit_layer = exit_layer
         self.confidence = confidence
+        self.exit_adapter = exit_adapter
 
     def __repr__(self) -> str:
-        return f"EarlyExitDrafter(exit_layer={self.exit_layer}, confidence={self.confidence})"
+        adapter = "" if self.exit_adapter is None else f", exit_adapter={self.exit_adapter!r}"
+        return f"EarlyExitDrafter(exit_layer={self.exit_layer}, confidence={self.confidence}{adapter})"
 
     def propose(self, state: DecodeState, max_tokens: int) -> Draft:
         """Draft up to ``max_tokens`` tokens from the exit layer."""
         if max_tokens <= 0:
             return Draft()
-        adapter, exit_layer = state.adapter, self.exit_layer
+        adapter, exit_layer, exit_adapter = state.adapter, self.exit_layer, self.exit_adapter
         device = adapter.device
         states: list[torch.Tensor] = []
 
@@ -492,8 +501,8 @@ class EarlyExitDrafter(Drafter):
             ids = torch.tensor([[token]], device=device)
             positions = torch.tensor([state.position + j], device=device)
             hidden = adapter.run_layers(adapter.embed(ids), 0, exit_layer, positions, state.cache)
-            states.append(hidden)
-            return adapter.logits(hidden)[0]
+            states.append(hidden)  # the raw h_E: verification continues the target from it
+            return adapter.logits(hidden if exit_adapter is None else exit_adapter(hidden))[0]
 
         draft = draft_autoregressively(state, max_tokens, next_logits, self.confidence)
         draft.exit_states = torch.cat(states, dim=1)  # [1, k, hidden]

@@ -40,6 +40,7 @@ from .drafters import (
     default_skip_layers,
 )
 from .errors import ConfigurationError, GenerationMemoryError, InvalidPromptError, SamplingError
+from .exit_adapter import ExitAdapter, engine_exit_adapter
 from .outputs import FinishReason, GenerationOutput, GenerationStats
 from .sampling import SamplingParams, logits_to_probs
 from .stopping import IncrementalDetokenizer, StopStringMatcher, normalize_stop
@@ -91,6 +92,12 @@ class SpeculativeEngine:
         draft_model: with ``drafter="draft_model"``, the loaded draft model (sharing the
             target's tokenizer); :meth:`from_pretrained` also takes a name.
         draft_tokenizer: the draft model's tokenizer, checked against the target's.
+        exit_adapter: a trained :class:`~selfspec.exit_adapter.ExitAdapter` for the early-exit
+            and hybrid drafters (``selfspec train-adapter``): a folder, a loaded adapter,
+            ``"auto"`` (the one saved beside the model, if any) or ``None`` (default: none).
+            It changes the drafts only, never the text. With ``exit_layer="auto"`` the
+            adapter's exit layer is used; an explicit, different ``exit_layer`` is an error
+            (with ``"auto"``, the saved adapter is then left out).
 
     Example:
         >>> from selfspec import SpeculativeEngine
@@ -112,6 +119,7 @@ class SpeculativeEngine:
         calibration: dict[str, Any] | None = None,
         draft_model: Any = None,
         draft_tokenizer: Any = None,
+        exit_adapter: str | os.PathLike[str] | ExitAdapter | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -119,6 +127,9 @@ class SpeculativeEngine:
         model.eval()
         self.name_or_path: str = str(getattr(model.config, "_name_or_path", "") or "")
         self.calibration = calibration if calibration is not None else (load_calibration(self.name_or_path) or {})
+        self.exit_adapter = engine_exit_adapter(exit_adapter, self.adapter, self.name_or_path, exit_layer, drafter)
+        if self.exit_adapter is not None:
+            exit_layer = self.exit_adapter.exit_layer  # the layer the adapter was trained for
         self.exit_layer = self._resolve_exit_layer(exit_layer)
         self.num_draft_tokens = self._resolve_num_draft_tokens(num_draft_tokens)
         self.adaptive = num_draft_tokens == "auto"
@@ -151,6 +162,7 @@ class SpeculativeEngine:
         allow_pickle: bool = False,
         calibrate: bool = True,
         draft_model: Any = None,
+        exit_adapter: str | os.PathLike[str] | ExitAdapter | None = None,
     ) -> SpeculativeEngine:
         """Load a model from the hub, a local folder, or ``"selfspec-demo"``.
 
@@ -169,6 +181,7 @@ class SpeculativeEngine:
             allow_pickle: allow ``.bin`` (pickle) weights when no safetensors exist.
             draft_model: with ``drafter="draft_model"``: a loaded model, or a name or folder
                 loaded like the target (same quantization, dtype and device).
+            exit_adapter: see :class:`SpeculativeEngine`.
             calibrate: when ``exit_layer`` or ``num_draft_tokens`` is ``"auto"`` and the
                 model has no saved calibration, measure one now (a few seconds, with a
                 progress bar) and save it beside the model or in the user cache.
@@ -207,6 +220,7 @@ class SpeculativeEngine:
             "draft_confidence": draft_confidence,
             "draft_model": draft_model,
             "draft_tokenizer": draft_tokenizer,
+            "exit_adapter": exit_adapter,
         }
         engine = cls(model, tokenizer, **engine_kwargs)
         wants_auto = "auto" in (exit_layer, num_draft_tokens) and drafter in ("early_exit", "hybrid")
@@ -266,6 +280,7 @@ class SpeculativeEngine:
                 self.exit_layer,
                 exit_agreement=float(agreement) if isinstance(agreement, (int, float)) else 0.6,
                 confidence=self.draft_confidence,
+                exit_adapter=self.exit_adapter,
             )
         if drafter == "draft_model":
             return DraftModelDrafter(self.draft_model, self.adapter.vocab_size)
@@ -275,7 +290,7 @@ class SpeculativeEngine:
             if isinstance(saved, list) and saved and all(isinstance(i, int) for i in saved):
                 layers = [i for i in saved if 0 <= i < self.adapter.num_layers] or layers
             return LayerSkipDrafter(layers)
-        return EarlyExitDrafter(self.exit_layer, confidence=self.draft_confidence)
+        return EarlyExitDrafter(self.exit_layer, confidence=self.draft_confidence, exit_adapter=self.exit_adapter)
 
     def _check_draft_model(self, drafter: Any, draft_model: Any, draft_tokenizer: Any) -> None:
         if drafter != "draft_model":

@@ -18,6 +18,8 @@ logger = logging.getLogger(__name__)
 
 #: The name of the small model bundled with the package.
 DEMO_MODEL = "selfspec-demo"
+#: A smaller model bundled as its draft model (same tokenizer, trained without early-exit losses).
+DEMO_DRAFT_MODEL = "selfspec-demo-draft"
 
 _DTYPES = {
     "float32": torch.float32,
@@ -30,18 +32,18 @@ _DTYPES = {
 }
 
 
-def demo_model_path() -> Path:
-    """The folder of the bundled demo model."""
-    return Path(__file__).parent / "models" / DEMO_MODEL
+def demo_model_path(name: str = DEMO_MODEL) -> Path:
+    """The folder of a bundled model (the demo model by default)."""
+    return Path(__file__).parent / "models" / name
 
 
 def resolve_model_path(name_or_path: str | os.PathLike[str]) -> str:
-    """Map ``"selfspec-demo"`` to the bundled folder; check that local paths exist."""
+    """Map ``"selfspec-demo"`` (and ``"selfspec-demo-draft"``) to the bundled folder; check local paths."""
     name = os.fspath(name_or_path)
     if not name or not isinstance(name, str):
         raise ModelNotFoundError("model name must be a non-empty string (a hub id or a folder)")
-    if name == DEMO_MODEL:
-        path = demo_model_path()
+    if name in (DEMO_MODEL, DEMO_DRAFT_MODEL):
+        path = demo_model_path(name)
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"the bundled demo model is missing from {path}; reinstall selfspec")
         return str(path)

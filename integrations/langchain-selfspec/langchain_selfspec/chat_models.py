@@ -126,7 +126,8 @@ class ChatSpeculative(BaseChatModel):
             ``"early_exit"`` (self-speculation, the default), another of
             ``selfspec.engine.DRAFTERS`` (``"prompt_lookup"``, ``"hybrid"``, ...), or
             ``"none"`` (plain decoding).
-        draft_model, draft_confidence, calibrate, dtype, device, trust_remote_code, allow_pickle:
+        draft_model, draft_confidence, exit_adapter, calibrate, dtype, device, trust_remote_code,
+        allow_pickle:
             As in ``SpeculativeEngine.from_pretrained``.
 
         Weights load on first use; every instance with the same engine arguments shares one
@@ -286,6 +287,11 @@ class ChatSpeculative(BaseChatModel):
     draft_model: str | None = None
     """With ``drafter="draft_model"``: a hub id or folder of a separate small draft model, loaded
     like the target (same quantization, dtype and device)."""
+
+    exit_adapter: str | None = None
+    """A trained exit adapter folder for the early-exit and hybrid drafters (``selfspec
+    train-adapter``), ``"auto"`` for the one saved beside the model, or ``None``. Drafts only:
+    the text never changes."""
 
     temperature: float = 0.0
     """Sampling temperature: 0 for greedy decoding, > 0 samples."""

@@ -59,7 +59,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup-steps", type=int, default=40)
     p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--exit-layers", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--layers", type=int, default=16, help="decoder layers (default 16)")
+    p.add_argument("--hidden", type=int, default=192, help="hidden size, a multiple of 64 (default 192)")
+    p.add_argument(
+        "--tokenizer",
+        type=Path,
+        help="reuse the tokenizer of this model folder (e.g. a target's, for a draft model) instead of training one",
+    )
+    p.add_argument(
+        "--exit-layers",
+        type=int,
+        nargs="*",
+        default=[2, 4, 8],
+        help="layers trained as early exits (default 2 4 8; give none for a model without early-exit losses)",
+    )
     p.add_argument("--exit-weight", type=float, default=0.2)
     p.add_argument("--layer-dropout", type=float, default=0.05, help="skip rate of the last layer")
     p.add_argument("--prose-fraction", type=float, default=0.7, help="share of Austen tokens after the copy phase")
@@ -94,16 +107,18 @@ def render(renderer: PreTrainedTokenizerFast, chat: Chat) -> str:
     return text
 
 
-def model_config(tok: PreTrainedTokenizerFast, vocab_size: int) -> LlamaConfig:
-    """The demo architecture: 16 layers x 192 hidden, 3 heads, tied embeddings."""
+def model_config(tok: PreTrainedTokenizerFast, vocab_size: int, layers: int = 16, hidden: int = 192) -> LlamaConfig:
+    """The demo architecture: 16 layers x 192 hidden, 3 heads (of 64), tied embeddings."""
     eot = token_id(tok, ENDOFTEXT)
+    if hidden % 64:
+        raise ValueError(f"--hidden must be a multiple of 64 (heads of 64), got {hidden}")
     return LlamaConfig(
         vocab_size=max(vocab_size, len(tok)),
-        hidden_size=192,
-        intermediate_size=576,
-        num_hidden_layers=16,
-        num_attention_heads=3,
-        num_key_value_heads=3,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 64,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
         rms_norm_eps=1e-5,
@@ -204,6 +219,8 @@ def _name_tokenizer_class(path: Path) -> None:
     """Record the portable class name ``PreTrainedTokenizerFast`` (transformers 5 writes its alias)."""
     config = json.loads(path.read_text(encoding="utf-8"))
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    for key in ("is_local", "local_files_only"):  # left by loading a reused tokenizer from a folder
+        config.pop(key, None)
     path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
@@ -215,7 +232,10 @@ def run(args: argparse.Namespace) -> tuple[LlamaForCausalLM, PreTrainedTokenizer
     torch.manual_seed(args.seed)
     split = split_corpus(args.data.read_text(encoding="utf-8"), args.heldout_fraction, args.seed)
     chats = synthetic_texts(split, args)
-    tok = train_tokenizer(itertools.chain(split.train_docs, chats), args.vocab_size)
+    if args.tokenizer is not None:
+        tok = PreTrainedTokenizerFast.from_pretrained(str(args.tokenizer))
+    else:
+        tok = train_tokenizer(itertools.chain(split.train_docs, chats), args.vocab_size)
     prose, docs = prose_stream(tok, split.train_docs), tokenize_all(tok, chats)
     eot = token_id(tok, ENDOFTEXT)
     drills = tokenize_all(tok, drill_texts(split, 2 * len(chats), args.seed)) if args.copy_phase > 0 else []
@@ -231,7 +251,7 @@ def run(args: argparse.Namespace) -> tuple[LlamaForCausalLM, PreTrainedTokenizer
         "tokenizer_size": len(tok),
     }
     logger.info("data: %s", data)
-    model = LlamaForCausalLM(model_config(tok, args.vocab_size))
+    model = LlamaForCausalLM(model_config(tok, args.vocab_size, args.layers, args.hidden))
     logger.info("model: %.2f M parameters", sum(p.numel() for p in model.parameters()) / 1e6)
     batches = curriculum(
         batch_iter(copy_packer, args.batch_size, args.seed),
@@ -279,7 +299,7 @@ def reports(
     chat = evaluate(model, eval_windows(tok, chat_texts, length))
     drills = list(itertools.islice(drill_stream(split.train_paragraphs, args.seed + 2), 64))
     layers = model.config.num_hidden_layers
-    exit_layer, drafts, speedup = choose_exit(heldout["agreement"], layers)
+    exit_layer, drafts, speedup = choose_exit(heldout["agreement"], layers, max_exit=min(8, layers - 1))
     train_args = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "argv"}
     return {
         "training_args": {
@@ -291,7 +311,9 @@ def reports(
             "train_seconds": round(result.seconds, 1),
             "tokens_per_second": round(result.tokens / max(result.seconds, 1e-9), 1),
             "parameters": sum(p.numel() for p in model.parameters()),
-            "loss": "final CE + exit_weight * sum(CE at exit_layers), shared norm + head",
+            "loss": "final CE + exit_weight * sum(CE at exit_layers), shared norm + head"
+            if args.exit_layers
+            else "final CE only (no early-exit losses)",
             "torch": torch.__version__,
             "transformers": transformers.__version__,
         },

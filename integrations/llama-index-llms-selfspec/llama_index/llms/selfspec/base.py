@@ -163,6 +163,11 @@ class SpeculativeLLM(FunctionCallingLLM):
         description="With drafter='draft_model': a smaller model sharing the tokenizer (a name, a folder "
         "or a loaded model) that drafts instead of the early exit.",
     )
+    exit_adapter: str | None = Field(
+        default=None,
+        description="A trained exit adapter folder for the early-exit and hybrid drafters (selfspec "
+        "train-adapter), 'auto' for the one saved beside the model, or None. Drafts only: the text never changes.",
+    )
     temperature: float = Field(default=0.0, ge=0.0, description="0 for greedy decoding; > 0 samples.")
     max_new_tokens: int = Field(default=256, gt=0, description="The most new tokens per response.")
     top_k: int | None = Field(default=None, gt=0, description="Sample among the top_k most likely tokens.")
