@@ -111,7 +111,7 @@ class ChatSpeculative(BaseChatModel):
             ``"early_exit"`` (self-speculation, the default), another of
             ``selfspec.engine.DRAFTERS`` (``"prompt_lookup"``, ``"hybrid"``, ...), or
             ``"none"`` (plain decoding).
-        draft_model, draft_confidence, calibrate, dtype, device, trust_remote_code, allow_pickle:
+        draft_model, medusa_heads, draft_confidence, calibrate, dtype, device, trust_remote_code, allow_pickle:
             As in ``SpeculativeEngine.from_pretrained``.
 
         Weights load on first use; every instance with the same engine arguments shares one
@@ -261,6 +261,10 @@ class ChatSpeculative(BaseChatModel):
     draft_model: str | None = None
     """With ``drafter="draft_model"``: a hub id or folder of a separate small draft model, loaded
     like the target (same quantization, dtype and device)."""
+
+    medusa_heads: str | None = None
+    """With ``drafter="medusa"``: a folder of Medusa heads in the published layout (``None``: the
+    heads saved beside the model, e.g. the demo model's)."""
 
     temperature: float = 0.0
     """Sampling temperature: 0 for greedy decoding, > 0 samples."""
