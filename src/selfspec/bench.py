@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from .bench_prompts import PROMPT_SETS
 from .engine import SpeculativeEngine
+from .medusa import find_medusa_heads
 
 
 @dataclass
@@ -151,6 +152,9 @@ def build_methods(
         _selfspec_method("selfspec_hybrid", hybrid, "hf_greedy", "prompt lookup, else early exit; adaptive"),
         _selfspec_method("selfspec_layer_skip", skip, "hf_greedy", f"layer skipping ({skip.drafter!r}), 3 drafts"),
     ]
+    if find_medusa_heads(auto_engine.name_or_path) is not None:  # heads saved beside the model
+        medusa = SpeculativeEngine(model, tokenizer, drafter="medusa", num_draft_tokens="auto")
+        methods.append(_selfspec_method("selfspec_medusa", medusa, "hf_greedy", f"Medusa heads ({medusa.drafter!r})"))
     for t in temperatures:
         base = f"hf_sample_t{t}"
         methods += [
