@@ -269,7 +269,7 @@ def cmd_train_medusa(args: argparse.Namespace) -> int:
     )
     result = train_medusa_heads(model, cfg, user_tokens=user_tokens)
     result.heads.base_model_name_or_path = str(args.model)
-    extra = {"model": path, "data": args.data, "threads": args.threads}
+    extra = {"model": str(args.model), "data": args.data, "threads": args.threads}
     saved = save_medusa_training(result, cfg, out, extra)
     accuracy = " ".join(f"{a:.2f}" for a in result.head_accuracy)
     print(f"trained {cfg.num_heads} heads, {result.steps_done} steps in {result.seconds:.0f}s")
