@@ -263,6 +263,11 @@ def test_train_medusa_cli_end_to_end(tmp_path, capsys) -> None:
     assert engine.drafter.heads.num_heads == 2
     prompt = list(range(10, 25))
     assert engine.generate_ids(prompt, max_new_tokens=20).token_ids == reference_greedy(engine.model, prompt, 20)
+    # bad input: a clear message and exit code 2, no traceback
+    assert main(["train-medusa", "--model", str(model_dir), "--heads", "0", "--steps", "1"]) == 2
+    assert "heads >= 1" in capsys.readouterr().err
+    assert main(["train-medusa", "--model", str(tmp_path / "missing")]) == 2
+    assert "no model folder" in capsys.readouterr().err
 
 
 def test_cli_and_adapters_pass_medusa_heads() -> None:

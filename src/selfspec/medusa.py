@@ -209,6 +209,8 @@ def load_medusa_heads(
             raise ConfigurationError(f"{path / MEDUSA_PICKLE} does not hold a state dict")
     else:
         raise ModelNotFoundError(f"{path} has no {MEDUSA_SAFETENSORS} (or {MEDUSA_PICKLE})")
+    # some exports keep the module name of the Medusa model ("medusa_head.0.0.linear.weight")
+    state = {k.removeprefix("medusa_head."): v for k, v in state.items()}
     num_heads = int(config["medusa_num_heads"])
     num_layers = int(config.get("medusa_num_layers", 1))
     head_key = f"0.{num_layers}.weight"
