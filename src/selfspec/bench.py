@@ -152,9 +152,13 @@ def build_methods(
         _selfspec_method("selfspec_hybrid", hybrid, "hf_greedy", "prompt lookup, else early exit; adaptive"),
         _selfspec_method("selfspec_layer_skip", skip, "hf_greedy", f"layer skipping ({skip.drafter!r}), 3 drafts"),
     ]
-    if find_medusa_heads(auto_engine.name_or_path) is not None:  # heads saved beside the model
-        medusa = SpeculativeEngine(model, tokenizer, drafter="medusa", num_draft_tokens="auto")
-        methods.append(_selfspec_method("selfspec_medusa", medusa, "hf_greedy", f"Medusa heads ({medusa.drafter!r})"))
+    heads_folder = find_medusa_heads(auto_engine.name_or_path)
+    if heads_folder is not None:  # heads saved beside the model; one draft token per head
+        num_heads = json.loads((heads_folder / "config.json").read_text())["medusa_num_heads"]
+        medusa = SpeculativeEngine(model, tokenizer, drafter="medusa", num_draft_tokens=num_heads)
+        methods.append(
+            _selfspec_method("selfspec_medusa", medusa, "hf_greedy", f"Medusa heads, {num_heads} drafts, fixed")
+        )
     for t in temperatures:
         base = f"hf_sample_t{t}"
         methods += [
