@@ -130,31 +130,39 @@ def test_drafts_are_both_rejected_and_accepted() -> None:
     assert rates["random"] < 0.1 and rates["lm_head"] > 0.5, rates
 
 
-def test_chain_draft_is_the_heads_top1() -> None:
-    model = make_model("llama")
-    heads = MedusaHeads(3, HIDDEN, TINY_VOCAB)
-    heads.heads.load_state_dict(published_state_dict(3, HIDDEN, TINY_VOCAB))
-    engine = SpeculativeEngine(model, drafter="medusa", medusa_heads=heads, num_draft_tokens=2)
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_chain_draft_is_the_heads_top1_on_the_last_verified_state(arch: str) -> None:
+    """Drafts are the heads' top-1 on the final state that chose ``last_token``, after any acceptance."""
+    model = make_model(arch)
+    heads = MedusaHeads(3, HIDDEN, TINY_VOCAB).double()
+    if arch == "llama":  # random heads: rejected
+        heads.heads.load_state_dict(published_state_dict(3, HIDDEN, TINY_VOCAB))
+    else:  # this model repeats itself: copies of its LM head are accepted
+        heads.init_from_lm_head(model.lm_head)
+    engine = SpeculativeEngine(model, drafter="medusa", medusa_heads=heads, num_draft_tokens=3)
     seen = []
     drafter = engine.drafter
     original = drafter.propose
 
     def spy(state, max_tokens):
         draft = original(state, max_tokens)
-        logits = heads.to(torch.float64)(model.model.norm(state.last_hidden))[:, 0, 0]
-        seen.append((draft.tokens, logits.argmax(-1)[: len(draft)].tolist(), state.position, state.token_ids[:]))
+        normed = model.model.norm(state.last_hidden)[0, 0]  # [hidden]
+        top1 = heads(normed).argmax(-1)[: len(draft)].tolist()
+        seen.append((draft.tokens, top1, normed, state.position, list(state.token_ids)))
         return draft
 
     drafter.propose = spy
     out = engine.generate_ids(list(range(10, 20)), max_new_tokens=12)
-    assert seen and all(tokens == expected for tokens, expected, _, _ in seen)
-    # last_hidden is the model's own final state at position - 1 (the one that chose last_token)
-    _, _, position, token_ids = seen[-1]
-    with torch.no_grad():
-        full = model.model(torch.tensor([token_ids[:position]])).last_hidden_state[0, -1]
-    expected_next = int(model.lm_head(full).argmax())
-    assert expected_next == token_ids[position]
+    assert len(seen) >= 2 and all(tokens == top1 for tokens, top1, *_ in seen)
+    # last_hidden is the model's own final state at position - 1: the one that chose last_token
+    for _, _, normed, position, token_ids in seen:
+        with torch.no_grad():
+            full = model.model(torch.tensor([token_ids[:position]])).last_hidden_state[0, -1]
+        torch.testing.assert_close(normed, full)
+        assert int(model.lm_head(full).argmax()) == token_ids[position]
     assert len(out.token_ids) == 12
+    if arch == "gemma2":
+        assert out.stats.num_accepted > 3  # states after accepted drafts were checked too
 
 
 def test_candidate_tree_structure() -> None:
