@@ -30,6 +30,7 @@ from .errors import (
     UnsupportedArchitectureError,
 )
 from .loading import DEMO_MODEL, demo_model_path
+from .medusa import MedusaDrafter, MedusaHeads
 from .outputs import GenerationOutput, GenerationStats
 from .registry import clear_engines, get_engine
 
@@ -52,6 +53,8 @@ __all__ = [
     "GenerationStream",
     "HybridDrafter",
     "InvalidPromptError",
+    "MedusaDrafter",
+    "MedusaHeads",
     "ModelAdapter",
     "ModelNotFoundError",
     "NoDrafter",

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from .bench_prompts import PROMPT_SETS
 from .engine import SpeculativeEngine
 from .loading import DEMO_DRAFT_MODEL, DEMO_MODEL, load_model_and_tokenizer
+from .medusa import find_medusa_heads
 
 
 @dataclass
@@ -195,6 +196,13 @@ def build_methods(
                 "hf_greedy",
                 f"separate draft model {name}, {num_draft_tokens} drafts, fixed",
             )
+        )
+    heads_folder = find_medusa_heads(auto_engine.name_or_path)
+    if heads_folder is not None:  # heads saved beside the model; one draft token per head
+        num_heads = json.loads((heads_folder / "config.json").read_text())["medusa_num_heads"]
+        medusa = SpeculativeEngine(model, tokenizer, drafter="medusa", num_draft_tokens=num_heads)
+        methods.append(
+            _selfspec_method("selfspec_medusa", medusa, "hf_greedy", f"Medusa heads, {num_heads} drafts, fixed")
         )
     for t in temperatures:
         base = f"hf_sample_t{t}"

@@ -39,6 +39,9 @@ class DecodeState:
     constraint: TokenConstraint | None = None
     scratch: dict[str, Any] = field(default_factory=dict)  # per-generation drafter state
     eos_token_ids: frozenset[int] = frozenset()  # drafting past one of these is wasted work
+    # [1, 1, hidden] last decoder layer's output (before the final norm) at position - 1, the
+    # state that chose last_token; kept by the engine only for drafters with needs_hidden
+    last_hidden: torch.Tensor | None = None
 
 
 @dataclass
@@ -53,12 +56,17 @@ class Draft:
             (``last_token`` and the first ``k - 1`` drafts), when the drafter ran the
             target's own first ``exit_layer`` layers; the verifier continues from them.
         exit_layer: the layer those states come from.
+        parents: ``None`` for a chain; for a tree, ``tokens`` holds the nodes in topological
+            order (parent before child) and ``parents[i]`` is the index of node ``i``'s
+            parent, or ``-1`` when its parent is the root (``last_token``); ``draft_probs[i]``
+            is the distribution node ``i`` was drawn from (i.i.d. siblings share one row).
     """
 
     tokens: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None
     exit_states: torch.Tensor | None = None
     exit_layer: int = 0
+    parents: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -68,6 +76,8 @@ class Drafter(ABC):
     """Proposes draft tokens for one round."""
 
     name: str = "drafter"
+    #: whether the engine must keep ``DecodeState.last_hidden`` for this drafter
+    needs_hidden: bool = False
 
     @abstractmethod
     def propose(self, state: DecodeState, max_tokens: int) -> Draft:

@@ -41,13 +41,14 @@ from .drafters import (
 )
 from .errors import ConfigurationError, GenerationMemoryError, InvalidPromptError, SamplingError
 from .exit_adapter import ExitAdapter, engine_exit_adapter
+from .medusa import MedusaDrafter, MedusaHeads, find_medusa_heads, load_medusa_heads
 from .outputs import FinishReason, GenerationOutput, GenerationStats
 from .sampling import SamplingParams, logits_to_probs
 from .stopping import IncrementalDetokenizer, StopStringMatcher, normalize_stop
 from .verify import Acceptance, accept_greedy, accept_sampled
 
 #: Drafters selectable by name.
-DRAFTERS = ("early_exit", "prompt_lookup", "hybrid", "layer_skip", "draft_model", "none")
+DRAFTERS = ("early_exit", "prompt_lookup", "hybrid", "layer_skip", "draft_model", "medusa", "none")
 #: Draft length used when ``num_draft_tokens="auto"`` finds no calibration.
 DEFAULT_NUM_DRAFT_TOKENS = 4
 #: With ``num_draft_tokens="auto"``, the early exit stops drafting below this top probability.
@@ -80,7 +81,8 @@ class SpeculativeEngine:
             prompt and output), ``"hybrid"`` (lookup when a match exists, else early exit),
             ``"layer_skip"`` (a subset of the layers: calibrated, else
             :func:`~selfspec.drafters.default_skip_layers`), ``"draft_model"`` (a separate
-            small model, see ``draft_model``), ``"none"`` (plain decoding), or a
+            small model, see ``draft_model``), ``"medusa"`` (Medusa heads on the last
+            hidden state, see ``medusa_heads``), ``"none"`` (plain decoding), or a
             :class:`~selfspec.drafters.Drafter` instance.
         draft_confidence: with ``num_draft_tokens="auto"``, the early exit stops drafting
             when its top probability falls below this (default 0.3); ignored for a fixed
@@ -98,6 +100,10 @@ class SpeculativeEngine:
             It changes the drafts only, never the text. With ``exit_layer="auto"`` the
             adapter's exit layer is used; an explicit, different ``exit_layer`` is an error
             (with ``"auto"``, the saved adapter is then left out).
+        medusa_heads: with ``drafter="medusa"``, a folder of heads in the published Medusa
+            layout (``config.json`` + ``medusa_lm_head.safetensors``) or loaded
+            :class:`~selfspec.medusa.MedusaHeads`; ``None`` uses the heads saved beside the
+            model (the demo model ships some; ``selfspec train-medusa`` trains them).
 
     Example:
         >>> from selfspec import SpeculativeEngine
@@ -120,6 +126,7 @@ class SpeculativeEngine:
         draft_model: Any = None,
         draft_tokenizer: Any = None,
         exit_adapter: str | os.PathLike[str] | ExitAdapter | None = None,
+        medusa_heads: str | os.PathLike[str] | MedusaHeads | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -140,6 +147,9 @@ class SpeculativeEngine:
         )
         self.draft_model = draft_model
         self._check_draft_model(drafter, draft_model, draft_tokenizer)
+        if medusa_heads is not None and drafter != "medusa":
+            raise ConfigurationError("medusa_heads= is only used with drafter='medusa'")
+        self.medusa_heads = medusa_heads
         self.drafter = self._make_drafter(drafter)
         self.controller = DraftController(self.num_draft_tokens, adaptive=self.adaptive)
         self.eos_token_ids = self._eos_token_ids()
@@ -163,6 +173,7 @@ class SpeculativeEngine:
         calibrate: bool = True,
         draft_model: Any = None,
         exit_adapter: str | os.PathLike[str] | ExitAdapter | None = None,
+        medusa_heads: str | os.PathLike[str] | MedusaHeads | None = None,
     ) -> SpeculativeEngine:
         """Load a model from the hub, a local folder, or ``"selfspec-demo"``.
 
@@ -185,6 +196,8 @@ class SpeculativeEngine:
             calibrate: when ``exit_layer`` or ``num_draft_tokens`` is ``"auto"`` and the
                 model has no saved calibration, measure one now (a few seconds, with a
                 progress bar) and save it beside the model or in the user cache.
+            medusa_heads: with ``drafter="medusa"``: see :class:`SpeculativeEngine` (a
+                ``medusa_lm_head.pt`` pickle loads only with ``allow_pickle=True``).
 
         Raises:
             ModelNotFoundError: no such folder or hub model (an ``OSError``).
@@ -213,6 +226,8 @@ class SpeculativeEngine:
                 trust_remote_code=trust_remote_code,
                 allow_pickle=allow_pickle,
             )
+        if drafter == "medusa" and allow_pickle and isinstance(medusa_heads, (str, os.PathLike)):
+            medusa_heads = load_medusa_heads(medusa_heads, allow_pickle=True)
         engine_kwargs: dict[str, Any] = {
             "exit_layer": exit_layer,
             "num_draft_tokens": num_draft_tokens,
@@ -221,6 +236,7 @@ class SpeculativeEngine:
             "draft_model": draft_model,
             "draft_tokenizer": draft_tokenizer,
             "exit_adapter": exit_adapter,
+            "medusa_heads": medusa_heads,
         }
         engine = cls(model, tokenizer, **engine_kwargs)
         wants_auto = "auto" in (exit_layer, num_draft_tokens) and drafter in ("early_exit", "hybrid")
@@ -284,6 +300,8 @@ class SpeculativeEngine:
             )
         if drafter == "draft_model":
             return DraftModelDrafter(self.draft_model, self.adapter.vocab_size)
+        if drafter == "medusa":
+            return MedusaDrafter(self._medusa_heads())
         if drafter == "layer_skip":
             saved = self.calibration.get("layer_skip_layers")
             layers = default_skip_layers(self.adapter.num_layers)
@@ -291,6 +309,32 @@ class SpeculativeEngine:
                 layers = [i for i in saved if 0 <= i < self.adapter.num_layers] or layers
             return LayerSkipDrafter(layers)
         return EarlyExitDrafter(self.exit_layer, confidence=self.draft_confidence, exit_adapter=self.exit_adapter)
+
+    def _medusa_heads(self) -> MedusaHeads:
+        """The heads for ``drafter="medusa"``, on the model's device and dtype, checked against it."""
+        heads = self.medusa_heads
+        if heads is None:
+            heads = find_medusa_heads(self.name_or_path)
+            if heads is None:
+                raise ConfigurationError(
+                    "drafter='medusa' needs medusa_heads= a folder of Medusa heads (config.json + "
+                    "medusa_lm_head.safetensors); none are saved beside this model (in its medusa/ "
+                    "subfolder). Train some with `selfspec train-medusa --model M`."
+                )
+        hidden = int(self.model.config.hidden_size)
+        if isinstance(heads, MedusaHeads):
+            if heads.hidden_size != hidden or heads.vocab_size != self.adapter.vocab_size:
+                raise ConfigurationError(
+                    f"{heads!r} does not fit this model (hidden size {hidden}, vocab {self.adapter.vocab_size})"
+                )
+            return heads.to(device=self.adapter.device, dtype=self.adapter.dtype)
+        return load_medusa_heads(
+            heads,
+            hidden_size=hidden,
+            vocab_size=self.adapter.vocab_size,
+            dtype=self.adapter.dtype,
+            device=self.adapter.device,
+        )
 
     def _check_draft_model(self, drafter: Any, draft_model: Any, draft_tokenizer: Any) -> None:
         if drafter != "draft_model":
@@ -570,6 +614,7 @@ class SpeculativeEngine:
             generator=run.generator,
             constraint=run.constraint,
             eos_token_ids=frozenset(self.eos_token_ids),
+            last_hidden=hidden[:, -1:] if self.drafter.needs_hidden else None,
         )
         emitted = 1
         yield [first]
@@ -615,6 +660,8 @@ class SpeculativeEngine:
         histogram[acceptance.num_accepted] += 1
 
         tokens = acceptance.emitted(draft.tokens)
+        if state.last_hidden is not None:  # _verify kept [1, k + 1, hidden]: the state that chose next_token
+            state.last_hidden = state.last_hidden[:, acceptance.num_accepted : acceptance.num_accepted + 1]
         # roll every layer back to the accepted text: last_token + accepted drafts
         state.cache.crop_to(state.position + acceptance.num_accepted + 1)
         state.position += acceptance.num_accepted + 1
@@ -661,6 +708,8 @@ class SpeculativeEngine:
         else:
             ids = torch.tensor([[state.last_token, *draft.tokens]], device=device)
             hidden = adapter.run_layers(adapter.embed(ids), 0, adapter.num_layers, positions, cache)
+        if self.drafter.needs_hidden:
+            state.last_hidden = hidden
         return adapter.logits(hidden)
 
     @staticmethod

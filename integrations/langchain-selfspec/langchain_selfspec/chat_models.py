@@ -126,8 +126,8 @@ class ChatSpeculative(BaseChatModel):
             ``"early_exit"`` (self-speculation, the default), another of
             ``selfspec.engine.DRAFTERS`` (``"prompt_lookup"``, ``"hybrid"``, ...), or
             ``"none"`` (plain decoding).
-        draft_model, draft_confidence, exit_adapter, calibrate, dtype, device, trust_remote_code,
-        allow_pickle:
+        draft_model, medusa_heads, draft_confidence, exit_adapter, calibrate, dtype, device,
+        trust_remote_code, allow_pickle:
             As in ``SpeculativeEngine.from_pretrained``.
 
         Weights load on first use; every instance with the same engine arguments shares one
@@ -292,6 +292,9 @@ class ChatSpeculative(BaseChatModel):
     """A trained exit adapter folder for the early-exit and hybrid drafters (``selfspec
     train-adapter``), ``"auto"`` for the one saved beside the model, or ``None``. Drafts only:
     the text never changes."""
+    medusa_heads: str | None = None
+    """With ``drafter="medusa"``: a folder of Medusa heads in the published layout (``None``: the
+    heads saved beside the model, e.g. the demo model's)."""
 
     temperature: float = 0.0
     """Sampling temperature: 0 for greedy decoding, > 0 samples."""

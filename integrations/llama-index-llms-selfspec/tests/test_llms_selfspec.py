@@ -76,6 +76,7 @@ def test_engine_arguments_follow_the_fields(monkeypatch):
                 "calibrate": True,
                 "draft_model": None,
                 "exit_adapter": None,
+                "medusa_heads": None,
             },
         )
     ]
@@ -206,3 +207,4 @@ def test_every_engine_argument_is_a_field():
     assert (
         SpeculativeLLM(drafter="draft_model", draft_model="small/model")._engine_args()["draft_model"] == "small/model"
     )
+    assert SpeculativeLLM(drafter="medusa", medusa_heads="heads/")._engine_args()["medusa_heads"] == "heads/"

@@ -61,6 +61,7 @@ def test_every_engine_argument_is_a_field() -> None:
     assert engine_args <= set(ChatSpeculative.model_fields), engine_args - set(ChatSpeculative.model_fields)
     assert set(ChatSpeculative()._engine_args()) <= engine_args
     assert ChatSpeculative(draft_model="small/model")._engine_args()["draft_model"] == "small/model"
+    assert ChatSpeculative(drafter="medusa", medusa_heads="heads/")._engine_args()["medusa_heads"] == "heads/"
     for name in ChatSpeculative.__annotations__:
         if name != "model_config" and not name.startswith("_"):
             assert ChatSpeculative.model_fields[name].description, f"field {name} has no attribute docstring"

@@ -140,7 +140,7 @@ class SpeculativeLLM(FunctionCallingLLM):
     drafter: str = Field(
         default="early_exit",
         description="How drafts are made: 'early_exit' (self-speculation), 'prompt_lookup', 'hybrid', "
-        "'layer_skip', 'draft_model' or 'none' (plain decoding); see selfspec.engine.DRAFTERS.",
+        "'layer_skip', 'draft_model', 'medusa' or 'none' (plain decoding); see selfspec.engine.DRAFTERS.",
     )
     draft_confidence: float | None = Field(
         default=None,
@@ -167,6 +167,11 @@ class SpeculativeLLM(FunctionCallingLLM):
         default=None,
         description="A trained exit adapter folder for the early-exit and hybrid drafters (selfspec "
         "train-adapter), 'auto' for the one saved beside the model, or None. Drafts only: the text never changes.",
+    )
+    medusa_heads: str | None = Field(
+        default=None,
+        description="With drafter='medusa': a folder of Medusa heads in the published layout "
+        "(None: the heads saved beside the model, e.g. the demo model's).",
     )
     temperature: float = Field(default=0.0, ge=0.0, description="0 for greedy decoding; > 0 samples.")
     max_new_tokens: int = Field(default=256, gt=0, description="The most new tokens per response.")
