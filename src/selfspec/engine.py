@@ -43,6 +43,8 @@ from .errors import ConfigurationError, InvalidPromptError, SamplingError
 from .outputs import FinishReason, GenerationOutput, GenerationStats
 from .sampling import SamplingParams, logits_to_probs
 from .stopping import IncrementalDetokenizer, StopStringMatcher, normalize_stop
+from .tree import TreeAcceptance, accept_tree_greedy, accept_tree_sampled, check_tree, tree_depths
+from .tree_draft import keep_accepted_path, select_nodes, tree_to_chain, truncate_tree, verify_tree
 from .verify import Acceptance, accept_greedy, accept_sampled
 
 #: Drafters selectable by name.
@@ -51,6 +53,8 @@ DRAFTERS = ("early_exit", "prompt_lookup", "hybrid", "layer_skip", "draft_model"
 DEFAULT_NUM_DRAFT_TOKENS = 4
 #: With ``num_draft_tokens="auto"``, the early exit stops drafting below this top probability.
 DEFAULT_DRAFT_CONFIDENCE = 0.3
+#: Node budget used when ``tree_nodes="auto"`` finds no calibration (``None``: a chain).
+DEFAULT_TREE_NODES: int | None = None
 
 Prompt = str | Sequence[dict[str, Any]]
 
@@ -91,6 +95,10 @@ class SpeculativeEngine:
         draft_model: with ``drafter="draft_model"``, the loaded draft model (sharing the
             target's tokenizer); :meth:`from_pretrained` also takes a name.
         draft_tokenizer: the draft model's tokenizer, checked against the target's.
+        tree_nodes: ``None`` (default) drafts a chain; an int ``N >= 1`` makes the early-exit
+            drafter draft a token tree of at most ``N`` nodes, verified in one forward
+            (``docs/trees.md``); ``"auto"`` uses the calibrated choice (chain or tree, and
+            the node budget), else :data:`DEFAULT_TREE_NODES`.
 
     Example:
         >>> from selfspec import SpeculativeEngine
@@ -112,6 +120,7 @@ class SpeculativeEngine:
         calibration: dict[str, Any] | None = None,
         draft_model: Any = None,
         draft_tokenizer: Any = None,
+        tree_nodes: int | str | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -127,6 +136,7 @@ class SpeculativeEngine:
         self.draft_confidence = (
             (DEFAULT_DRAFT_CONFIDENCE if draft_confidence is None else draft_confidence) if self.adaptive else 0.0
         )
+        self.tree_nodes = self._resolve_tree_nodes(tree_nodes)
         self.draft_model = draft_model
         self._check_draft_model(drafter, draft_model, draft_tokenizer)
         self.drafter = self._make_drafter(drafter)
@@ -151,6 +161,7 @@ class SpeculativeEngine:
         allow_pickle: bool = False,
         calibrate: bool = True,
         draft_model: Any = None,
+        tree_nodes: int | str | None = None,
     ) -> SpeculativeEngine:
         """Load a model from the hub, a local folder, or ``"selfspec-demo"``.
 
@@ -169,6 +180,7 @@ class SpeculativeEngine:
             allow_pickle: allow ``.bin`` (pickle) weights when no safetensors exist.
             draft_model: with ``drafter="draft_model"``: a loaded model, or a name or folder
                 loaded like the target (same quantization, dtype and device).
+            tree_nodes: see :class:`SpeculativeEngine`.
             calibrate: when ``exit_layer`` or ``num_draft_tokens`` is ``"auto"`` and the
                 model has no saved calibration, measure one now (a few seconds, with a
                 progress bar) and save it beside the model or in the user cache.
@@ -181,6 +193,7 @@ class SpeculativeEngine:
         from .loading import load_model_and_tokenizer
 
         cls._check_engine_args(exit_layer, num_draft_tokens, drafter)
+        cls._check_tree_nodes(tree_nodes)
         model, tokenizer, path = load_model_and_tokenizer(
             name_or_path,
             quantization=quantization,
@@ -207,6 +220,7 @@ class SpeculativeEngine:
             "draft_confidence": draft_confidence,
             "draft_model": draft_model,
             "draft_tokenizer": draft_tokenizer,
+            "tree_nodes": tree_nodes,
         }
         engine = cls(model, tokenizer, **engine_kwargs)
         wants_auto = "auto" in (exit_layer, num_draft_tokens) and drafter in ("early_exit", "hybrid")
@@ -228,6 +242,21 @@ class SpeculativeEngine:
             raise ConfigurationError(f"num_draft_tokens must be 'auto' or an int >= 1, got {num_draft_tokens!r}")
         if not isinstance(drafter, Drafter) and drafter not in DRAFTERS:
             raise ConfigurationError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
+
+    @staticmethod
+    def _check_tree_nodes(tree_nodes: Any) -> None:
+        if tree_nodes is None or tree_nodes == "auto":
+            return
+        if isinstance(tree_nodes, bool) or not isinstance(tree_nodes, int) or tree_nodes < 1:
+            raise ConfigurationError(f"tree_nodes must be None, 'auto' or an int >= 1, got {tree_nodes!r}")
+
+    def _resolve_tree_nodes(self, tree_nodes: int | str | None) -> int | None:
+        self._check_tree_nodes(tree_nodes)
+        if tree_nodes == "auto":
+            saved = self.calibration.get("tree_nodes", DEFAULT_TREE_NODES)
+            return saved if isinstance(saved, int) and not isinstance(saved, bool) and saved >= 1 else None
+        assert tree_nodes is None or isinstance(tree_nodes, int)
+        return tree_nodes
 
     def _resolve_exit_layer(self, exit_layer: int | str) -> int:
         self._check_engine_args(exit_layer, "auto", "none")
@@ -270,7 +299,7 @@ class SpeculativeEngine:
             if isinstance(saved, list) and saved and all(isinstance(i, int) for i in saved):
                 layers = [i for i in saved if 0 <= i < self.adapter.num_layers] or layers
             return LayerSkipDrafter(layers)
-        return EarlyExitDrafter(self.exit_layer, confidence=self.draft_confidence)
+        return EarlyExitDrafter(self.exit_layer, confidence=self.draft_confidence, tree_nodes=self.tree_nodes)
 
     def _check_draft_model(self, drafter: Any, draft_model: Any, draft_tokenizer: Any) -> None:
         if drafter != "draft_model":
@@ -309,6 +338,7 @@ class SpeculativeEngine:
             f"SpeculativeEngine(model={self.name_or_path or type(self.model).__name__!r}, "
             f"drafter={self.drafter!r}, exit_layer={self.exit_layer}, "
             f"num_draft_tokens={self.num_draft_tokens}{' (adaptive)' if self.adaptive else ''}, "
+            f"{f'tree_nodes={self.tree_nodes}, ' if self.tree_nodes else ''}"
             f"num_layers={self.adapter.num_layers}, "
             f"device={str(self.adapter.device)!r}, dtype={str(self.adapter.dtype)!r})"
         )
@@ -529,7 +559,9 @@ class SpeculativeEngine:
         prompt_len = len(run.prompt_ids)
         with self._lock, torch.inference_mode():
             started = time.perf_counter()
-            cache = adapter.new_cache(prompt_len + run.max_new_tokens)
+            # a tree drafter's nodes need slots beyond the text (a drafter may say how many)
+            tree_slots = getattr(self.drafter, "tree_nodes", None) or 0
+            cache = adapter.new_cache(prompt_len + run.max_new_tokens + tree_slots)
             ids = torch.tensor([run.prompt_ids], device=adapter.device)
             hidden = adapter.run_layers(
                 adapter.embed(ids), 0, adapter.num_layers, torch.arange(prompt_len, device=adapter.device), cache
@@ -570,24 +602,39 @@ class SpeculativeEngine:
         max_draft = min(self._draft_budget(run.controller), remaining - 1)
         started = time.perf_counter()
         draft = drafter.propose(state, max_draft) if max_draft > 0 else Draft()
+        if draft.parents is not None:  # a token tree (selfspec.tree)
+            check_tree(draft.tokens, draft.parents)
+            draft = truncate_tree(state, draft, max_draft)
+            room = state.cache.max_length - state.position - 1
+            if len(draft) > room:  # a topological prefix is a tree: keep what the cache holds
+                draft = select_nodes(state, draft, list(range(room)))
+            if state.constraint is not None:
+                draft = tree_to_chain(state, draft)
         draft = self._truncate_draft(draft, max_draft)
         drafted_at = time.perf_counter()
         stats.draft_seconds += drafted_at - started
 
-        target_logits = self._verify(state, draft)  # [k + 1, vocab]
-        masks = self._constraint_masks(state, draft)
-        if masks is not None:
-            draft = self._truncate_draft(draft, len(masks) - 1)
-            target_logits = apply_mask(target_logits[: len(masks)], torch.stack(masks))
-        acceptance = self._accept(state, draft, target_logits, run.generator)
+        acceptance: Acceptance | TreeAcceptance
+        if draft.parents is not None:
+            target_logits = verify_tree(state, draft)  # [n + 1, vocab]
+            acceptance = self._accept_tree(state, draft, target_logits, run.generator)
+            keep_accepted_path(state, acceptance.path)
+            depth = max(tree_depths(draft.parents), default=0)  # what the controller budgets
+        else:
+            target_logits = self._verify(state, draft)  # [k + 1, vocab]
+            masks = self._constraint_masks(state, draft)
+            if masks is not None:
+                draft = self._truncate_draft(draft, len(masks) - 1)
+                target_logits = apply_mask(target_logits[: len(masks)], torch.stack(masks))
+            acceptance = self._accept(state, draft, target_logits, run.generator)
+            depth = len(draft)
         stats.verify_seconds += time.perf_counter() - drafted_at
         stats.target_forwards += 1
 
         num_drafted = len(draft)
         drafter.observe(num_drafted, acceptance.num_accepted)
-        run.controller.record(
-            num_drafted, acceptance.num_accepted, acceptance.num_accepted + 1, time.perf_counter() - started
-        )
+        seconds = time.perf_counter() - started
+        run.controller.record(depth, acceptance.num_accepted, acceptance.num_accepted + 1, seconds)
         stats.num_drafted += num_drafted
         stats.num_accepted += acceptance.num_accepted
         histogram = stats.accepted_length_histogram
@@ -615,7 +662,7 @@ class SpeculativeEngine:
 
     @staticmethod
     def _truncate_draft(draft: Draft, length: int) -> Draft:
-        if len(draft) <= length:
+        if len(draft) <= length or draft.parents is not None:  # trees: truncate_tree
             return draft
         return Draft(
             tokens=draft.tokens[:length],
@@ -677,6 +724,17 @@ class SpeculativeEngine:
             return accept_greedy(draft_tokens, target_logits)
         target_probs = logits_to_probs(target_logits, state.params)
         return accept_sampled(draft_tokens, draft.draft_probs, target_probs, generator)
+
+
+    @staticmethod
+    def _accept_tree(
+        state: DecodeState, draft: Draft, target_logits: torch.Tensor, generator: torch.Generator
+    ) -> TreeAcceptance:
+        assert draft.parents is not None
+        if state.params.greedy:
+            return accept_tree_greedy(draft.tokens, draft.parents, target_logits)
+        target_probs = logits_to_probs(target_logits, state.params)
+        return accept_tree_sampled(draft.tokens, draft.parents, draft.draft_probs, target_probs, generator)
 
 
 class _Generation:
