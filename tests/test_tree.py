@@ -369,3 +369,18 @@ def test_a_malformed_tree_is_a_clear_error_and_the_engine_stays_usable() -> None
         engine.generate_ids(GREEDY_PROMPT, max_new_tokens=4)
     engine.drafter = SpeculativeEngine(model, exit_layer=2, tree_nodes=4).drafter
     assert engine.generate_ids(GREEDY_PROMPT, max_new_tokens=8).token_ids == reference_greedy(model, GREEDY_PROMPT, 8)
+
+
+def test_cli_tree_nodes_option() -> None:
+    import argparse
+
+    from selfspec.cli import add_engine_arguments, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser, default_model="m")
+    assert engine_kwargs(parser.parse_args([]))["tree_nodes"] is None
+    assert engine_kwargs(parser.parse_args(["--tree-nodes", "6"]))["tree_nodes"] == 6
+    assert engine_kwargs(parser.parse_args(["--tree-nodes", "auto"]))["tree_nodes"] == "auto"
+    assert engine_kwargs(parser.parse_args(["--tree-nodes", "None"]))["tree_nodes"] is None
+    with pytest.raises(ConfigurationError, match="--tree-nodes"):
+        engine_kwargs(parser.parse_args(["--tree-nodes", "many"]))

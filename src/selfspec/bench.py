@@ -24,6 +24,9 @@ from tqdm.auto import tqdm
 from .bench_prompts import PROMPT_SETS
 from .engine import SpeculativeEngine
 
+#: Token-tree node budgets ``selfspec bench`` compares with the chain by default.
+DEFAULT_BENCH_TREE_NODES = (8,)
+
 
 @dataclass
 class Run:
@@ -110,8 +113,14 @@ def build_methods(
     num_draft_tokens: int,
     lookup_tokens: int,
     temperatures: Sequence[float],
+    tree_nodes: Sequence[int] = (),
 ) -> list[Method]:
-    """The methods compared: transformers' baselines and peers, and selfspec's variants."""
+    """The methods compared: transformers' baselines and peers, and selfspec's variants.
+
+    For each node budget in ``tree_nodes``, an early-exit token tree (``selfspec_tree_N``,
+    same exit layer, at most ``num_draft_tokens`` levels) runs greedy and at every
+    temperature, next to the fixed chain at the same temperatures.
+    """
     model, tokenizer = auto_engine.model, auto_engine.tokenizer
     plain = SpeculativeEngine(model, tokenizer, drafter="none")
     fixed = SpeculativeEngine(model, tokenizer, exit_layer=exit_layer, num_draft_tokens=num_draft_tokens)
@@ -167,6 +176,37 @@ def build_methods(
             ),
             _selfspec_method(f"selfspec_auto_t{t}", auto_engine, base, f"selfspec auto, sampling T={t}", t),
         ]
+    methods += _tree_methods(model, tokenizer, exit_layer, num_draft_tokens, tree_nodes, temperatures, fixed)
+    return methods
+
+
+def _tree_methods(
+    model: Any,
+    tokenizer: Any,
+    exit_layer: int,
+    num_draft_tokens: int,
+    tree_nodes: Sequence[int],
+    temperatures: Sequence[float],
+    chain: SpeculativeEngine,
+) -> list[Method]:
+    """Early-exit token trees, and the fixed chain they are compared with when sampling."""
+    if not tree_nodes:
+        return []
+    chain_name = f"selfspec_E{exit_layer}_k{num_draft_tokens}"
+    methods = [
+        _selfspec_method(f"{chain_name}_t{t}", chain, f"hf_sample_t{t}", f"early-exit chain, sampling T={t}", t)
+        for t in temperatures
+    ]
+    for nodes in tree_nodes:
+        engine = SpeculativeEngine(
+            model, tokenizer, exit_layer=exit_layer, num_draft_tokens=num_draft_tokens, tree_nodes=nodes
+        )
+        about = f"early-exit token tree, at most {nodes} nodes and {num_draft_tokens} levels"
+        methods.append(_selfspec_method(f"selfspec_tree_{nodes}", engine, "hf_greedy", about))
+        methods += [
+            _selfspec_method(f"selfspec_tree_{nodes}_t{t}", engine, f"hf_sample_t{t}", f"{about}, sampling T={t}", t)
+            for t in temperatures
+        ]
     return methods
 
 
@@ -187,6 +227,7 @@ def run_benchmark(
     temperatures: Sequence[float] = (0.7, 1.0),
     categories: Sequence[str] | None = None,
     progress: bool = True,
+    tree_nodes: Sequence[int] = (),
     **engine_args: Any,
 ) -> BenchReport:
     """Run every method on every prompt ``repeats`` times, interleaved, and summarise.
@@ -204,6 +245,8 @@ def run_benchmark(
         temperatures: sampling temperatures to compare at.
         categories: restrict to these categories.
         progress: show a progress bar.
+        tree_nodes: node budgets of early-exit token trees to compare with the chain
+            (``selfspec_tree_N`` methods, greedy and at each temperature).
         **engine_args: passed to :meth:`SpeculativeEngine.from_pretrained`.
     """
     if threads:
@@ -221,6 +264,7 @@ def run_benchmark(
         num_draft_tokens=num_draft_tokens,
         lookup_tokens=lookup_tokens,
         temperatures=temperatures,
+        tree_nodes=tree_nodes,
     )
     on_cuda = engine.adapter.device.type == "cuda"
     report = BenchReport(
@@ -236,6 +280,7 @@ def run_benchmark(
             "auto_exit_layer": engine.exit_layer,
             "auto_num_draft_tokens": engine.num_draft_tokens,
             "lookup_tokens": lookup_tokens,
+            "tree_nodes": list(tree_nodes),
             "categories": {c: len(v) for c, v in sets.items()},
             "torch": torch.__version__,
             "transformers": __import__("transformers").__version__,

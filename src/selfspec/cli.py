@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from .bench import DEFAULT_BENCH_TREE_NODES
 from .errors import SelfSpecError
 from .loading import DEMO_MODEL
 
@@ -34,6 +35,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | N
         choices=["early_exit", "prompt_lookup", "hybrid", "layer_skip", "draft_model", "none"],
     )
     parser.add_argument("--draft-model", default=None, help="with --drafter draft_model: the draft model")
+    parser.add_argument(
+        "--tree-nodes",
+        default="none",
+        help="draft a token tree of at most N nodes (an int), 'auto' (calibrated choice), or 'none' (a chain)",
+    )
     parser.add_argument("--trust-remote-code", action="store_true")
 
 
@@ -55,6 +61,19 @@ def _int_or_auto(value: str) -> int | str:
     return value if value == "auto" else int(value)
 
 
+def _tree_nodes(value: str) -> int | str | None:
+    if value.lower() == "none":
+        return None
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        from .errors import ConfigurationError
+
+        raise ConfigurationError(f"--tree-nodes must be an int, 'auto' or 'none', got {value!r}") from None
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The ``from_pretrained`` keyword arguments (all but the model) given on the command line."""
     return {
@@ -66,6 +85,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "drafter": args.drafter,
         "trust_remote_code": args.trust_remote_code,
         "draft_model": args.draft_model,
+        "tree_nodes": _tree_nodes(args.tree_nodes),
     }
 
 
@@ -220,6 +240,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         num_draft_tokens=args.num_draft_tokens,
         categories=args.categories,
         temperatures=args.temperatures,
+        tree_nodes=args.tree_nodes,
         quantization=args.quantization,
         device=args.device,
     )
@@ -278,6 +299,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--num-draft-tokens", type=int, default=None)
     bench.add_argument("--categories", nargs="*", default=None)
     bench.add_argument("--temperatures", nargs="*", type=float, default=[0.7, 1.0])
+    bench.add_argument(
+        "--tree-nodes",
+        nargs="*",
+        type=int,
+        default=list(DEFAULT_BENCH_TREE_NODES),
+        help="node budgets of early-exit token trees to compare with the chain (none: skip trees)",
+    )
     bench.add_argument("--quantization", choices=["4bit", "8bit"], default=None)
     bench.add_argument("--device", default="auto")
     bench.add_argument("--out", default=None, help="folder for JSON, markdown and PNG results")

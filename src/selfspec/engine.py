@@ -725,7 +725,6 @@ class SpeculativeEngine:
         target_probs = logits_to_probs(target_logits, state.params)
         return accept_sampled(draft_tokens, draft.draft_probs, target_probs, generator)
 
-
     @staticmethod
     def _accept_tree(
         state: DecodeState, draft: Draft, target_logits: torch.Tensor, generator: torch.Generator

@@ -111,7 +111,7 @@ class ChatSpeculative(BaseChatModel):
             ``"early_exit"`` (self-speculation, the default), another of
             ``selfspec.engine.DRAFTERS`` (``"prompt_lookup"``, ``"hybrid"``, ...), or
             ``"none"`` (plain decoding).
-        draft_model, draft_confidence, calibrate, dtype, device, trust_remote_code, allow_pickle:
+        draft_model, draft_confidence, tree_nodes, calibrate, dtype, device, trust_remote_code, allow_pickle:
             As in ``SpeculativeEngine.from_pretrained``.
 
         Weights load on first use; every instance with the same engine arguments shares one
@@ -248,6 +248,10 @@ class ChatSpeculative(BaseChatModel):
     draft_confidence: float | None = None
     """With ``num_draft_tokens="auto"``, stop drafting when the draft's top probability falls below
     this (``None``: the engine's default)."""
+
+    tree_nodes: int | Literal["auto"] | None = None
+    """``None`` drafts a chain; an int drafts a token tree of at most that many nodes, verified in
+    one forward; ``"auto"`` uses the calibrated choice."""
 
     trust_remote_code: bool = False
     """Allow checkpoints that ship their own Python code."""
