@@ -384,3 +384,21 @@ def test_cli_tree_nodes_option() -> None:
     assert engine_kwargs(parser.parse_args(["--tree-nodes", "None"]))["tree_nodes"] is None
     with pytest.raises(ConfigurationError, match="--tree-nodes"):
         engine_kwargs(parser.parse_args(["--tree-nodes", "many"]))
+
+
+def test_calibration_races_trees_and_auto_uses_the_choice(tmp_path) -> None:
+    from selfspec.calibrate import calibrate, choose_tree_nodes
+
+    assert choose_tree_nodes({"chain": 10.0, "4": 10.1, "8": 9.0}) is None  # within the margin
+    assert choose_tree_nodes({"chain": 10.0, "4": 12.0, "8": 13.0}) == 8
+    model = make_model("llama")
+    engine = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=2, calibration={})
+    result = calibrate(
+        engine, [GREEDY_PROMPT], max_new_tokens=6, max_draft_tokens=2, save=False, progress=False, trees=True
+    )
+    assert set(result.tree_speed) == {"chain", "4", "8", "16"}
+    saved = result.to_json()
+    assert saved["tree_nodes"] == result.tree_nodes
+    auto = SpeculativeEngine(model, tree_nodes="auto", calibration=saved)
+    assert auto.tree_nodes == result.tree_nodes
+    assert "tree_nodes" not in calibrate(engine, [GREEDY_PROMPT], max_new_tokens=4, save=False, progress=False).to_json()

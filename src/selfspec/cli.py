@@ -197,7 +197,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         num_draft_tokens=1,
     )
     result = calibrate(
-        engine, max_new_tokens=args.max_new_tokens, save=not args.no_save, layer_skip=args.drafter == "layer_skip"
+        engine,
+        max_new_tokens=args.max_new_tokens,
+        save=not args.no_save,
+        layer_skip=args.drafter == "layer_skip",
+        trees=args.trees,
     )
     print(f"{'exit layer':>10} {'agreement':>10} {'draft cost':>11}")
     for layer, agreement in result.agreement.items():
@@ -213,6 +217,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             f"{result.layer_skip['layer_skip_agreement']:.3f}, expected speedup "
             f"{result.layer_skip['layer_skip_expected_speedup']:.2f}x"
         )
+    if result.tree_speed:
+        speeds = ", ".join(f"{k}: {v:.1f}" for k, v in result.tree_speed.items())
+        print(f"tokens/s by tree nodes ({speeds}); chosen tree_nodes={result.tree_nodes}")
     if not args.no_save:
         from .calibration import calibration_path
 
@@ -281,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--max-new-tokens", type=int, default=48)
     cal.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     cal.add_argument("--no-save", action="store_true", help="print the result without saving it")
+    cal.add_argument(
+        "--trees", action="store_true", help="also race early-exit token trees against the chain (tree_nodes='auto')"
+    )
     cal.add_argument(
         "--drafter",
         default="early_exit",

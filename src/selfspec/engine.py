@@ -223,11 +223,12 @@ class SpeculativeEngine:
             "tree_nodes": tree_nodes,
         }
         engine = cls(model, tokenizer, **engine_kwargs)
-        wants_auto = "auto" in (exit_layer, num_draft_tokens) and drafter in ("early_exit", "hybrid")
+        wants_auto = "auto" in (exit_layer, num_draft_tokens, tree_nodes) and drafter in ("early_exit", "hybrid")
         if calibrate and wants_auto and not engine.calibration:
             from .calibrate import calibrate as run_calibration
 
-            measured = run_calibration(engine, max_new_tokens=32, max_draft_tokens=6)
+            trees = tree_nodes == "auto"
+            measured = run_calibration(engine, max_new_tokens=32, max_draft_tokens=6, trees=trees)
             engine = cls(model, tokenizer, calibration=measured.to_json(), **engine_kwargs)
         return engine
 

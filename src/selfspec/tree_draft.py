@@ -176,6 +176,9 @@ def draft_early_exit_tree(
                 else:
                     draft_row = torch.zeros_like(row_probs)
                     draft_row[token] = 1.0
+                if rank == 0 and first_row is not None:
+                    # a sampled child is scored like a top-1 child: its acceptance is usually high
+                    prob = float(first_row.max())
                 child = _Node(
                     token=token,
                     parent=parent,

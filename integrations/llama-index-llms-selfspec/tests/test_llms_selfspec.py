@@ -75,6 +75,7 @@ def test_engine_arguments_follow_the_fields(monkeypatch):
                 "allow_pickle": False,
                 "calibrate": True,
                 "draft_model": None,
+                "tree_nodes": None,
             },
         )
     ]
