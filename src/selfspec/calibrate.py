@@ -297,7 +297,7 @@ def measure_tree_speed(
     }
     seconds = dict.fromkeys(engines, 0.0)
     tokens = dict.fromkeys(engines, 0)
-    for name, variant in engines.items():  # warm up
+    for variant in engines.values():  # warm up
         variant.generate_ids(prompts[0], max_new_tokens=4)
     for turn in range(passes):
         order = list(engines)[turn % len(engines) :] + list(engines)[: turn % len(engines)]
