@@ -221,19 +221,25 @@ def default_tree_width(tree_nodes: int) -> int:
     return max(2, round(math.sqrt(tree_nodes / 2)))
 
 
+def rank_prior(rank: int) -> float:
+    """Prior chance that a node's rank-``r`` child is accepted: 0.6 for the top one, ``0.2 / r`` after."""
+    return 0.6 if rank == 0 else 0.2 / rank
+
+
 def static_tree(tree_nodes: int, max_depth: int, width: int | None = None) -> list[tuple[int, int]]:
     """A fixed tree shape: ``(parent, rank)`` per node, in topological order.
 
     Node ``i`` is the ``rank``-th most probable child of ``parent`` (``-1``: the root). The
     shape keeps the ``tree_nodes`` nodes of highest prior score, a child of rank ``r``
-    scoring ``1 / (r + 2)`` times its parent (so deeper and lower-ranked nodes come last),
-    with at most ``width`` children per node and ``max_depth`` levels.
+    scoring :func:`rank_prior` times its parent (the most probable child continues the
+    chain, the others branch off it), with at most ``width`` children per node and
+    ``max_depth`` levels.
     """
     width = width or default_tree_width(tree_nodes)
     # candidates: (score, depth, parent, rank); grow best-first, parents before children
     nodes: list[tuple[int, int]] = []
     depth_of: list[int] = []
-    frontier: list[tuple[float, int, int]] = [(1.0 / (r + 2), -1, r) for r in range(width)]
+    frontier: list[tuple[float, int, int]] = [(rank_prior(r), -1, r) for r in range(width)]
     while frontier and len(nodes) < tree_nodes:
         frontier.sort(key=lambda c: (-c[0], c[1], c[2]))
         score, parent, rank = frontier.pop(0)
@@ -242,7 +248,7 @@ def static_tree(tree_nodes: int, max_depth: int, width: int | None = None) -> li
         depth_of.append(depth)
         if depth < max_depth:
             index = len(nodes) - 1
-            frontier.extend((score / (r + 2), index, r) for r in range(width))
+            frontier.extend((score * rank_prior(r), index, r) for r in range(width))
     # topological order by depth, keeping best-first order within a depth
     order = sorted(range(len(nodes)), key=lambda i: (depth_of[i], i))
     new_index = {old: new for new, old in enumerate(order)}

@@ -9,8 +9,10 @@ exit states; the verifier then runs only the nodes that were never expanded thro
 Two shapes:
 
 * **dynamic** (EAGLE-2, Li et al. 2024): at each depth the ``width`` nodes with the highest
-  cumulative draft probability are expanded, each proposes ``width`` children, and the
-  children compete for the node budget by cumulative probability.
+  cumulative draft probability are expanded, each proposes ``width`` children, and at the end
+  all candidates are reranked by cumulative probability down to the node budget. When
+  sampling, a sampled child scores as its parent, so the tree always contains the chain a
+  chain draft would have proposed (up to the budget) and can only accept more.
 * **static**: a fixed shape from :func:`selfspec.tree.static_tree` (a child of rank ``r`` is
   the ``r``-th most probable token), the same every round.
 
@@ -177,8 +179,9 @@ def draft_early_exit_tree(
                     draft_row = torch.zeros_like(row_probs)
                     draft_row[token] = 1.0
                 if rank == 0 and first_row is not None:
-                    # a sampled child is scored like a top-1 child: its acceptance is usually high
-                    prob = float(first_row.max())
+                    # a sampled child scores as its parent: the sampled chain (what a chain draft
+                    # would propose) is kept whole, and the rest of the budget goes to extras
+                    prob = 1.0
                 child = _Node(
                     token=token,
                     parent=parent,
