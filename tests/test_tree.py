@@ -317,13 +317,21 @@ class IIDTreeDrafter(Drafter):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("drafter", ["early_exit_tree", "iid_tree"])
-def test_tree_sampling_follows_target(distribution_model, drafter: str) -> None:  # noqa: F811
-    params = SamplingParams(1.0)
+@pytest.mark.parametrize(
+    ("drafter", "params"),
+    [
+        ("dynamic", SamplingParams(1.0)),
+        ("static", SamplingParams(0.7, top_k=4, top_p=0.9)),
+        ("iid_tree", SamplingParams(1.0)),
+    ],
+    ids=["early-exit-dynamic-t1", "early-exit-static-t0.7-topk4-topp0.9", "iid-siblings-t1"],
+)
+def test_tree_sampling_follows_target(distribution_model, drafter: str, params: SamplingParams) -> None:  # noqa: F811
     if drafter == "iid_tree":
         engine = SpeculativeEngine(distribution_model, drafter=IIDTreeDrafter(), num_draft_tokens=2)
     else:
         engine = SpeculativeEngine(distribution_model, exit_layer=1, num_draft_tokens=2, tree_nodes=4)
+        engine.drafter.tree_shape = drafter
     counts = sampled_counts(engine, params)
     assert chi_square_pvalue(counts, exact_distribution(distribution_model, params)) > 1e-3
     out = engine.generate_ids(PROMPT, max_new_tokens=3, temperature=1.0, seed=0)
@@ -403,3 +411,47 @@ def test_calibration_races_trees_and_auto_uses_the_choice(tmp_path) -> None:
     assert auto.tree_nodes == result.tree_nodes
     chain_only = calibrate(engine, [GREEDY_PROMPT], max_new_tokens=4, save=False, progress=False)
     assert "tree_nodes" not in chain_only.to_json()
+
+
+def test_tree_nodes_with_other_drafters() -> None:
+    model = make_model("llama")
+    with pytest.raises(ConfigurationError, match="tree_nodes"):
+        SpeculativeEngine(model, drafter="prompt_lookup", tree_nodes=4)
+    with pytest.raises(ConfigurationError, match="tree_nodes"):
+        SpeculativeEngine(model, drafter=IIDTreeDrafter(), tree_nodes=4)
+    assert (
+        SpeculativeEngine(model, drafter="prompt_lookup", tree_nodes="auto", calibration={"tree_nodes": 4}).tree_nodes
+        is None
+    )
+    hybrid = SpeculativeEngine(model, drafter="hybrid", exit_layer=2, num_draft_tokens=3, tree_nodes=6)
+    assert hybrid.drafter.early_exit.tree_nodes == 6
+    assert hybrid.generate_ids(GREEDY_PROMPT, max_new_tokens=16).token_ids == reference_greedy(model, GREEDY_PROMPT, 16)
+
+
+class Forbid:
+    """A grammar-like constraint that forbids a few tokens everywhere."""
+
+    def __init__(self, forbidden: list[int]) -> None:
+        self.mask = torch.ones(96, dtype=torch.bool)
+        self.mask[forbidden] = False
+
+    def allowed_tokens(self) -> torch.Tensor:
+        return self.mask
+
+    def advance(self, token_id: int) -> None:
+        assert self.mask[token_id]
+
+    def rollback(self, num_tokens: int) -> None:
+        pass
+
+
+def test_constrained_rounds_draft_chains_and_stay_exact() -> None:
+    model = make_model("llama")
+    plain = SpeculativeEngine(model, drafter="none")
+    forbidden = plain.generate_ids(GREEDY_PROMPT, max_new_tokens=6).token_ids[1:4]  # tokens it would write
+    expected = plain.generate_ids(GREEDY_PROMPT, max_new_tokens=16, constraint=Forbid(forbidden)).token_ids
+    assert not set(expected) & set(forbidden)
+    tree = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=3, tree_nodes=6)
+    assert tree.generate_ids(GREEDY_PROMPT, max_new_tokens=16, constraint=Forbid(forbidden)).token_ids == expected
+    iid = SpeculativeEngine(model, drafter=IIDTreeDrafter(), num_draft_tokens=2)  # trees cut to chains
+    assert iid.generate_ids(GREEDY_PROMPT, max_new_tokens=16, constraint=Forbid(forbidden)).token_ids == expected

@@ -96,7 +96,8 @@ class SpeculativeEngine:
             target's tokenizer); :meth:`from_pretrained` also takes a name.
         draft_tokenizer: the draft model's tokenizer, checked against the target's.
         tree_nodes: ``None`` (default) drafts a chain; an int ``N >= 1`` makes the early-exit
-            drafter draft a token tree of at most ``N`` nodes, verified in one forward
+            drafter (also inside ``"hybrid"``) draft a token tree of at most ``N`` nodes and at
+            most ``num_draft_tokens`` levels, verified in one forward
             (``docs/trees.md``); ``"auto"`` uses the calibrated choice (chain or tree, and
             the node budget), else :data:`DEFAULT_TREE_NODES`.
 
@@ -136,7 +137,7 @@ class SpeculativeEngine:
         self.draft_confidence = (
             (DEFAULT_DRAFT_CONFIDENCE if draft_confidence is None else draft_confidence) if self.adaptive else 0.0
         )
-        self.tree_nodes = self._resolve_tree_nodes(tree_nodes)
+        self.tree_nodes = self._resolve_tree_nodes(tree_nodes, drafter)
         self.draft_model = draft_model
         self._check_draft_model(drafter, draft_model, draft_tokenizer)
         self.drafter = self._make_drafter(drafter)
@@ -251,9 +252,11 @@ class SpeculativeEngine:
         if isinstance(tree_nodes, bool) or not isinstance(tree_nodes, int) or tree_nodes < 1:
             raise ConfigurationError(f"tree_nodes must be None, 'auto' or an int >= 1, got {tree_nodes!r}")
 
-    def _resolve_tree_nodes(self, tree_nodes: int | str | None) -> int | None:
+    def _resolve_tree_nodes(self, tree_nodes: int | str | None, drafter: str | Drafter) -> int | None:
         self._check_tree_nodes(tree_nodes)
         if tree_nodes == "auto":
+            if drafter not in ("early_exit", "hybrid"):
+                return None  # only the early exit drafts trees
             saved = self.calibration.get("tree_nodes", DEFAULT_TREE_NODES)
             return saved if isinstance(saved, int) and not isinstance(saved, bool) and saved >= 1 else None
         assert tree_nodes is None or isinstance(tree_nodes, int)
@@ -284,6 +287,12 @@ class SpeculativeEngine:
 
     def _make_drafter(self, drafter: str | Drafter) -> Drafter:
         self._check_engine_args("auto", "auto", drafter)
+        if self.tree_nodes is not None and (isinstance(drafter, Drafter) or drafter not in ("early_exit", "hybrid")):
+            name = drafter.name if isinstance(drafter, Drafter) else drafter
+            raise ConfigurationError(
+                f"tree_nodes drafts trees with the early_exit and hybrid drafters, not {name!r}; "
+                "a Drafter instance returns trees through Draft.parents itself"
+            )
         if isinstance(drafter, Drafter):
             return drafter
         if drafter == "none":
@@ -291,7 +300,9 @@ class SpeculativeEngine:
         if drafter == "prompt_lookup":
             return PromptLookupDrafter()
         if drafter == "hybrid":
-            return HybridDrafter(self.exit_layer)
+            hybrid = HybridDrafter(self.exit_layer)
+            hybrid.early_exit.tree_nodes = self.tree_nodes  # lookup drafts chains, the early exit trees
+            return hybrid
         if drafter == "draft_model":
             return DraftModelDrafter(self.draft_model, self.adapter.vocab_size)
         if drafter == "layer_skip":
@@ -561,7 +572,7 @@ class SpeculativeEngine:
         with self._lock, torch.inference_mode():
             started = time.perf_counter()
             # a tree drafter's nodes need slots beyond the text (a drafter may say how many)
-            tree_slots = getattr(self.drafter, "tree_nodes", None) or 0
+            tree_slots = self.tree_nodes or getattr(self.drafter, "tree_nodes", None) or 0
             cache = adapter.new_cache(prompt_len + run.max_new_tokens + tree_slots)
             ids = torch.tensor([run.prompt_ids], device=adapter.device)
             hidden = adapter.run_layers(
