@@ -455,3 +455,11 @@ def test_constrained_rounds_draft_chains_and_stay_exact() -> None:
     assert tree.generate_ids(GREEDY_PROMPT, max_new_tokens=16, constraint=Forbid(forbidden)).token_ids == expected
     iid = SpeculativeEngine(model, drafter=IIDTreeDrafter(), num_draft_tokens=2)  # trees cut to chains
     assert iid.generate_ids(GREEDY_PROMPT, max_new_tokens=16, constraint=Forbid(forbidden)).token_ids == expected
+
+
+def test_wide_trees_near_the_end_of_the_cache() -> None:
+    model = make_model("llama")
+    reference = reference_greedy(model, GREEDY_PROMPT, 12)
+    for nodes in (1, 2, 40):
+        engine = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=8, tree_nodes=nodes)
+        assert engine.generate_ids(GREEDY_PROMPT, max_new_tokens=12).token_ids == reference

@@ -124,7 +124,10 @@ def draft_early_exit_tree(
     states: list[torch.Tensor] = []
     frontier = [-1]  # nodes expanded at this depth (-1: the root)
     for depth in range(1, max_depth + 1):
-        # 1. one forward of layers [0, E) over the nodes to expand
+        # 1. one forward of layers [0, E) over the nodes to expand (as many as the cache holds)
+        frontier = frontier[: max(0, cache.max_length - start - len(kv_positions))]
+        if not frontier:
+            break
         ids = [state.last_token if i < 0 else nodes[i].token for i in frontier]
         tree = None
         if depth > 1:
