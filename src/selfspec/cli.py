@@ -314,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="*",
         type=int,
         default=list(DEFAULT_BENCH_TREE_NODES),
-        help="node budgets of early-exit token trees to compare with the chain (none: skip trees)",
+        help="node budgets of early-exit token trees to compare with the chain (no value: no trees)",
     )
     bench.add_argument("--quantization", choices=["4bit", "8bit"], default=None)
     bench.add_argument("--device", default="auto")
