@@ -189,29 +189,45 @@ def accept_tree_sampled(
     """
     children = tree_children(parents)
     device, dtype = target_probs.device, target_probs.dtype
+    num_nodes = len(tokens)
+    # one host sync for every node's first test: its target and draft probability and a uniform
+    token_index = torch.tensor(list(tokens), dtype=torch.long, device=device)
+    parent_rows = torch.tensor([p + 1 for p in parents], dtype=torch.long, device=device)
+    uniforms = torch.rand(num_nodes, generator=generator, device=device, dtype=dtype)
+    target_of = target_probs[parent_rows, token_index]  # [n]
+    if draft_probs is None:
+        draft_of = torch.ones_like(target_of)
+    else:
+        draft_of = draft_probs[torch.arange(num_nodes, device=device), token_index].to(dtype)  # [n]
+    first_test = (uniforms * draft_of < target_of).tolist()  # accepted against the node's own row?
+    uniform_of, draft_prob_of = uniforms.tolist(), draft_of.tolist()
     path: list[int] = []
     node = -1
     while True:
-        residual = target_probs[node + 1]  # [vocab]
+        residual: torch.Tensor | None = None  # None: the node's target row, untouched so far
         accepted = None
         for child in children[node + 1]:
             token = tokens[child]
-            draft_of_token = 1.0 if draft_probs is None else float(draft_probs[child, token])
-            uniform = float(torch.rand(1, generator=generator, device=device, dtype=dtype))
             # accept with probability min(1, residual / draft), i.e. u * draft < residual
-            if uniform * draft_of_token < float(residual[token]):
+            if residual is None:
+                ok = bool(first_test[child])
+            else:
+                ok = uniform_of[child] * draft_prob_of[child] < float(residual[token])
+            if ok:
                 accepted = child
                 break
+            current = target_probs[node + 1] if residual is None else residual
             if draft_probs is None:
-                residual = residual.clone()
+                residual = current.clone()
                 residual[token] = 0.0
             else:
-                residual = torch.clamp(residual - draft_probs[child].to(dtype), min=0)
+                residual = torch.clamp(current - draft_probs[child].to(dtype), min=0)
             total = residual.sum()
             # a zero residual means target == draft, where rejection has probability zero
             residual = residual / total if total > 0 else target_probs[node + 1]
         if accepted is None:
-            return TreeAcceptance(tuple(path), int(sample(residual.unsqueeze(0), generator)[0]))
+            probs = target_probs[node + 1] if residual is None else residual
+            return TreeAcceptance(tuple(path), int(sample(probs.unsqueeze(0), generator)[0]))
         path.append(accepted)
         node = accepted
 
