@@ -102,6 +102,22 @@ def test_accept_tree_greedy_matches_a_plain_walk(parents: list[int], seed: int) 
     assert result.emitted(tokens) == [tokens[i] for i in path] + [best]
 
 
+@settings(max_examples=200)
+@given(trees, st.integers(0, 2**31 - 1), st.booleans())
+def test_sampling_against_one_hot_targets_is_greedy(parents: list[int], seed: int, with_probs: bool) -> None:
+    """A one-hot target leaves rejection sampling no choice: it must pick the greedy path."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = 3
+    tokens = torch.randint(0, vocab, (len(parents),), generator=gen).tolist()
+    target_logits = torch.randn(len(parents) + 1, vocab, generator=gen, dtype=torch.float64)
+    target_probs = torch.nn.functional.one_hot(target_logits.argmax(-1), vocab).double()
+    draft_probs = None
+    if with_probs:  # any draft rows that give the drafted tokens some mass
+        draft_probs = torch.softmax(torch.randn(len(parents), vocab, generator=gen, dtype=torch.float64), -1)
+    sampled = accept_tree_sampled(tokens, parents, draft_probs, target_probs, gen)
+    assert sampled == accept_tree_greedy(tokens, parents, target_logits)
+
+
 # A pure "model": target and draft next-token distributions as functions of the text so far.
 VOCAB = 4
 LENGTH = 3
