@@ -479,3 +479,25 @@ def test_wide_trees_near_the_end_of_the_cache() -> None:
     for nodes in (1, 2, 40):
         engine = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=8, tree_nodes=nodes)
         assert engine.generate_ids(GREEDY_PROMPT, max_new_tokens=12).token_ids == reference
+
+
+def test_no_layer_runs_twice_on_a_tree_node(monkeypatch) -> None:
+    """With a static tree every layer writes each node's KV exactly once (exit states reused)."""
+    from selfspec.cache import StaticKVCache
+
+    writes: Counter = Counter()
+    update = StaticKVCache.update
+
+    def counting_update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        writes[layer_idx] += key_states.shape[-2]
+        return update(self, key_states, value_states, layer_idx, *args, **kwargs)
+
+    monkeypatch.setattr(StaticKVCache, "update", counting_update)
+    model = make_model("llama")
+    engine = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=3, tree_nodes=6)
+    engine.drafter.tree_shape = "static"
+    out = engine.generate_ids(GREEDY_PROMPT, max_new_tokens=20)
+    assert out.token_ids == reference_greedy(model, GREEDY_PROMPT, 20)
+    assert len(set(writes.values())) == 1, writes  # shallow layers ran exactly the nodes the deep ones did
+    # prefill, then per round the root and every node
+    assert writes[0] == len(GREEDY_PROMPT) + out.stats.target_forwards - 1 + out.stats.num_drafted
