@@ -138,6 +138,8 @@ def test_bench_runs_every_method_and_checks_greedy_identity(model_dir, tmp_path)
         "selfspec_hybrid",
         "selfspec_layer_skip",
         "hf_sample_t1.0",
+        "selfspec_tree_8",
+        "selfspec_tree_8_t1.0",
     } <= set(methods)
     greedy = [m for m in methods.values() if m["baseline"] == "hf_greedy"]
     assert greedy and all(m["identical_to_greedy"] is True for m in greedy)

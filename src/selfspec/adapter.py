@@ -24,6 +24,7 @@ from torch import nn
 from .cache import StaticKVCache
 from .errors import ConfigurationError, UnsupportedArchitectureError
 from .fastpath import build_fast_layers, layer_forward
+from .tree import TreeMask
 
 #: transformers ``model_type`` values with an adapter, and the families they cover.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -140,6 +141,7 @@ class ModelAdapter:
         end: int,
         positions: torch.Tensor,
         cache: StaticKVCache,
+        tree: TreeMask | None = None,
     ) -> torch.Tensor:
         """Run decoder layers ``[start, end)`` on new positions, writing their KV to ``cache``.
 
@@ -150,6 +152,8 @@ class ModelAdapter:
             positions: ``[q]`` absolute positions of the new states; in a chain they follow
                 the cached positions of layer ``start`` directly.
             cache: the generation's cache; every layer in the range must hold the same length.
+            tree: for token-tree nodes (:mod:`selfspec.tree`): which of the tree nodes at the
+                end of the cache each query sees; ``None`` is plain causal attention.
 
         Returns:
             ``[1, q, hidden]`` output states of layer ``end - 1``.
@@ -158,7 +162,7 @@ class ModelAdapter:
             return hidden
         past = cache.lengths[start]
         position_ids = positions.unsqueeze(0)  # [1, q]
-        masks = self._masks(positions, past, hidden.dtype)
+        masks = self._masks(positions, past, hidden.dtype, tree)
         rotary = self._rotary(hidden, position_ids, {self.layer_types[i] for i in range(start, end)})
         if self.fast_layers is not None:
             fast = self.fast_layers
@@ -188,10 +192,14 @@ class ModelAdapter:
         shared = self.rotary_emb(hidden, position_ids)
         return dict.fromkeys(layer_types, shared)
 
-    def _masks(self, positions: torch.Tensor, past: int, dtype: torch.dtype) -> dict[str, torch.Tensor | None]:
+    def _masks(
+        self, positions: torch.Tensor, past: int, dtype: torch.dtype, tree: TreeMask | None = None
+    ) -> dict[str, torch.Tensor | None]:
         """One attention mask per layer type for queries at ``positions`` over ``past + q`` keys."""
         query_len = positions.shape[0]
         kv_len = past + query_len
+        if tree is not None:
+            return self._tree_masks(positions, kv_len, dtype, tree)
         if query_len == 1 and (self.sliding_window is None or kv_len <= self.sliding_window):
             return dict.fromkeys(self.layer_types)  # one query over every cached key: no mask
         kv_positions = torch.arange(kv_len, device=positions.device)  # [kv]
@@ -207,6 +215,24 @@ class ModelAdapter:
                 masks[layer_type] = None  # one query over every cached key: no mask needed
             else:
                 masks[layer_type] = self._format_mask(allowed, dtype)
+        return masks
+
+    def _tree_masks(
+        self, positions: torch.Tensor, kv_len: int, dtype: torch.dtype, tree: TreeMask
+    ) -> dict[str, torch.Tensor | None]:
+        """Masks for tree nodes: the committed text (slot = position) plus the allowed tree keys."""
+        base = kv_len - tree.allowed.shape[1]  # committed positions before the tree nodes
+        device = positions.device
+        # [q, kv]: every committed key, then the tree keys each query may see
+        allowed = torch.cat([tree.allowed.new_ones(positions.shape[0], base), tree.allowed], dim=1)
+        masks: dict[str, torch.Tensor | None] = {}
+        for layer_type in set(self.layer_types):
+            layer_allowed = allowed
+            if layer_type == SLIDING_ATTENTION:
+                assert self.sliding_window is not None
+                kv_positions = torch.cat([torch.arange(base, device=device), tree.key_positions])  # [kv]
+                layer_allowed = allowed & (kv_positions[None, :] > positions[:, None] - self.sliding_window)
+            masks[layer_type] = self._format_mask(layer_allowed, dtype)
         return masks
 
     def _format_mask(self, allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -26,6 +26,9 @@ from .engine import SpeculativeEngine
 from .loading import DEMO_DRAFT_MODEL, DEMO_MODEL, load_model_and_tokenizer
 from .medusa import find_medusa_heads
 
+#: Token-tree node budgets ``selfspec bench`` compares with the chain by default.
+DEFAULT_BENCH_TREE_NODES = (8,)
+
 
 @dataclass
 class Run:
@@ -113,6 +116,7 @@ def build_methods(
     lookup_tokens: int,
     temperatures: Sequence[float],
     draft_model: Any = None,
+    tree_nodes: Sequence[int] = (),
 ) -> list[Method]:
     """The methods compared: transformers' baselines and peers, and selfspec's variants.
 
@@ -120,6 +124,9 @@ def build_methods(
     exit adapter saved beside the model (``selfspec train-adapter``), an early-exit method with
     the adapter at its exit layer and ``num_draft_tokens`` drafts (compare it with the fixed
     early exit at the same layer) and a hybrid one (compare it with ``selfspec_hybrid``).
+    For each node budget in ``tree_nodes``, an early-exit token tree (``selfspec_tree_N``,
+    same exit layer, at most ``num_draft_tokens`` levels) runs greedy and at every
+    temperature, next to the fixed chain at the same temperatures.
     """
     model, tokenizer = auto_engine.model, auto_engine.tokenizer
     plain = SpeculativeEngine(model, tokenizer, drafter="none")
@@ -220,6 +227,37 @@ def build_methods(
             ),
             _selfspec_method(f"selfspec_auto_t{t}", auto_engine, base, f"selfspec auto, sampling T={t}", t),
         ]
+    methods += _tree_methods(model, tokenizer, exit_layer, num_draft_tokens, tree_nodes, temperatures, fixed)
+    return methods
+
+
+def _tree_methods(
+    model: Any,
+    tokenizer: Any,
+    exit_layer: int,
+    num_draft_tokens: int,
+    tree_nodes: Sequence[int],
+    temperatures: Sequence[float],
+    chain: SpeculativeEngine,
+) -> list[Method]:
+    """Early-exit token trees, and the fixed chain they are compared with when sampling."""
+    if not tree_nodes:
+        return []
+    chain_name = f"selfspec_E{exit_layer}_k{num_draft_tokens}"
+    methods = [
+        _selfspec_method(f"{chain_name}_t{t}", chain, f"hf_sample_t{t}", f"early-exit chain, sampling T={t}", t)
+        for t in temperatures
+    ]
+    for nodes in tree_nodes:
+        engine = SpeculativeEngine(
+            model, tokenizer, exit_layer=exit_layer, num_draft_tokens=num_draft_tokens, tree_nodes=nodes
+        )
+        about = f"early-exit token tree, at most {nodes} nodes and {num_draft_tokens} levels"
+        methods.append(_selfspec_method(f"selfspec_tree_{nodes}", engine, "hf_greedy", about))
+        methods += [
+            _selfspec_method(f"selfspec_tree_{nodes}_t{t}", engine, f"hf_sample_t{t}", f"{about}, sampling T={t}", t)
+            for t in temperatures
+        ]
     return methods
 
 
@@ -241,6 +279,7 @@ def run_benchmark(
     categories: Sequence[str] | None = None,
     progress: bool = True,
     draft_model: str | None = "auto",
+    tree_nodes: Sequence[int] = (),
     **engine_args: Any,
 ) -> BenchReport:
     """Run every method on every prompt ``repeats`` times, interleaved, and summarise.
@@ -260,6 +299,8 @@ def run_benchmark(
         progress: show a progress bar.
         draft_model: a draft model (name or folder) for the ``selfspec_draft_model`` method;
             ``"auto"``: ``"selfspec-demo-draft"`` when benchmarking ``"selfspec-demo"``, else none.
+        tree_nodes: node budgets of early-exit token trees to compare with the chain
+            (``selfspec_tree_N`` methods, greedy and at each temperature).
         **engine_args: passed to :meth:`SpeculativeEngine.from_pretrained`.
     """
     if threads:
@@ -288,6 +329,7 @@ def run_benchmark(
         lookup_tokens=lookup_tokens,
         temperatures=temperatures,
         draft_model=loaded_draft,
+        tree_nodes=tree_nodes,
     )
     on_cuda = engine.adapter.device.type == "cuda"
     report = BenchReport(
@@ -303,6 +345,7 @@ def run_benchmark(
             "auto_exit_layer": engine.exit_layer,
             "auto_num_draft_tokens": engine.num_draft_tokens,
             "lookup_tokens": lookup_tokens,
+            "tree_nodes": list(tree_nodes),
             "categories": {c: len(v) for c, v in sets.items()},
             "torch": torch.__version__,
             "transformers": __import__("transformers").__version__,

@@ -65,6 +65,21 @@ class StaticKVCache:
         """Positions held by one layer (layer 0 by default)."""
         return self.lengths[layer_idx]
 
+    def keep(self, start: int, slots: list[int], layers: range | None = None) -> None:
+        """Keep only ``slots`` (increasing, all ``>= start``) after ``start``, moved to ``start ..``.
+
+        After a tree round the accepted path's KV becomes contiguous again and every other
+        node's KV is dropped: each layer then holds ``start + len(slots)`` positions.
+        """
+        for i in layers if layers is not None else range(self.num_layers):
+            keys, values = self.keys[i], self.values[i]
+            if keys is not None and values is not None and slots != list(range(start, start + len(slots))):
+                index = torch.tensor(slots, device=keys.device)
+                end = start + len(slots)
+                keys[..., start:end, :] = keys.index_select(-2, index)
+                values[..., start:end, :] = values.index_select(-2, index)
+            self.lengths[i] = start + len(slots)
+
     def crop_to(self, length: int, layers: range | None = None) -> None:
         """Roll layers back so that each holds at most ``length`` positions."""
         for i in layers if layers is not None else range(self.num_layers):

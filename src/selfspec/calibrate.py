@@ -52,6 +52,10 @@ class CalibrationResult:
         step_seconds: median seconds of one full one-token step.
         layer_skip: with ``layer_skip=True``: the searched layers (``layer_skip_layers``),
             their agreement, draft length and expected speedup.
+        tree_speed: with ``trees=True``: measured greedy tokens per second of the chain
+            (``"chain"``) and of each early-exit tree node budget.
+        tree_nodes: with ``trees=True``: the fastest, ``None`` when the chain was fastest
+            (what ``tree_nodes="auto"`` uses).
     """
 
     exit_layer: int
@@ -62,11 +66,17 @@ class CalibrationResult:
     verify_cost: dict[int, float] = field(default_factory=dict)
     step_seconds: float = 0.0
     layer_skip: dict[str, Any] = field(default_factory=dict)
+    tree_speed: dict[str, float] = field(default_factory=dict)
+    tree_nodes: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The calibration file's content (``selfspec.json``)."""
         data = asdict(self)
         data.update(data.pop("layer_skip"))
+        if not self.tree_speed:  # not measured: "auto" falls back to the default
+            del data["tree_speed"], data["tree_nodes"]
+        else:
+            data["tree_speed"] = {k: round(v, 2) for k, v in self.tree_speed.items()}
         for key in ("agreement", "draft_cost", "verify_cost"):
             data[key] = {str(k): round(v, 4) for k, v in data[key].items()}
         data["expected_speedup"] = round(self.expected_speedup, 3)
@@ -252,6 +262,63 @@ def _full(adapter: Any, sequence: torch.Tensor) -> torch.Tensor:
         return adapter.run_layers(adapter.embed(sequence), 0, adapter.num_layers, positions, cache)
 
 
+#: Node budgets that ``calibrate(trees=True)`` races against the chain.
+TREE_CANDIDATES = (4, 8, 16)
+#: A tree must beat the chain by this factor to be chosen (measurements are noisy).
+TREE_MARGIN = 1.03
+
+
+def measure_tree_speed(
+    engine: SpeculativeEngine,
+    prompts: Sequence[list[int]],
+    exit_layer: int,
+    num_draft_tokens: int,
+    candidates: Sequence[int] = TREE_CANDIDATES,
+    max_new_tokens: int = 32,
+    passes: int = 2,
+) -> dict[str, float]:
+    """Greedy tokens per second of the early-exit chain and of trees of each node budget.
+
+    Interleaved: each pass runs every variant on every prompt, in a rotated order.
+    """
+    from .engine import SpeculativeEngine
+
+    variants = [("chain", None), *((str(n), n) for n in candidates)]
+    engines = {
+        name: SpeculativeEngine(
+            engine.model,
+            engine.tokenizer,
+            exit_layer=exit_layer,
+            num_draft_tokens=num_draft_tokens,
+            tree_nodes=nodes,
+            calibration={},
+        )
+        for name, nodes in variants
+    }
+    seconds = dict.fromkeys(engines, 0.0)
+    tokens = dict.fromkeys(engines, 0)
+    for variant in engines.values():  # warm up
+        variant.generate_ids(prompts[0], max_new_tokens=4)
+    for turn in range(passes):
+        order = list(engines)[turn % len(engines) :] + list(engines)[: turn % len(engines)]
+        for prompt in prompts:
+            for name in order:
+                started = time.perf_counter()
+                out = engines[name].generate_ids(prompt, max_new_tokens=max_new_tokens)
+                seconds[name] += time.perf_counter() - started
+                tokens[name] += len(out.token_ids)
+    return {name: tokens[name] / seconds[name] if seconds[name] else 0.0 for name in engines}
+
+
+def choose_tree_nodes(speeds: dict[str, float]) -> int | None:
+    """The fastest tree budget if it beats the chain by :data:`TREE_MARGIN`, else ``None``."""
+    trees = {int(k): v for k, v in speeds.items() if k != "chain"}
+    if not trees:
+        return None
+    best = max(trees, key=lambda n: trees[n])
+    return best if trees[best] > TREE_MARGIN * speeds.get("chain", 0.0) else None
+
+
 def calibrate(
     engine: SpeculativeEngine,
     prompts: Sequence[str] | Sequence[list[int]] | None = None,
@@ -262,6 +329,7 @@ def calibrate(
     save: bool = True,
     progress: bool = True,
     layer_skip: bool = False,
+    trees: bool = False,
 ) -> CalibrationResult:
     """Measure agreement and costs, choose ``exit_layer`` and ``num_draft_tokens``, save them.
 
@@ -274,6 +342,9 @@ def calibrate(
         save: write ``selfspec.json`` beside the model (or in the user cache for a hub model).
         progress: show a progress bar.
         layer_skip: also search the layer-skip drafter's layers (slower: a greedy search).
+        trees: also race early-exit token trees of :data:`TREE_CANDIDATES` nodes against
+            the chain at the chosen exit layer and draft length, and save the fastest as
+            ``tree_nodes`` (``None``: the chain), which ``tree_nodes="auto"`` uses.
 
     Returns:
         The measurements and the choice. The engine itself is not changed; a new engine
@@ -311,6 +382,9 @@ def calibrate(
             "layer_skip_num_draft_tokens": skip_k,
             "layer_skip_expected_speedup": round(skip_speed, 3),
         }
+    tree_speed: dict[str, float] = {}
+    if trees:
+        tree_speed = measure_tree_speed(engine, prompt_ids[:3], exit_layer, num_draft_tokens)
     result = CalibrationResult(
         exit_layer=exit_layer,
         num_draft_tokens=num_draft_tokens,
@@ -320,6 +394,8 @@ def calibrate(
         verify_cost=verify_cost,
         step_seconds=step_seconds,
         layer_skip=skip,
+        tree_speed=tree_speed,
+        tree_nodes=choose_tree_nodes(tree_speed),
     )
     if save and engine.name_or_path:
         save_calibration(engine.name_or_path, result.to_json())

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from .bench import DEFAULT_BENCH_TREE_NODES
 from .errors import SelfSpecError
 from .loading import DEMO_MODEL
 
@@ -43,6 +44,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | N
     parser.add_argument(
         "--medusa-heads", default=None, help="with --drafter medusa: a folder of Medusa heads (default: the model's)"
     )
+    parser.add_argument(
+        "--tree-nodes",
+        default="none",
+        help="draft a token tree of at most N nodes (an int), 'auto' (calibrated choice), or 'none' (a chain)",
+    )
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--allow-pickle", action="store_true", help="allow .bin (pickle) weights without safetensors")
 
@@ -65,6 +71,19 @@ def _int_or_auto(value: str) -> int | str:
     return value if value == "auto" else int(value)
 
 
+def _tree_nodes(value: str) -> int | str | None:
+    if value.lower() == "none":
+        return None
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        from .errors import ConfigurationError
+
+        raise ConfigurationError(f"--tree-nodes must be an int, 'auto' or 'none', got {value!r}") from None
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The ``from_pretrained`` keyword arguments (all but the model) given on the command line."""
     return {
@@ -79,6 +98,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "draft_model": args.draft_model,
         "exit_adapter": args.exit_adapter,
         "medusa_heads": args.medusa_heads,
+        "tree_nodes": _tree_nodes(args.tree_nodes),
     }
 
 
@@ -190,7 +210,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         num_draft_tokens=1,
     )
     result = calibrate(
-        engine, max_new_tokens=args.max_new_tokens, save=not args.no_save, layer_skip=args.drafter == "layer_skip"
+        engine,
+        max_new_tokens=args.max_new_tokens,
+        save=not args.no_save,
+        layer_skip=args.drafter == "layer_skip",
+        trees=args.trees,
     )
     print(f"{'exit layer':>10} {'agreement':>10} {'draft cost':>11}")
     for layer, agreement in result.agreement.items():
@@ -206,6 +230,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             f"{result.layer_skip['layer_skip_agreement']:.3f}, expected speedup "
             f"{result.layer_skip['layer_skip_expected_speedup']:.2f}x"
         )
+    if result.tree_speed:
+        speeds = ", ".join(f"{k}: {v:.1f}" for k, v in result.tree_speed.items())
+        print(f"tokens/s by tree nodes ({speeds}); chosen tree_nodes={result.tree_nodes}")
     if not args.no_save:
         from .calibration import calibration_path
 
@@ -233,6 +260,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         num_draft_tokens=args.num_draft_tokens,
         categories=args.categories,
         temperatures=args.temperatures,
+        tree_nodes=args.tree_nodes,
         quantization=args.quantization,
         device=args.device,
     )
@@ -313,6 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     cal.add_argument("--no-save", action="store_true", help="print the result without saving it")
     cal.add_argument(
+        "--trees", action="store_true", help="also race early-exit token trees against the chain (tree_nodes='auto')"
+    )
+    cal.add_argument(
         "--drafter",
         default="early_exit",
         choices=["early_exit", "layer_skip"],
@@ -330,6 +361,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--num-draft-tokens", type=int, default=None)
     bench.add_argument("--categories", nargs="*", default=None)
     bench.add_argument("--temperatures", nargs="*", type=float, default=[0.7, 1.0])
+    bench.add_argument(
+        "--tree-nodes",
+        nargs="*",
+        type=int,
+        default=list(DEFAULT_BENCH_TREE_NODES),
+        help="node budgets of early-exit token trees to compare with the chain (no value: no trees)",
+    )
     bench.add_argument("--quantization", choices=["4bit", "8bit"], default=None)
     bench.add_argument("--device", default="auto")
     bench.add_argument("--out", default=None, help="folder for JSON, markdown and PNG results")

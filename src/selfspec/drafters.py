@@ -56,10 +56,11 @@ class Draft:
             (``last_token`` and the first ``k - 1`` drafts), when the drafter ran the
             target's own first ``exit_layer`` layers; the verifier continues from them.
         exit_layer: the layer those states come from.
-        parents: ``None`` for a chain; for a tree, ``tokens`` holds the nodes in topological
-            order (parent before child) and ``parents[i]`` is the index of node ``i``'s
-            parent, or ``-1`` when its parent is the root (``last_token``); ``draft_probs[i]``
-            is the distribution node ``i`` was drawn from (i.i.d. siblings share one row).
+        parents: ``None`` for a chain; for a token tree (:mod:`selfspec.tree`), the index in
+            ``tokens`` of each node's parent, or ``-1`` when its parent is the root
+            (``last_token``). Nodes are in topological order; node ``i`` sits at position
+            ``P + depth(i)``. A tree's ``exit_states`` are ``[1, 1 + m, hidden]``: the root
+            and the first ``m`` nodes, whose shallow-layer KV follows the root's in the cache.
     """
 
     tokens: list[int] = field(default_factory=list)
@@ -482,27 +483,47 @@ class EarlyExitDrafter(Drafter):
     Args:
         exit_layer: number of layers the draft runs (``1 .. num_layers - 1``).
         confidence: stop drafting once the draft's top probability falls below this
-            (``0`` drafts the full length every round).
+            (``0`` drafts the full length every round; chains only).
+        tree_nodes: ``None`` drafts a chain; an int drafts a token tree of at most that many
+            nodes and at most ``max_tokens`` levels (:mod:`selfspec.tree_draft`). A round
+            with a grammar constraint drafts a chain.
+        tree_shape: ``"dynamic"`` (EAGLE-2: expand the most probable nodes) or ``"static"``.
         exit_adapter: optional trained :class:`~selfspec.exit_adapter.ExitAdapter` (for this
             exit layer) applied before the shared norm and head; it changes the draft logits
-            only, never the exit states handed to verification.
+            only, never the exit states handed to verification (chains and trees alike).
     """
 
     name = "early_exit"
 
-    def __init__(self, exit_layer: int, confidence: float = 0.0, exit_adapter: ExitAdapter | None = None) -> None:
+    def __init__(
+        self,
+        exit_layer: int,
+        confidence: float = 0.0,
+        tree_nodes: int | None = None,
+        tree_shape: str = "dynamic",
+        exit_adapter: ExitAdapter | None = None,
+    ) -> None:
         self.exit_layer = exit_layer
         self.confidence = confidence
+        self.tree_nodes = tree_nodes
+        self.tree_shape = tree_shape
         self.exit_adapter = exit_adapter
 
     def __repr__(self) -> str:
+        tree = f", tree_nodes={self.tree_nodes}, tree_shape={self.tree_shape!r}" if self.tree_nodes else ""
         adapter = "" if self.exit_adapter is None else f", exit_adapter={self.exit_adapter!r}"
-        return f"EarlyExitDrafter(exit_layer={self.exit_layer}, confidence={self.confidence}{adapter})"
+        return f"EarlyExitDrafter(exit_layer={self.exit_layer}, confidence={self.confidence}{tree}{adapter})"
 
     def propose(self, state: DecodeState, max_tokens: int) -> Draft:
-        """Draft up to ``max_tokens`` tokens from the exit layer."""
+        """Draft up to ``max_tokens`` tokens (or tree levels) from the exit layer."""
         if max_tokens <= 0:
             return Draft()
+        if self.tree_nodes and state.constraint is None:
+            from .tree_draft import draft_early_exit_tree
+
+            return draft_early_exit_tree(
+                state, self.exit_layer, self.tree_nodes, max_tokens, self.tree_shape, exit_adapter=self.exit_adapter
+            )
         adapter, exit_layer, exit_adapter = state.adapter, self.exit_layer, self.exit_adapter
         device = adapter.device
         states: list[torch.Tensor] = []

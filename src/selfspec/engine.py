@@ -45,6 +45,8 @@ from .medusa import MedusaDrafter, MedusaHeads, find_medusa_heads, load_medusa_h
 from .outputs import FinishReason, GenerationOutput, GenerationStats
 from .sampling import SamplingParams, logits_to_probs
 from .stopping import IncrementalDetokenizer, StopStringMatcher, normalize_stop
+from .tree import TreeAcceptance, accept_tree_greedy, accept_tree_sampled, check_tree, tree_depths
+from .tree_draft import keep_accepted_path, select_nodes, tree_to_chain, truncate_tree, verify_tree
 from .verify import Acceptance, accept_greedy, accept_sampled
 
 #: Drafters selectable by name.
@@ -53,6 +55,8 @@ DRAFTERS = ("early_exit", "prompt_lookup", "hybrid", "layer_skip", "draft_model"
 DEFAULT_NUM_DRAFT_TOKENS = 4
 #: With ``num_draft_tokens="auto"``, the early exit stops drafting below this top probability.
 DEFAULT_DRAFT_CONFIDENCE = 0.3
+#: Node budget used when ``tree_nodes="auto"`` finds no calibration (``None``: a chain).
+DEFAULT_TREE_NODES: int | None = None
 
 Prompt = str | Sequence[dict[str, Any]]
 
@@ -104,6 +108,11 @@ class SpeculativeEngine:
             layout (``config.json`` + ``medusa_lm_head.safetensors``) or loaded
             :class:`~selfspec.medusa.MedusaHeads`; ``None`` uses the heads saved beside the
             model (the demo model ships some; ``selfspec train-medusa`` trains them).
+        tree_nodes: ``None`` (default) drafts a chain; an int ``N >= 1`` makes the early-exit
+            drafter (also inside ``"hybrid"``) draft a token tree of at most ``N`` nodes and at
+            most ``num_draft_tokens`` levels, verified in one forward
+            (``docs/trees.md``); ``"auto"`` uses the calibrated choice (chain or tree, and
+            the node budget), else :data:`DEFAULT_TREE_NODES`.
 
     Example:
         >>> from selfspec import SpeculativeEngine
@@ -127,6 +136,7 @@ class SpeculativeEngine:
         draft_tokenizer: Any = None,
         exit_adapter: str | os.PathLike[str] | ExitAdapter | None = None,
         medusa_heads: str | os.PathLike[str] | MedusaHeads | None = None,
+        tree_nodes: int | str | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -145,6 +155,7 @@ class SpeculativeEngine:
         self.draft_confidence = (
             (DEFAULT_DRAFT_CONFIDENCE if draft_confidence is None else draft_confidence) if self.adaptive else 0.0
         )
+        self.tree_nodes = self._resolve_tree_nodes(tree_nodes, drafter)
         self.draft_model = draft_model
         self._check_draft_model(drafter, draft_model, draft_tokenizer)
         if medusa_heads is not None and drafter != "medusa":
@@ -174,6 +185,7 @@ class SpeculativeEngine:
         draft_model: Any = None,
         exit_adapter: str | os.PathLike[str] | ExitAdapter | None = None,
         medusa_heads: str | os.PathLike[str] | MedusaHeads | None = None,
+        tree_nodes: int | str | None = None,
     ) -> SpeculativeEngine:
         """Load a model from the hub, a local folder, or ``"selfspec-demo"``.
 
@@ -193,6 +205,7 @@ class SpeculativeEngine:
             draft_model: with ``drafter="draft_model"``: a loaded model, or a name or folder
                 loaded like the target (same quantization, dtype and device).
             exit_adapter: see :class:`SpeculativeEngine`.
+            tree_nodes: see :class:`SpeculativeEngine`.
             calibrate: when ``exit_layer`` or ``num_draft_tokens`` is ``"auto"`` and the
                 model has no saved calibration, measure one now (a few seconds, with a
                 progress bar) and save it beside the model or in the user cache.
@@ -207,6 +220,7 @@ class SpeculativeEngine:
         from .loading import load_model_and_tokenizer
 
         cls._check_engine_args(exit_layer, num_draft_tokens, drafter)
+        cls._check_tree_nodes(tree_nodes)
         model, tokenizer, path = load_model_and_tokenizer(
             name_or_path,
             quantization=quantization,
@@ -237,13 +251,15 @@ class SpeculativeEngine:
             "draft_tokenizer": draft_tokenizer,
             "exit_adapter": exit_adapter,
             "medusa_heads": medusa_heads,
+            "tree_nodes": tree_nodes,
         }
         engine = cls(model, tokenizer, **engine_kwargs)
-        wants_auto = "auto" in (exit_layer, num_draft_tokens) and drafter in ("early_exit", "hybrid")
+        wants_auto = "auto" in (exit_layer, num_draft_tokens, tree_nodes) and drafter in ("early_exit", "hybrid")
         if calibrate and wants_auto and not engine.calibration:
             from .calibrate import calibrate as run_calibration
 
-            measured = run_calibration(engine, max_new_tokens=32, max_draft_tokens=6)
+            trees = tree_nodes == "auto"
+            measured = run_calibration(engine, max_new_tokens=32, max_draft_tokens=6, trees=trees)
             engine = cls(model, tokenizer, calibration=measured.to_json(), **engine_kwargs)
         return engine
 
@@ -258,6 +274,23 @@ class SpeculativeEngine:
             raise ConfigurationError(f"num_draft_tokens must be 'auto' or an int >= 1, got {num_draft_tokens!r}")
         if not isinstance(drafter, Drafter) and drafter not in DRAFTERS:
             raise ConfigurationError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
+
+    @staticmethod
+    def _check_tree_nodes(tree_nodes: Any) -> None:
+        if tree_nodes is None or tree_nodes == "auto":
+            return
+        if isinstance(tree_nodes, bool) or not isinstance(tree_nodes, int) or tree_nodes < 1:
+            raise ConfigurationError(f"tree_nodes must be None, 'auto' or an int >= 1, got {tree_nodes!r}")
+
+    def _resolve_tree_nodes(self, tree_nodes: int | str | None, drafter: str | Drafter) -> int | None:
+        self._check_tree_nodes(tree_nodes)
+        if tree_nodes == "auto":
+            if drafter not in ("early_exit", "hybrid"):
+                return None  # only the early exit drafts trees
+            saved = self.calibration.get("tree_nodes", DEFAULT_TREE_NODES)
+            return saved if isinstance(saved, int) and not isinstance(saved, bool) and saved >= 1 else None
+        assert tree_nodes is None or isinstance(tree_nodes, int)
+        return tree_nodes
 
     def _resolve_exit_layer(self, exit_layer: int | str) -> int:
         self._check_engine_args(exit_layer, "auto", "none")
@@ -284,6 +317,12 @@ class SpeculativeEngine:
 
     def _make_drafter(self, drafter: str | Drafter) -> Drafter:
         self._check_engine_args("auto", "auto", drafter)
+        if self.tree_nodes is not None and (isinstance(drafter, Drafter) or drafter not in ("early_exit", "hybrid")):
+            name = drafter.name if isinstance(drafter, Drafter) else drafter
+            raise ConfigurationError(
+                f"tree_nodes drafts trees with the early_exit and hybrid drafters, not {name!r}; "
+                "a Drafter instance returns trees through Draft.parents itself"
+            )
         if isinstance(drafter, Drafter):
             return drafter
         if drafter == "none":
@@ -292,12 +331,14 @@ class SpeculativeEngine:
             return PromptLookupDrafter()
         if drafter == "hybrid":
             agreement = (self.calibration.get("agreement") or {}).get(str(self.exit_layer))
-            return HybridDrafter(
+            hybrid = HybridDrafter(
                 self.exit_layer,
                 exit_agreement=float(agreement) if isinstance(agreement, (int, float)) else 0.6,
                 confidence=self.draft_confidence,
                 exit_adapter=self.exit_adapter,
             )
+            hybrid.early_exit.tree_nodes = self.tree_nodes  # lookup drafts chains, the early exit trees
+            return hybrid
         if drafter == "draft_model":
             return DraftModelDrafter(self.draft_model, self.adapter.vocab_size)
         if drafter == "medusa":
@@ -308,7 +349,12 @@ class SpeculativeEngine:
             if isinstance(saved, list) and saved and all(isinstance(i, int) for i in saved):
                 layers = [i for i in saved if 0 <= i < self.adapter.num_layers] or layers
             return LayerSkipDrafter(layers)
-        return EarlyExitDrafter(self.exit_layer, confidence=self.draft_confidence, exit_adapter=self.exit_adapter)
+        return EarlyExitDrafter(
+            self.exit_layer,
+            confidence=self.draft_confidence,
+            exit_adapter=self.exit_adapter,
+            tree_nodes=self.tree_nodes,
+        )
 
     def _medusa_heads(self) -> MedusaHeads:
         """The heads for ``drafter="medusa"``, on the model's device and dtype, checked against it."""
@@ -373,6 +419,7 @@ class SpeculativeEngine:
             f"SpeculativeEngine(model={self.name_or_path or type(self.model).__name__!r}, "
             f"drafter={self.drafter!r}, exit_layer={self.exit_layer}, "
             f"num_draft_tokens={self.num_draft_tokens}{' (adaptive)' if self.adaptive else ''}, "
+            f"{f'tree_nodes={self.tree_nodes}, ' if self.tree_nodes else ''}"
             f"num_layers={self.adapter.num_layers}, "
             f"device={str(self.adapter.device)!r}, dtype={str(self.adapter.dtype)!r})"
         )
@@ -593,7 +640,9 @@ class SpeculativeEngine:
         prompt_len = len(run.prompt_ids)
         with self._lock, torch.inference_mode():
             started = time.perf_counter()
-            cache = adapter.new_cache(prompt_len + run.max_new_tokens)
+            # a tree drafter's nodes need slots beyond the text (a drafter may say how many)
+            tree_slots = self.tree_nodes or getattr(self.drafter, "tree_nodes", None) or 0
+            cache = adapter.new_cache(prompt_len + run.max_new_tokens + tree_slots)
             ids = torch.tensor([run.prompt_ids], device=adapter.device)
             hidden = adapter.run_layers(
                 adapter.embed(ids), 0, adapter.num_layers, torch.arange(prompt_len, device=adapter.device), cache
@@ -635,24 +684,39 @@ class SpeculativeEngine:
         max_draft = min(self._draft_budget(run.controller), remaining - 1)
         started = time.perf_counter()
         draft = drafter.propose(state, max_draft) if max_draft > 0 else Draft()
+        if draft.parents is not None:  # a token tree (selfspec.tree)
+            check_tree(draft.tokens, draft.parents)
+            draft = truncate_tree(state, draft, max_draft)
+            room = state.cache.max_length - state.position - 1
+            if len(draft) > room:  # a topological prefix is a tree: keep what the cache holds
+                draft = select_nodes(state, draft, list(range(room)))
+            if state.constraint is not None:
+                draft = tree_to_chain(state, draft)
         draft = self._truncate_draft(draft, max_draft)
         drafted_at = time.perf_counter()
         stats.draft_seconds += drafted_at - started
 
-        target_logits = self._verify(state, draft)  # [k + 1, vocab]
-        masks = self._constraint_masks(state, draft)
-        if masks is not None:
-            draft = self._truncate_draft(draft, len(masks) - 1)
-            target_logits = apply_mask(target_logits[: len(masks)], torch.stack(masks))
-        acceptance = self._accept(state, draft, target_logits, run.generator)
+        acceptance: Acceptance | TreeAcceptance
+        if draft.parents is not None:
+            target_logits = verify_tree(state, draft)  # [n + 1, vocab]
+            acceptance = self._accept_tree(state, draft, target_logits, run.generator)
+            keep_accepted_path(state, acceptance.path)
+            depth = max(tree_depths(draft.parents), default=0)  # what the controller budgets
+        else:
+            target_logits = self._verify(state, draft)  # [k + 1, vocab]
+            masks = self._constraint_masks(state, draft)
+            if masks is not None:
+                draft = self._truncate_draft(draft, len(masks) - 1)
+                target_logits = apply_mask(target_logits[: len(masks)], torch.stack(masks))
+            acceptance = self._accept(state, draft, target_logits, run.generator)
+            depth = len(draft)
         stats.verify_seconds += time.perf_counter() - drafted_at
         stats.target_forwards += 1
 
         num_drafted = len(draft)
         drafter.observe(num_drafted, acceptance.num_accepted)
-        run.controller.record(
-            num_drafted, acceptance.num_accepted, acceptance.num_accepted + 1, time.perf_counter() - started
-        )
+        seconds = time.perf_counter() - started
+        run.controller.record(depth, acceptance.num_accepted, acceptance.num_accepted + 1, seconds)
         stats.num_drafted += num_drafted
         stats.num_accepted += acceptance.num_accepted
         histogram = stats.accepted_length_histogram
@@ -682,7 +746,7 @@ class SpeculativeEngine:
 
     @staticmethod
     def _truncate_draft(draft: Draft, length: int) -> Draft:
-        if len(draft) <= length:
+        if len(draft) <= length or draft.parents is not None:  # trees: truncate_tree
             return draft
         return Draft(
             tokens=draft.tokens[:length],
@@ -746,6 +810,16 @@ class SpeculativeEngine:
             return accept_greedy(draft_tokens, target_logits)
         target_probs = logits_to_probs(target_logits, state.params)
         return accept_sampled(draft_tokens, draft.draft_probs, target_probs, generator)
+
+    @staticmethod
+    def _accept_tree(
+        state: DecodeState, draft: Draft, target_logits: torch.Tensor, generator: torch.Generator
+    ) -> TreeAcceptance:
+        assert draft.parents is not None
+        if state.params.greedy:
+            return accept_tree_greedy(draft.tokens, draft.parents, target_logits)
+        target_probs = logits_to_probs(target_logits, state.params)
+        return accept_tree_sampled(draft.tokens, draft.parents, draft.draft_probs, target_probs, generator)
 
 
 def _is_out_of_memory(error: BaseException) -> bool:

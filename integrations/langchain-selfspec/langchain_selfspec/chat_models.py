@@ -126,8 +126,8 @@ class ChatSpeculative(BaseChatModel):
             ``"early_exit"`` (self-speculation, the default), another of
             ``selfspec.engine.DRAFTERS`` (``"prompt_lookup"``, ``"hybrid"``, ...), or
             ``"none"`` (plain decoding).
-        draft_model, medusa_heads, draft_confidence, exit_adapter, calibrate, dtype, device,
-        trust_remote_code, allow_pickle:
+        draft_model, medusa_heads, draft_confidence, exit_adapter, tree_nodes, calibrate, dtype,
+        device, trust_remote_code, allow_pickle:
             As in ``SpeculativeEngine.from_pretrained``.
 
         Weights load on first use; every instance with the same engine arguments shares one
@@ -274,6 +274,10 @@ class ChatSpeculative(BaseChatModel):
     draft_confidence: float | None = None
     """With ``num_draft_tokens="auto"``, stop drafting when the draft's top probability falls below
     this (``None``: the engine's default)."""
+
+    tree_nodes: int | Literal["auto"] | None = None
+    """``None`` drafts a chain; an int drafts a token tree of at most that many nodes, verified in
+    one forward; ``"auto"`` uses the calibrated choice."""
 
     trust_remote_code: bool = False
     """Allow checkpoints that ship their own Python code."""

@@ -77,6 +77,7 @@ def test_engine_arguments_follow_the_fields(monkeypatch):
                 "draft_model": None,
                 "exit_adapter": None,
                 "medusa_heads": None,
+                "tree_nodes": None,
             },
         )
     ]

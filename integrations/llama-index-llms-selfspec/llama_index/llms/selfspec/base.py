@@ -28,7 +28,7 @@ import threading
 import uuid
 from collections.abc import AsyncGenerator, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import llama_index.core.instrumentation as instrument
 from llama_index.core.base.llms.types import (
@@ -146,6 +146,11 @@ class SpeculativeLLM(FunctionCallingLLM):
         default=None,
         description="With num_draft_tokens='auto', stop drafting when the draft's top probability "
         "falls below this (None: the engine's default).",
+    )
+    tree_nodes: int | Literal["auto"] | None = Field(
+        default=None,
+        description="None drafts a chain; an int drafts a token tree of at most that many nodes, "
+        "verified in one forward; 'auto' uses the calibrated choice.",
     )
     device: str = Field(default="auto", description="'auto' (CUDA when available), 'cpu' or 'cuda[:N]'.")
     dtype: str = Field(
