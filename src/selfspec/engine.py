@@ -24,6 +24,7 @@ import torch
 
 from .adapter import ModelAdapter
 from .adaptive import DraftController
+from .batching import BatchScheduler
 from .calibration import load_calibration
 from .constraints import TokenConstraint, apply_mask
 from .drafters import (
@@ -91,6 +92,10 @@ class SpeculativeEngine:
         draft_model: with ``drafter="draft_model"``, the loaded draft model (sharing the
             target's tokenizer); :meth:`from_pretrained` also takes a name.
         draft_tokenizer: the draft model's tokenizer, checked against the target's.
+        batching: decode concurrent calls together: a background thread runs each round
+            for all active generations in the same forwards, each keeping its own text
+            (see :mod:`selfspec.batching`; generations with a constraint, or a drafter
+            without a batched path, run unbatched).
 
     Example:
         >>> from selfspec import SpeculativeEngine
@@ -112,6 +117,7 @@ class SpeculativeEngine:
         calibration: dict[str, Any] | None = None,
         draft_model: Any = None,
         draft_tokenizer: Any = None,
+        batching: bool = False,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -133,6 +139,10 @@ class SpeculativeEngine:
         self.controller = DraftController(self.num_draft_tokens, adaptive=self.adaptive)
         self.eos_token_ids = self._eos_token_ids()
         self._lock = threading.RLock()
+        if not isinstance(batching, bool):
+            raise ConfigurationError(f"batching must be True or False, got {batching!r}")
+        self.batching = batching
+        self._batcher = BatchScheduler(self) if batching else None
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -151,6 +161,7 @@ class SpeculativeEngine:
         allow_pickle: bool = False,
         calibrate: bool = True,
         draft_model: Any = None,
+        batching: bool = False,
     ) -> SpeculativeEngine:
         """Load a model from the hub, a local folder, or ``"selfspec-demo"``.
 
@@ -172,6 +183,7 @@ class SpeculativeEngine:
             calibrate: when ``exit_layer`` or ``num_draft_tokens`` is ``"auto"`` and the
                 model has no saved calibration, measure one now (a few seconds, with a
                 progress bar) and save it beside the model or in the user cache.
+            batching: see :class:`SpeculativeEngine`.
 
         Raises:
             ModelNotFoundError: no such folder or hub model (an ``OSError``).
@@ -207,6 +219,7 @@ class SpeculativeEngine:
             "draft_confidence": draft_confidence,
             "draft_model": draft_model,
             "draft_tokenizer": draft_tokenizer,
+            "batching": batching,
         }
         engine = cls(model, tokenizer, **engine_kwargs)
         wants_auto = "auto" in (exit_layer, num_draft_tokens) and drafter in ("early_exit", "hybrid")
@@ -309,7 +322,7 @@ class SpeculativeEngine:
             f"SpeculativeEngine(model={self.name_or_path or type(self.model).__name__!r}, "
             f"drafter={self.drafter!r}, exit_layer={self.exit_layer}, "
             f"num_draft_tokens={self.num_draft_tokens}{' (adaptive)' if self.adaptive else ''}, "
-            f"num_layers={self.adapter.num_layers}, "
+            f"num_layers={self.adapter.num_layers}, {'batching=True, ' if self.batching else ''}"
             f"device={str(self.adapter.device)!r}, dtype={str(self.adapter.dtype)!r})"
         )
 
@@ -525,6 +538,8 @@ class SpeculativeEngine:
         an abandoned stream cannot block other callers. All state lives in ``run``: calls
         from several threads each get the text they would get alone.
         """
+        if self._batcher is not None and self._batcher.accepts(run):
+            return (yield from self._batcher.rounds(run))
         adapter, stats, params = self.adapter, run.stats, run.params
         prompt_len = len(run.prompt_ids)
         with self._lock, torch.inference_mode():
