@@ -89,10 +89,7 @@ class BatchedKVCache:
         self._kv_length = 0
 
     def __repr__(self) -> str:
-        return (
-            f"BatchedKVCache(num_layers={self.num_layers}, rows={self.row_capacity}, "
-            f"length={self.length_capacity})"
-        )
+        return f"BatchedKVCache(num_layers={self.num_layers}, rows={self.row_capacity}, length={self.length_capacity})"
 
     def reserve(self, rows: int, length: int) -> None:
         """Make room for at least ``rows`` rows of ``length`` slots (allocated buffers grow)."""
@@ -280,6 +277,7 @@ class _Row:
     forced: bool = True  # the draft is known before the round (lookup or empty)
     drafting: bool = False  # still choosing draft tokens this round
     budget: int = 0
+    error: Exception | None = None  # raised in this row's caller after the round
 
     @property
     def run(self) -> _Generation:
@@ -367,7 +365,7 @@ class BatchScheduler:
                     self._drop_cancelled()
                     if self.rows:
                         self._round()
-            except Exception as error:  # a failed batched forward fails this round's rows only
+            except Exception as error:  # noqa: BLE001 - a failed batched forward fails this round's rows only
                 for row in self.rows:
                     row.request.results.put(error)
                 self.rows.clear()
@@ -391,7 +389,7 @@ class BatchScheduler:
                 first, _ = choose_token(logits, run.params, run.generator)
                 run.stats.target_forwards += 1
                 run.stats.verify_seconds += time.perf_counter() - started
-        except Exception as error:  # this request fails; the batch goes on
+        except Exception as error:  # noqa: BLE001 - this request fails; the batch goes on
             request.results.put(error)
             return
         request.results.put([first])
@@ -451,8 +449,10 @@ class BatchScheduler:
         finished: list[_Row] = []
         for b, row in enumerate(rows):
             try:
+                if row.error is not None:
+                    raise row.error
                 done = self._accept(row, target_logits[b, : len(row.draft) + 1], started, drafted_at, verified_at)
-            except Exception as error:  # this row fails; the others go on
+            except Exception as error:  # noqa: BLE001 - this row fails; the others go on
                 row.request.results.put(error)
                 done = True
             if done:
@@ -465,7 +465,7 @@ class BatchScheduler:
         for row in rows:
             remaining = row.run.max_new_tokens - row.emitted
             budget = 0 if isinstance(drafter, NoDrafter) else min(row.controller.budget(), remaining - 1)
-            row.budget, row.draft, row.draft_probs = budget, [], []
+            row.budget, row.draft, row.draft_probs, row.error = budget, [], [], None
             row.forced, row.drafting = True, False
             if budget <= 0 or isinstance(drafter, NoDrafter):
                 continue
@@ -516,7 +516,10 @@ class BatchScheduler:
                 index = torch.tensor(drafting, device=device)
                 logits = batched_logits(adapter, hidden[index])[:, 0]  # [d, vocab]
                 for i, b in enumerate(drafting):
-                    self._draft_one(rows[b], logits[i], confidence, eos)
+                    try:
+                        self._draft_one(rows[b], logits[i], confidence, eos)
+                    except Exception as error:  # noqa: BLE001 - this row fails after the round; the others go on
+                        rows[b].error, rows[b].drafting = error, False
             step += 1
             if not any(row.drafting for row in rows) and step > max(len(row.draft) for row in rows):
                 break
