@@ -345,7 +345,8 @@ class BatchScheduler:
         with self._cond:
             self._pending.append(request)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="selfspec-batching", daemon=True)
+                # not a daemon: it lives only while there is work, and exits cleanly when idle
+                self._thread = threading.Thread(target=self._loop, name="selfspec-batching")
                 self._thread.start()
 
     # ------------------------------------------------------------- the scheduler thread
@@ -465,6 +466,12 @@ class BatchScheduler:
         for row in rows:
             remaining = row.run.max_new_tokens - row.emitted
             budget = 0 if isinstance(drafter, NoDrafter) else min(row.controller.budget(), remaining - 1)
+            if row.run.params.greedy and len(rows) > 1:
+                # a round lasts as long as its longest draft, and padding costs compute in a
+                # batch: greedy rows (whose text never depends on the draft length) draft at
+                # most the calibrated length; sampled rows keep their solo lengths, so that a
+                # seed gives the solo text
+                budget = min(budget, self.engine.num_draft_tokens)
             row.budget, row.draft, row.draft_probs, row.error = budget, [], [], None
             row.forced, row.drafting = True, False
             if budget <= 0 or isinstance(drafter, NoDrafter):
