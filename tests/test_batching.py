@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 import torch
 from test_distribution import NEW_TOKENS, PROMPT, SAMPLES, VOCAB, chi_square_pvalue, exact_distribution
-from tiny_models import make_model, reference_greedy, scale_deep_layers
+from tiny_models import make_config, make_model, reference_greedy, scale_deep_layers
 
 import selfspec.batching
 from selfspec import SpeculativeEngine
-from selfspec.batching import BatchedKVCache, BatchScheduler
+from selfspec.batching import BatchedKVCache, BatchScheduler, rope_depends_on_batch
 from selfspec.errors import ConfigurationError
 from selfspec.sampling import SamplingParams
 
@@ -323,3 +323,16 @@ def test_serve_with_batching_answers_like_without() -> None:
     batched = SpeculativeEngine(base.model, base.tokenizer, calibration=base.calibration, batching=True)
     assert answers(batched) == answers(base)
     assert batched._batcher is not None and batched._batcher.rounds_run > 0
+
+
+def test_batch_dependent_rotary_scaling_runs_unbatched() -> None:
+    """Dynamic / longrope scaling reads the batch's largest position: those models do not batch."""
+    assert not rope_depends_on_batch(make_config("llama"))
+    assert not rope_depends_on_batch(make_config("gemma3_text"))
+    assert rope_depends_on_batch(make_config("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
+    model = make_model("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    engine = SpeculativeEngine(model, exit_layer=2, calibration={}, batching=True)
+    jobs = ragged_jobs(3, seed=6)
+    outputs = run_concurrently(engine, jobs)
+    assert [out.token_ids for out in outputs] == [reference_greedy(model, p, n) for p, n in jobs]
+    assert engine._batcher is not None and engine._batcher.rounds_run == 0

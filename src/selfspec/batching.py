@@ -56,6 +56,17 @@ if TYPE_CHECKING:
 BATCHED_DRAFTERS = (EarlyExitDrafter, HybridDrafter, PromptLookupDrafter, NoDrafter)
 #: Rows decoded together at most; further requests wait until a row frees up.
 DEFAULT_MAX_BATCH_SIZE = 32
+#: Rotary scalings whose frequencies depend on the largest position in the forward (the whole
+#: batch), so that one long row would change every row's text: such models run unbatched.
+BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def rope_depends_on_batch(config: Any) -> bool:
+    """Whether the model's rotary embedding reads the batch's largest position (see above)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    nested = [v for v in params.values() if isinstance(v, dict)] if isinstance(params, dict) else []
+    kinds = {p.get("rope_type", p.get("type")) for p in [params, *nested] if isinstance(p, dict)}
+    return bool(kinds & set(BATCH_DEPENDENT_ROPE))
 
 
 # --------------------------------------------------------------------------- the batched cache
@@ -304,6 +315,7 @@ class BatchScheduler:
         self.adapter = engine.adapter
         self.max_batch_size = max_batch_size
         self.cache = BatchedKVCache(engine.adapter.num_layers)
+        self.model_batches = not rope_depends_on_batch(engine.adapter.config)
         self.rows: list[_Row] = []
         self.rounds_run = 0  # batched rounds so far
         self.max_rows_seen = 0  # the largest batch a round has run
@@ -318,8 +330,12 @@ class BatchScheduler:
         )
 
     def accepts(self, run: _Generation) -> bool:
-        """Whether a generation runs batched (no constraint, and a drafter with a batched path)."""
-        return run.constraint is None and isinstance(self.engine.drafter, BATCHED_DRAFTERS)
+        """Whether a generation runs batched.
+
+        It does unless it has a constraint, the drafter has no batched path, or the model's
+        rotary embedding depends on the batch (``dynamic`` or ``longrope`` scaling).
+        """
+        return self.model_batches and run.constraint is None and isinstance(self.engine.drafter, BATCHED_DRAFTERS)
 
     # ------------------------------------------------------------- the caller's side
     def rounds(self, run: _Generation) -> Generator[list[int], None, FinishReason]:
@@ -356,6 +372,7 @@ class BatchScheduler:
             with self._cond:
                 if not self._pending and not self.rows:
                     self._thread = None  # the next submission starts a new thread
+                    self.cache = BatchedKVCache(self.adapter.num_layers)  # free the buffers while idle
                     return
                 free = self.max_batch_size - len(self.rows)
                 joining, self._pending = self._pending[:free], self._pending[free:]
