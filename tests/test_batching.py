@@ -336,3 +336,18 @@ def test_batch_dependent_rotary_scaling_runs_unbatched() -> None:
     outputs = run_concurrently(engine, jobs)
     assert [out.token_ids for out in outputs] == [reference_greedy(model, p, n) for p, n in jobs]
     assert engine._batcher is not None and engine._batcher.rounds_run == 0
+
+
+def test_serve_command_passes_batching_to_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``selfspec serve --batching`` builds a batching engine (uvicorn's blocking run is replaced)."""
+    uvicorn = pytest.importorskip("uvicorn")
+    pytest.importorskip("fastapi")
+    from selfspec.cli import main
+
+    apps: list[Any] = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: apps.append(app))
+    assert main(["serve", "--model", "selfspec-demo", "--batching", "--port", "0"]) == 0
+    assert main(["serve", "--model", "selfspec-demo", "--port", "0"]) == 0
+    batched, plain = (app.state.selfspec.engine for app in apps)
+    assert batched.batching and batched._batcher is not None
+    assert not plain.batching and plain._batcher is None
