@@ -120,7 +120,11 @@ class BatchedKVCache:
         return grown
 
     def select(self, row_start: int, positions: torch.Tensor, kv_length: int) -> None:
-        """Set the next forward's rows ``row_start .. row_start + m`` and ``[m, q]`` positions."""
+        """Set the next forward's rows ``row_start .. row_start + m`` and ``[m, q]`` positions.
+
+        Each row's positions are consecutive (a chain of new tokens); ``kv_length`` is the
+        largest position + 1.
+        """
         self.reserve(row_start + positions.shape[0], kv_length)
         self._row_start = row_start
         rows = torch.arange(positions.shape[0], device=positions.device)
@@ -146,9 +150,14 @@ class BatchedKVCache:
             values = self.values[layer_idx] = value_states.new_zeros(vshape)
         end = self._row_start + key_states.shape[0]
         row_keys, row_values = keys[self._row_start : end], values[self._row_start : end]
-        # advanced indices on dims 0 and 2 put them first: [m, q, kv_heads, head_dim]
-        row_keys[self._row_index, :, self._positions] = key_states.transpose(1, 2)
-        row_values[self._row_index, :, self._positions] = value_states.transpose(1, 2)
+        if key_states.shape[0] == 1:  # one row: its positions are consecutive, up to kv_length
+            start = self._kv_length - key_states.shape[2]
+            row_keys[:, :, start : self._kv_length] = key_states
+            row_values[:, :, start : self._kv_length] = value_states
+        else:
+            # advanced indices on dims 0 and 2 put them first: [m, q, kv_heads, head_dim]
+            row_keys[self._row_index, :, self._positions] = key_states.transpose(1, 2)
+            row_values[self._row_index, :, self._positions] = value_states.transpose(1, 2)
         return row_keys[:, :, : self._kv_length], row_values[:, :, : self._kv_length]
 
     def move_row(self, source: int, target: int) -> None:
@@ -173,19 +182,25 @@ def _grown(needed: int, minimum: int) -> int:
 # --------------------------------------------------------------------------- batched layer runs
 def batched_masks(
     adapter: ModelAdapter, positions: torch.Tensor, kv_length: int, dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
+) -> dict[str, torch.Tensor | None]:
     """One ``[m, 1, q, kv]`` mask per layer type: query ``(b, i)`` sees slots ``<= positions[b, i]``.
 
     Slot ``j`` holds position ``j``, so this is the causal rule per row, whatever the rows'
-    lengths; sliding-window layers also hide slots ``<= position - window``.
+    lengths; sliding-window layers also hide slots ``<= position - window``. A single row's
+    single query over every slot needs no mask (``None``).
     """
     slots = torch.arange(kv_length, device=positions.device)  # [kv]
     query = positions[:, :, None]  # [m, q, 1]
     causal = slots[None, None, :] <= query  # [m, q, kv]
-    masks: dict[str, torch.Tensor] = {}
+    masks: dict[str, torch.Tensor | None] = {}
     for layer_type in set(adapter.layer_types):
         allowed = causal
-        if layer_type == SLIDING_ATTENTION and adapter.sliding_window is not None:
+        windowed = layer_type == SLIDING_ATTENTION and adapter.sliding_window is not None
+        if positions.shape == (1, 1) and not (windowed and kv_length > (adapter.sliding_window or 0)):
+            masks[layer_type] = None  # one row's one query sees every slot
+            continue
+        if windowed:
+            assert adapter.sliding_window is not None
             allowed = allowed & (slots[None, None, :] > query - adapter.sliding_window)
         allowed = allowed[:, None]  # [m, 1, q, kv]
         if adapter.attn_implementation == "sdpa":

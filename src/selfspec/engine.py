@@ -536,7 +536,8 @@ class SpeculativeEngine:
 
         The engine lock is held for each round's computation, never across a ``yield``, so
         an abandoned stream cannot block other callers. All state lives in ``run``: calls
-        from several threads each get the text they would get alone.
+        from several threads each get the text they would get alone. With ``batching=True``
+        the rounds run in the engine's :class:`~selfspec.batching.BatchScheduler` instead.
         """
         if self._batcher is not None and self._batcher.accepts(run):
             return (yield from self._batcher.rounds(run))
