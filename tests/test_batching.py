@@ -15,6 +15,7 @@ from collections import Counter
 from typing import Any
 
 import pytest
+import test_stream_and_stop as text_tests
 import torch
 from test_distribution import NEW_TOKENS, PROMPT, SAMPLES, VOCAB, chi_square_pvalue, exact_distribution
 from tiny_models import make_config, make_model, reference_greedy, scale_deep_layers
@@ -351,3 +352,29 @@ def test_serve_command_passes_batching_to_the_engine(monkeypatch: pytest.MonkeyP
     batched, plain = (app.state.selfspec.engine for app in apps)
     assert batched.batching and batched._batcher is not None
     assert not plain.batching and plain._batcher is None
+
+
+# ----------------------------------------------------------------------------------------------
+# The text-output tests of test_stream_and_stop.py, run again on a batching engine: streaming,
+# stop strings, multi-byte characters, cancellation, abandoned streams and concurrent callers.
+test_batched_abandoned_stream_does_not_block_others = text_tests.test_abandoned_stream_does_not_block_others
+test_batched_close_cancels_and_next_call_is_unaffected = text_tests.test_close_cancels_and_next_call_is_unaffected
+test_batched_stop_string_spanning_tokens = text_tests.test_stop_string_spanning_tokens
+test_batched_stream_joins_to_generate_text = text_tests.test_stream_joins_to_generate_text
+test_batched_stream_never_splits_a_multibyte_character = text_tests.test_stream_never_splits_a_multibyte_character
+test_batched_threads_get_the_text_they_would_get_alone = text_tests.test_threads_get_the_text_they_would_get_alone
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    from tiny_tokenizer import make_tokenizer
+
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer: Any) -> SpeculativeEngine:
+    """The engine of test_stream_and_stop.py, with batching on."""
+    model = make_model("llama", vocab_size=len(tokenizer), max_position_embeddings=512)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return SpeculativeEngine(model, tokenizer, exit_layer=2, num_draft_tokens=3, batching=True)
