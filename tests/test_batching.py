@@ -272,6 +272,17 @@ def test_constrained_requests_run_unbatched_beside_the_batch() -> None:
     assert [out.token_ids for out in outputs] == [reference_greedy(model, p, n) for p, n in jobs]
 
 
+def test_requests_beyond_the_batch_size_wait_for_a_free_row() -> None:
+    model = make_model("qwen3")
+    jobs = ragged_jobs(7, seed=7)
+    engine = SpeculativeEngine(model, exit_layer=2, calibration={}, batching=True)
+    assert engine._batcher is not None
+    engine._batcher.max_batch_size = 2
+    outputs = run_concurrently(engine, jobs)
+    assert [out.token_ids for out in outputs] == [reference_greedy(model, p, n) for p, n in jobs]
+    assert 1 <= engine._batcher.max_rows_seen <= 2
+
+
 def test_batching_argument_and_reprs() -> None:
     model = make_model("llama")
     with pytest.raises(ConfigurationError, match="batching"):
