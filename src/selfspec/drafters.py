@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -252,6 +252,25 @@ def expected_tokens(rate: float, num_drafted: int) -> float:
     return float((1.0 - rate ** (num_drafted + 1)) / (1.0 - rate))
 
 
+class GenerationView(Protocol):
+    """What :class:`HybridDrafter`'s choice reads of a generation.
+
+    A :class:`DecodeState`, or a row of a batch (:mod:`selfspec.batching`).
+    """
+
+    @property
+    def adapter(self) -> Any:
+        """The model adapter."""
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt and emitted tokens."""
+
+    @property
+    def scratch(self) -> dict[str, Any]:
+        """Per-generation drafter state."""
+
+
 class HybridDrafter(Drafter):
     """Prompt lookup or the early exit, chosen per round by expected tokens per unit of cost.
 
@@ -311,7 +330,7 @@ class HybridDrafter(Drafter):
             self._draft_cost = (self.exit_layer * layer + head) / (adapter.num_layers * layer + head)
         return self._draft_cost
 
-    def choose(self, state: DecodeState, copied: list[int], max_tokens: int) -> str:
+    def choose(self, state: GenerationView, copied: list[int], max_tokens: int) -> str:
         """``"lookup"`` or ``"early_exit"`` for this round (``copied`` is non-empty)."""
         book = self._book(state)
         lookup, early = book["lookup"], book["early_exit"]
@@ -324,7 +343,12 @@ class HybridDrafter(Drafter):
         book["skipped"] += 1
         return "lookup" if book["skipped"] % self.PROBE_EVERY == 0 else "early_exit"
 
-    def _book(self, state: DecodeState) -> dict[str, Any]:
+    def note(self, state: GenerationView, kind: str, tokens: list[int]) -> None:
+        """Remember this round's draft (from ``kind``) to settle it from the text that follows."""
+        if tokens:
+            self._book(state)["pending"] = (kind, list(tokens), len(state.token_ids))
+
+    def _book(self, state: GenerationView) -> dict[str, Any]:
         book = state.scratch.get("hybrid")
         if book is None:
             book = state.scratch["hybrid"] = {
@@ -348,12 +372,11 @@ class HybridDrafter(Drafter):
         """A lookup draft when it is the better bet this round, else an early-exit draft."""
         if max_tokens <= 0:
             return Draft()
-        book = self._book(state)
+        self._book(state)  # settles the previous round's draft
         copied = self.lookup_drafter.lookup(state, max_tokens)
         kind = self.choose(state, copied, max_tokens) if copied else "early_exit"
         draft = Draft(tokens=copied) if kind == "lookup" else self.early_exit.propose(state, max_tokens)
-        if draft.tokens:
-            book["pending"] = (kind, list(draft.tokens), len(state.token_ids))
+        self.note(state, kind, draft.tokens)
         return draft
 
 

@@ -24,6 +24,7 @@ import torch
 
 from .adapter import ModelAdapter
 from .adaptive import DraftController
+from .batching import BatchScheduler
 from .calibration import load_calibration
 from .constraints import TokenConstraint, apply_mask
 from .drafters import (
@@ -113,6 +114,10 @@ class SpeculativeEngine:
             most ``num_draft_tokens`` levels, verified in one forward
             (``docs/trees.md``); ``"auto"`` uses the calibrated choice (chain or tree, and
             the node budget), else :data:`DEFAULT_TREE_NODES`.
+        batching: decode concurrent calls together: a background thread runs each round
+            for all active generations in the same forwards, each keeping its own text
+            (see :mod:`selfspec.batching`; generations with a constraint, or a drafter
+            without a batched path, run unbatched).
 
     Example:
         >>> from selfspec import SpeculativeEngine
@@ -137,6 +142,7 @@ class SpeculativeEngine:
         exit_adapter: str | os.PathLike[str] | ExitAdapter | None = None,
         medusa_heads: str | os.PathLike[str] | MedusaHeads | None = None,
         tree_nodes: int | str | None = None,
+        batching: bool = False,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -165,6 +171,10 @@ class SpeculativeEngine:
         self.controller = DraftController(self.num_draft_tokens, adaptive=self.adaptive)
         self.eos_token_ids = self._eos_token_ids()
         self._lock = threading.RLock()
+        if not isinstance(batching, bool):
+            raise ConfigurationError(f"batching must be True or False, got {batching!r}")
+        self.batching = batching
+        self._batcher = BatchScheduler(self) if batching else None
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -186,6 +196,7 @@ class SpeculativeEngine:
         exit_adapter: str | os.PathLike[str] | ExitAdapter | None = None,
         medusa_heads: str | os.PathLike[str] | MedusaHeads | None = None,
         tree_nodes: int | str | None = None,
+        batching: bool = False,
     ) -> SpeculativeEngine:
         """Load a model from the hub, a local folder, or ``"selfspec-demo"``.
 
@@ -211,6 +222,7 @@ class SpeculativeEngine:
                 progress bar) and save it beside the model or in the user cache.
             medusa_heads: with ``drafter="medusa"``: see :class:`SpeculativeEngine` (a
                 ``medusa_lm_head.pt`` pickle loads only with ``allow_pickle=True``).
+            batching: see :class:`SpeculativeEngine`.
 
         Raises:
             ModelNotFoundError: no such folder or hub model (an ``OSError``).
@@ -252,6 +264,7 @@ class SpeculativeEngine:
             "exit_adapter": exit_adapter,
             "medusa_heads": medusa_heads,
             "tree_nodes": tree_nodes,
+            "batching": batching,
         }
         engine = cls(model, tokenizer, **engine_kwargs)
         wants_auto = "auto" in (exit_layer, num_draft_tokens, tree_nodes) and drafter in ("early_exit", "hybrid")
@@ -420,7 +433,7 @@ class SpeculativeEngine:
             f"drafter={self.drafter!r}, exit_layer={self.exit_layer}, "
             f"num_draft_tokens={self.num_draft_tokens}{' (adaptive)' if self.adaptive else ''}, "
             f"{f'tree_nodes={self.tree_nodes}, ' if self.tree_nodes else ''}"
-            f"num_layers={self.adapter.num_layers}, "
+            f"num_layers={self.adapter.num_layers}, {'batching=True, ' if self.batching else ''}"
             f"device={str(self.adapter.device)!r}, dtype={str(self.adapter.dtype)!r})"
         )
 
@@ -634,8 +647,11 @@ class SpeculativeEngine:
 
         The engine lock is held for each round's computation, never across a ``yield``, so
         an abandoned stream cannot block other callers. All state lives in ``run``: calls
-        from several threads each get the text they would get alone.
+        from several threads each get the text they would get alone. With ``batching=True``
+        the rounds run in the engine's :class:`~selfspec.batching.BatchScheduler` instead.
         """
+        if self._batcher is not None and self._batcher.accepts(run):
+            return (yield from self._batcher.rounds(run))
         adapter, stats, params = self.adapter, run.stats, run.params
         prompt_len = len(run.prompt_ids)
         with self._lock, torch.inference_mode():

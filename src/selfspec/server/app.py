@@ -508,7 +508,11 @@ class _CountRequests:
 
 # ------------------------------------------------------------------------------- the app
 def create_app(
-    engine_or_model: str | SpeculativeEngine, *, model_id: str | None = None, api_key: str | None = None
+    engine_or_model: str | SpeculativeEngine,
+    *,
+    model_id: str | None = None,
+    api_key: str | None = None,
+    batching: bool = False,
 ) -> FastAPI:
     """Create the OpenAI-compatible ASGI app.
 
@@ -518,6 +522,8 @@ def create_app(
         model_id: the model id clients send and ``/v1/models`` lists; default: the model
             name given, else the engine's ``name_or_path``.
         api_key: when set, ``/v1/*`` requests need ``Authorization: Bearer <api_key>``.
+        batching: load a named model with ``batching=True`` (concurrent requests decode
+            together); an engine passed in keeps its own setting.
 
     Returns:
         A FastAPI app; run it with any ASGI server (see :func:`serve`).
@@ -527,7 +533,7 @@ def create_app(
         >>> app = create_app("selfspec-demo")  # doctest: +SKIP
     """
     if isinstance(engine_or_model, str):
-        engine = get_engine(engine_or_model)
+        engine = get_engine(engine_or_model, batching=batching)
         model_id = model_id or engine_or_model
     else:
         engine = engine_or_model

@@ -31,6 +31,11 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=os.environ.get(API_KEY_ENV),
         help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}, else no key)",
     )
+    parser.add_argument(
+        "--batching",
+        action="store_true",
+        help="decode concurrent requests together in batched rounds (same text per request)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     parser.set_defaults(func=cmd_serve)
@@ -54,6 +59,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or None,
         model_id=args.model_id,
         log_level=args.log_level,
+        batching=args.batching,
         **engine_kwargs(args),
     )
     return 0
