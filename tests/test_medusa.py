@@ -165,6 +165,69 @@ def test_chain_draft_is_the_heads_top1_on_the_last_verified_state(arch: str) -> 
         assert out.stats.num_accepted > 3  # states after accepted drafts were checked too
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "qwen3"])
+def test_tree_mode_through_the_engine_is_exact(arch: str) -> None:
+    """tree_nodes with drafter='medusa' verifies the heads' candidate tree in one forward:
+    greedy equals generate, and the state the heads read after a tree round is the model's own."""
+    model = make_model(arch)
+    heads = MedusaHeads(3, HIDDEN, TINY_VOCAB).double()
+    heads.init_from_lm_head(model.lm_head)  # copies of the head: often accepted on these models
+    prompt = list(range(10, 24))
+    reference = reference_greedy(model, prompt, 30)
+    engine = SpeculativeEngine(model, drafter="medusa", medusa_heads=heads, num_draft_tokens=3, tree_nodes=8)
+    assert engine.drafter.tree and engine.drafter.tree_nodes == 8
+    seen = []
+    original = engine.drafter.propose
+
+    def spy(state, max_tokens):
+        draft = original(state, max_tokens)
+        seen.append((draft, state.last_hidden[0, 0].clone(), state.position, list(state.token_ids)))
+        return draft
+
+    engine.drafter.propose = spy
+    out = engine.generate_ids(prompt, max_new_tokens=30)
+    assert out.token_ids == reference
+    assert out.stats.num_accepted > 0
+    assert any(draft.parents is not None and len(set(draft.parents)) < len(draft.parents) for draft, *_ in seen)
+    for _, hidden, position, token_ids in seen:  # the final state at position - 1, after any accepted path
+        with torch.no_grad():
+            full = model.model(torch.tensor([token_ids[:position]])).last_hidden_state[0, -1]
+        tol = 1e-10 if engine.adapter.attn_implementation == "sdpa" else 1e-5  # eager: float32 softmax
+        torch.testing.assert_close(model.model.norm(hidden), full, rtol=tol, atol=tol)
+    # a random-headed tree is rejected and still exact
+    rejected = MedusaHeads(3, HIDDEN, TINY_VOCAB).double()
+    rejected.heads.load_state_dict({k: v.double() for k, v in published_state_dict(3, HIDDEN, TINY_VOCAB).items()})
+    engine = SpeculativeEngine(model, drafter="medusa", medusa_heads=rejected, num_draft_tokens=3, tree_nodes=8)
+    assert engine.generate_ids(prompt, max_new_tokens=30).token_ids == reference
+
+
+@pytest.mark.slow
+def test_tree_mode_sampling_follows_target() -> None:
+    """Sampled candidate trees (i.i.d. siblings per head) pass the exact-distribution test."""
+    model = make_model(
+        "llama",
+        agreeing=False,
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        initializer_range=0.5,
+    )
+    scale_deep_layers(model, start=1, factor=0.5)
+    model.generation_config.eos_token_id = None
+    model.config.eos_token_id = None
+    heads = MedusaHeads(2, 16, VOCAB)
+    heads.init_from_lm_head(model.lm_head)
+    params = SamplingParams(1.0)
+    engine = SpeculativeEngine(model, drafter="medusa", medusa_heads=heads, num_draft_tokens=2, tree_nodes=5)
+    counts = sampled_counts(engine, params)
+    assert chi_square_pvalue(counts, exact_distribution(model, params)) > 1e-3
+    out = engine.generate_ids(PROMPT, max_new_tokens=3, temperature=1.0, seed=0)
+    assert out.stats.num_drafted > 0
+
+
 def test_candidate_tree_structure() -> None:
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 50, generator=gen) * 3

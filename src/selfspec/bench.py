@@ -126,7 +126,9 @@ def build_methods(
     early exit at the same layer) and a hybrid one (compare it with ``selfspec_hybrid``).
     For each node budget in ``tree_nodes``, an early-exit token tree (``selfspec_tree_N``,
     same exit layer, at most ``num_draft_tokens`` levels) runs greedy and at every
-    temperature, next to the fixed chain at the same temperatures.
+    temperature, next to the fixed chain at the same temperatures. With Medusa heads saved
+    beside the model, the Medusa chain runs greedy and at every temperature, and for each
+    node budget its candidate tree (``selfspec_medusa_tree_N``) too.
     """
     model, tokenizer = auto_engine.model, auto_engine.tokenizer
     plain = SpeculativeEngine(model, tokenizer, drafter="none")
@@ -204,13 +206,27 @@ def build_methods(
                 f"separate draft model {name}, {num_draft_tokens} drafts, fixed",
             )
         )
+    medusa_methods: list[Method] = []
     heads_folder = find_medusa_heads(auto_engine.name_or_path)
     if heads_folder is not None:  # heads saved beside the model; one draft token per head
         num_heads = json.loads((heads_folder / "config.json").read_text())["medusa_num_heads"]
         medusa = SpeculativeEngine(model, tokenizer, drafter="medusa", num_draft_tokens=num_heads)
-        methods.append(
-            _selfspec_method("selfspec_medusa", medusa, "hf_greedy", f"Medusa heads, {num_heads} drafts, fixed")
-        )
+        about = f"Medusa heads, {num_heads} drafts, fixed"
+        methods.append(_selfspec_method("selfspec_medusa", medusa, "hf_greedy", about))
+        medusa_methods += [
+            _selfspec_method(f"selfspec_medusa_t{t}", medusa, f"hf_sample_t{t}", f"{about}, sampling T={t}", t)
+            for t in temperatures
+        ]
+        for nodes in tree_nodes:  # the heads' candidates verified as a tree
+            tree = SpeculativeEngine(model, tokenizer, drafter="medusa", num_draft_tokens=num_heads, tree_nodes=nodes)
+            about = f"Medusa candidate tree, at most {nodes} nodes and {num_heads} levels"
+            medusa_methods.append(_selfspec_method(f"selfspec_medusa_tree_{nodes}", tree, "hf_greedy", about))
+            medusa_methods += [
+                _selfspec_method(
+                    f"selfspec_medusa_tree_{nodes}_t{t}", tree, f"hf_sample_t{t}", f"{about}, sampling T={t}", t
+                )
+                for t in temperatures
+            ]
     for t in temperatures:
         base = f"hf_sample_t{t}"
         methods += [
@@ -227,6 +243,7 @@ def build_methods(
             ),
             _selfspec_method(f"selfspec_auto_t{t}", auto_engine, base, f"selfspec auto, sampling T={t}", t),
         ]
+    methods += medusa_methods
     methods += _tree_methods(model, tokenizer, exit_layer, num_draft_tokens, tree_nodes, temperatures, fixed)
     return methods
 

@@ -50,6 +50,9 @@ from .tree import TreeAcceptance, accept_tree_greedy, accept_tree_sampled, check
 from .tree_draft import keep_accepted_path, select_nodes, tree_to_chain, truncate_tree, verify_tree
 from .verify import Acceptance, accept_greedy, accept_sampled
 
+#: Drafters that draft token trees with ``tree_nodes``.
+TREE_DRAFTERS = ("early_exit", "hybrid", "medusa")
+
 #: Drafters selectable by name.
 DRAFTERS = ("early_exit", "prompt_lookup", "hybrid", "layer_skip", "draft_model", "medusa", "none")
 #: Draft length used when ``num_draft_tokens="auto"`` finds no calibration.
@@ -113,7 +116,9 @@ class SpeculativeEngine:
             drafter (also inside ``"hybrid"``) draft a token tree of at most ``N`` nodes and at
             most ``num_draft_tokens`` levels, verified in one forward
             (``docs/trees.md``); ``"auto"`` uses the calibrated choice (chain or tree, and
-            the node budget), else :data:`DEFAULT_TREE_NODES`.
+            the node budget), else :data:`DEFAULT_TREE_NODES`. With ``drafter="medusa"`` the
+            heads' candidates are verified as a tree of at most ``N`` nodes (``"auto"``:
+            :data:`DEFAULT_TREE_NODES`).
         batching: decode concurrent calls together: a background thread runs each round
             for all active generations in the same forwards, each keeping its own text
             (see :mod:`selfspec.batching`; generations with a constraint, or a drafter
@@ -298,8 +303,10 @@ class SpeculativeEngine:
     def _resolve_tree_nodes(self, tree_nodes: int | str | None, drafter: str | Drafter) -> int | None:
         self._check_tree_nodes(tree_nodes)
         if tree_nodes == "auto":
+            if drafter == "medusa":
+                return DEFAULT_TREE_NODES  # Medusa's candidate tree (calibration races the early exit's)
             if drafter not in ("early_exit", "hybrid"):
-                return None  # only the early exit drafts trees
+                return None  # only the early exit and Medusa draft trees
             saved = self.calibration.get("tree_nodes", DEFAULT_TREE_NODES)
             return saved if isinstance(saved, int) and not isinstance(saved, bool) and saved >= 1 else None
         assert tree_nodes is None or isinstance(tree_nodes, int)
@@ -330,10 +337,10 @@ class SpeculativeEngine:
 
     def _make_drafter(self, drafter: str | Drafter) -> Drafter:
         self._check_engine_args("auto", "auto", drafter)
-        if self.tree_nodes is not None and (isinstance(drafter, Drafter) or drafter not in ("early_exit", "hybrid")):
+        if self.tree_nodes is not None and (isinstance(drafter, Drafter) or drafter not in TREE_DRAFTERS):
             name = drafter.name if isinstance(drafter, Drafter) else drafter
             raise ConfigurationError(
-                f"tree_nodes drafts trees with the early_exit and hybrid drafters, not {name!r}; "
+                f"tree_nodes drafts trees with the early_exit, hybrid and medusa drafters, not {name!r}; "
                 "a Drafter instance returns trees through Draft.parents itself"
             )
         if isinstance(drafter, Drafter):
@@ -355,7 +362,10 @@ class SpeculativeEngine:
         if drafter == "draft_model":
             return DraftModelDrafter(self.draft_model, self.adapter.vocab_size)
         if drafter == "medusa":
-            return MedusaDrafter(self._medusa_heads())
+            heads = self._medusa_heads()
+            if self.tree_nodes is None:
+                return MedusaDrafter(heads)
+            return MedusaDrafter(heads, tree=True, tree_nodes=self.tree_nodes)
         if drafter == "layer_skip":
             saved = self.calibration.get("layer_skip_layers")
             layers = default_skip_layers(self.adapter.num_layers)
@@ -717,6 +727,9 @@ class SpeculativeEngine:
             target_logits = verify_tree(state, draft)  # [n + 1, vocab]
             acceptance = self._accept_tree(state, draft, target_logits, run.generator)
             keep_accepted_path(state, acceptance.path)
+            if state.last_hidden is not None:  # verify_tree kept [1, n + 1, hidden]: the last accepted node's
+                row = acceptance.path[-1] + 1 if acceptance.path else 0
+                state.last_hidden = state.last_hidden[:, row : row + 1]
             depth = max(tree_depths(draft.parents), default=0)  # what the controller budgets
         else:
             target_logits = self._verify(state, draft)  # [k + 1, vocab]
@@ -740,7 +753,7 @@ class SpeculativeEngine:
         histogram[acceptance.num_accepted] += 1
 
         tokens = acceptance.emitted(draft.tokens)
-        if state.last_hidden is not None:  # _verify kept [1, k + 1, hidden]: the state that chose next_token
+        if state.last_hidden is not None and draft.parents is None:  # _verify kept [1, k + 1, hidden]
             state.last_hidden = state.last_hidden[:, acceptance.num_accepted : acceptance.num_accepted + 1]
         # roll every layer back to the accepted text: last_token + accepted drafts
         state.cache.crop_to(state.position + acceptance.num_accepted + 1)

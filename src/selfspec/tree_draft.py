@@ -268,6 +268,8 @@ def verify_tree(state: DecodeState, draft: Draft) -> torch.Tensor:
     else:
         ids = torch.tensor([[state.last_token, *draft.tokens]], device=device)
         hidden = adapter.run_layers(adapter.embed(ids), 0, adapter.num_layers, positions, cache, tree=full)
+    if state.last_hidden is not None:  # a drafter that reads the final hidden state (Medusa) keeps it
+        state.last_hidden = hidden
     return adapter.logits(hidden)
 
 
