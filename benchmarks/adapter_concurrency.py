@@ -4,7 +4,8 @@ For each adapter (LangChain ``ChatSpeculative``, LlamaIndex ``SpeculativeLLM``) 
 (local engine, endpoint mode against ``selfspec serve`` on loopback), the same 32 calls run once
 one after another and once together (16 threads and 16 asyncio tasks at the same time). Every
 concurrent answer is checked against the same call made alone. The engine serialises calls round
-by round, so together is not expected to be faster; the numbers show what sharing costs.
+by round, so together is not expected to be faster; the numbers show what sharing costs. The
+"local, batching" mode gives the adapters ``batching=True``: concurrent calls share rounds.
 
 python benchmarks/adapter_concurrency.py    # writes benchmarks/results/adapter_concurrency_cpu.json
 """
@@ -137,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     engine.generate("Warm up.", max_new_tokens=4)
     runs = []
     with loopback_server(engine) as base_url:
-        for mode, fields in (("local", {}), ("endpoint", {"base_url": base_url})):
+        modes = (("local", {}), ("local, batching", {"batching": True}), ("endpoint", {"base_url": base_url}))
+        for mode, fields in modes:
             for adapter, make in (("langchain", langchain_calls), ("llamaindex", llamaindex_calls)):
                 call, acall = make(fields, args.max_tokens)
                 result = {"adapter": adapter, "mode": mode, **measure(call, acall)}

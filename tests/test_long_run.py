@@ -23,5 +23,6 @@ def test_many_generations_do_not_grow_memory() -> None:
     prompts = ["It is a truth", [{"role": "user", "content": "Hello world!"}], "Café 東京"]
     long_run_module.long_run(engine, prompts, 20, 16)  # warm up allocator pools
     result = long_run_module.long_run(engine, prompts, 200, 16)
-    assert result["rss_mb_end"] - result["rss_mb_start"] < 30, result
+    assert result["memory_within_bound"], result
+    assert result["streams_cancelled"] == 20 and result["calls_refused"] == 8, result
     # step time is a benchmark figure (benchmarks/long_run.py), not asserted in a test

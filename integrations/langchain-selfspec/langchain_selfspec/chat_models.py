@@ -126,8 +126,8 @@ class ChatSpeculative(BaseChatModel):
             ``"early_exit"`` (self-speculation, the default), another of
             ``selfspec.engine.DRAFTERS`` (``"prompt_lookup"``, ``"hybrid"``, ...), or
             ``"none"`` (plain decoding).
-        draft_model, medusa_heads, draft_confidence, exit_adapter, tree_nodes, calibrate, dtype,
-        device, trust_remote_code, allow_pickle:
+        draft_model, medusa_heads, draft_confidence, exit_adapter, tree_nodes, batching, calibrate,
+        dtype, device, trust_remote_code, allow_pickle:
             As in ``SpeculativeEngine.from_pretrained``.
 
         Weights load on first use; every instance with the same engine arguments shares one
@@ -278,6 +278,10 @@ class ChatSpeculative(BaseChatModel):
     tree_nodes: int | Literal["auto"] | None = None
     """``None`` drafts a chain; an int drafts a token tree of at most that many nodes, verified in
     one forward; ``"auto"`` uses the calibrated choice."""
+
+    batching: bool = False
+    """Decode concurrent calls on the shared engine together (``selfspec.batching``): each call
+    keeps the text it gets alone; more throughput when many threads or tasks share the model."""
 
     trust_remote_code: bool = False
     """Allow checkpoints that ship their own Python code."""

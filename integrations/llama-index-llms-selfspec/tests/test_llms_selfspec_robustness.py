@@ -221,7 +221,19 @@ def test_bad_exit_layer_or_draft_length(fields, match, reference) -> None:
 
 # ------------------------------------------------------------------------------- concurrency
 def test_16_threads_and_16_tasks_get_what_they_get_alone(mode) -> None:
-    llm = make(mode, max_new_tokens=8)
+    check_concurrent_calls_equal_alone(make(mode, max_new_tokens=8), "endpoint mode" if mode else "local mode")
+
+
+def test_16_threads_and_16_tasks_on_a_batching_engine() -> None:
+    """batching=True: the calls share rounds and each still gets its solo text (float64, since
+    batched float32 kernels are not batch-invariant)."""
+    llm = make({}, max_new_tokens=8, batching=True, dtype="float64")
+    check_concurrent_calls_equal_alone(llm, "local mode, batching")
+    scheduler = llm.engine._batcher
+    assert scheduler is not None and scheduler.max_rows_seen >= 2, "the calls never shared a round"
+
+
+def check_concurrent_calls_equal_alone(llm, label) -> None:
     alone = {p: llm.complete(p).text for p in PROMPTS}
     results = {}
 
@@ -245,7 +257,7 @@ def test_16_threads_and_16_tasks_get_what_they_get_alone(mode) -> None:
         assert not thread.is_alive(), "a thread did not finish (deadlock?)"
     seconds = time.perf_counter() - started
     assert results == {i: alone[PROMPTS[i % 4]] for i in range(32)}
-    logger.info("%s mode: 32 concurrent calls in %.2f s", "endpoint" if mode else "local", seconds)
+    logger.info("%s: 32 concurrent calls in %.2f s", label, seconds)
 
 
 # ------------------------------------------------------------------------------- cancellation

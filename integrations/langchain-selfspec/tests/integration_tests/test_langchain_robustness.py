@@ -252,8 +252,7 @@ def run_concurrently(call: Callable[[str], str], acall: Callable[[str], Any]) ->
     return results, time.perf_counter() - started
 
 
-def test_16_threads_and_16_tasks_get_what_they_get_alone(mode: dict[str, Any]) -> None:
-    llm = make(mode, max_tokens=8)
+def check_concurrent_calls_equal_alone(llm: ChatSpeculative, label: str) -> None:
     alone = {p: str(llm.invoke(p).content) for p in PROMPTS}
 
     async def astreamed(prompt: str) -> str:
@@ -261,9 +260,20 @@ def test_16_threads_and_16_tasks_get_what_they_get_alone(mode: dict[str, Any]) -
 
     results, seconds = run_concurrently(lambda p: str(llm.invoke(p).content), astreamed)
     assert results == {i: alone[PROMPTS[i % len(PROMPTS)]] for i in range(32)}
-    logger.info(
-        "%s mode: 32 concurrent calls in %.2f s (%.2f calls/s)", "endpoint" if mode else "local", seconds, 32 / seconds
-    )
+    logger.info("%s: 32 concurrent calls in %.2f s (%.2f calls/s)", label, seconds, 32 / seconds)
+
+
+def test_16_threads_and_16_tasks_get_what_they_get_alone(mode: dict[str, Any]) -> None:
+    check_concurrent_calls_equal_alone(make(mode, max_tokens=8), "endpoint mode" if mode else "local mode")
+
+
+def test_16_threads_and_16_tasks_on_a_batching_engine() -> None:
+    """batching=True: the calls share rounds and each still gets its solo text (float64, since
+    batched float32 kernels are not batch-invariant)."""
+    llm = make({}, max_tokens=8, batching=True, dtype="float64")
+    check_concurrent_calls_equal_alone(llm, "local mode, batching")
+    scheduler = llm.get_engine()._batcher
+    assert scheduler is not None and scheduler.max_rows_seen >= 2, "the calls never shared a round"
 
 
 # ------------------------------------------------------------------------------- cancellation

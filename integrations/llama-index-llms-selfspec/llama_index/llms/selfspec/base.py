@@ -152,6 +152,11 @@ class SpeculativeLLM(FunctionCallingLLM):
         description="None drafts a chain; an int drafts a token tree of at most that many nodes, "
         "verified in one forward; 'auto' uses the calibrated choice.",
     )
+    batching: bool = Field(
+        default=False,
+        description="Decode concurrent calls on the shared engine together (selfspec.batching): each call "
+        "keeps the text it gets alone; more throughput when many threads or tasks share the model.",
+    )
     device: str = Field(default="auto", description="'auto' (CUDA when available), 'cpu' or 'cuda[:N]'.")
     dtype: str = Field(
         default="auto",
