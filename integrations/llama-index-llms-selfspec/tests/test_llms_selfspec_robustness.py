@@ -155,7 +155,7 @@ def test_non_utf8_bytes_in_output(mode, demo_llm) -> None:
 def _demo_files(folder: Path, *, weights: bool) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     for path in demo_model_path().iterdir():
-        if path.name != "model.safetensors":
+        if path.is_file() and path.name != "model.safetensors":  # not medusa/ and other extras
             shutil.copy(path, folder / path.name)
     if weights:
         from safetensors.torch import load_file
