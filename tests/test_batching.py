@@ -17,7 +17,14 @@ from typing import Any
 import pytest
 import test_stream_and_stop as text_tests
 import torch
-from test_distribution import NEW_TOKENS, PROMPT, SAMPLES, VOCAB, chi_square_pvalue, exact_distribution
+from test_distribution import (
+    NEW_TOKENS,
+    PROMPT,
+    SAMPLES,
+    chi_square_pvalue,
+    exact_distribution,
+    make_distribution_model,
+)
 from tiny_models import make_config, make_model, reference_greedy, scale_deep_layers
 
 import selfspec.batching
@@ -127,21 +134,7 @@ def test_trees_run_unbatched_and_exact() -> None:
 @pytest.fixture(scope="module")
 def sampling_model() -> Any:
     """The model of ``test_distribution.py``: 8 tokens, partly agreeing early exits."""
-    model = make_model(
-        "llama",
-        agreeing=False,
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        initializer_range=0.5,
-    )
-    scale_deep_layers(model, start=1, factor=0.5)
-    model.generation_config.eos_token_id = None
-    model.config.eos_token_id = None
-    return model
+    return make_distribution_model()
 
 
 @pytest.mark.slow

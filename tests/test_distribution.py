@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from typing import Any
 
 import pytest
 import torch
@@ -30,8 +31,9 @@ SAMPLES = 2500
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def model():
+def make_distribution_model() -> Any:
+    """An 8-token Llama whose early exits partly agree with it: drafts are accepted often and
+    rejected often; no end-of-sequence token, so every sequence has exactly NEW_TOKENS tokens."""
     m = make_model(
         "llama",
         agreeing=False,
@@ -43,11 +45,15 @@ def model():
         num_key_value_heads=1,
         initializer_range=0.5,
     )
-    # partly agreeing early exits: drafts are accepted often and rejected often
     scale_deep_layers(m, start=1, factor=0.5)
-    m.generation_config.eos_token_id = None  # every sequence has exactly NEW_TOKENS tokens
+    m.generation_config.eos_token_id = None
     m.config.eos_token_id = None
     return m
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_distribution_model()
 
 
 def exact_distribution(model, params: SamplingParams) -> dict[tuple[int, ...], float]:

@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from tiny_models import make_model, reference_greedy, scale_deep_layers
+from tiny_models import make_model, reference_greedy
 from tiny_tokenizer import make_tokenizer
 
 from selfspec import SpeculativeEngine
@@ -88,20 +88,7 @@ def test_sampling_with_an_exit_adapter_follows_the_target() -> None:
     import test_distribution as dist
 
     # the distribution test's model: an 8-token vocabulary, partly agreeing early exits
-    model = make_model(
-        "llama",
-        agreeing=False,
-        vocab_size=dist.VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        initializer_range=0.5,
-    )
-    scale_deep_layers(model, start=1, factor=0.5)
-    model.generation_config.eos_token_id = None
-    model.config.eos_token_id = None
+    model = dist.make_distribution_model()
     adapter = random_adapter(model, exit_layer=1, scale=0.5, seed=3)
     params = SamplingParams(1.0)
     engine = SpeculativeEngine(model, exit_adapter=adapter, num_draft_tokens=2)

@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from test_distribution import PROMPT, VOCAB, chi_square_pvalue, exact_distribution, sampled_counts
+from test_distribution import (
+    PROMPT,
+    VOCAB,
+    chi_square_pvalue,
+    exact_distribution,
+    make_distribution_model,
+    sampled_counts,
+)
 from tiny_models import make_model, reference_greedy, scale_deep_layers
 
 from selfspec import SpeculativeEngine
@@ -204,20 +211,7 @@ def test_tree_mode_through_the_engine_is_exact(arch: str) -> None:
 @pytest.mark.slow
 def test_tree_mode_sampling_follows_target() -> None:
     """Sampled candidate trees (i.i.d. siblings per head) pass the exact-distribution test."""
-    model = make_model(
-        "llama",
-        agreeing=False,
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        initializer_range=0.5,
-    )
-    scale_deep_layers(model, start=1, factor=0.5)
-    model.generation_config.eos_token_id = None
-    model.config.eos_token_id = None
+    model = make_distribution_model()
     heads = MedusaHeads(2, 16, VOCAB)
     heads.init_from_lm_head(model.lm_head)
     params = SamplingParams(1.0)
@@ -287,20 +281,7 @@ def test_tree_mode_drafter_proposes_a_tree() -> None:
 @pytest.mark.slow
 def test_sampling_follows_target() -> None:
     """Heads that are partly right: drafts accepted and rejected; the text's distribution is exact."""
-    model = make_model(
-        "llama",
-        agreeing=False,
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        initializer_range=0.5,
-    )
-    scale_deep_layers(model, start=1, factor=0.5)
-    model.generation_config.eos_token_id = None
-    model.config.eos_token_id = None
+    model = make_distribution_model()
     heads = MedusaHeads(2, 16, VOCAB)
     heads.init_from_lm_head(model.lm_head)
     params = SamplingParams(1.0)
