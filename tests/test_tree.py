@@ -372,6 +372,14 @@ def test_bad_tree_nodes_are_refused(bad) -> None:
         SpeculativeEngine(make_model("llama"), tree_nodes=bad)
 
 
+@pytest.mark.parametrize("drafter", ["prompt_lookup", "layer_skip", "none"])
+def test_tree_nodes_with_a_drafter_that_drafts_no_trees_is_refused(drafter: str) -> None:
+    with pytest.raises(ConfigurationError, match="early_exit, hybrid and medusa drafters"):
+        SpeculativeEngine(make_model("llama"), drafter=drafter, tree_nodes=4)
+    # "auto" quietly means a chain for them
+    assert SpeculativeEngine(make_model("llama"), drafter=drafter, tree_nodes="auto").tree_nodes is None
+
+
 def test_auto_tree_nodes_reads_the_calibration() -> None:
     model = make_model("llama")
     assert SpeculativeEngine(model, tree_nodes="auto", calibration={}).tree_nodes is None
