@@ -103,7 +103,7 @@ def test_hybrid_learns_which_source_pays_in_this_generation() -> None:
     # the target rejected the copy at once: settled from the emitted text on the next call
     state.token_ids.extend([99, 20, 21, 22])
     book = hybrid._book(state)
-    assert book["lookup"].rate < 0.5 and book["pending"] is None
+    assert book["lookup"].rate < 0.5 and book["pending"] == []
     for _ in range(6):
         book["lookup"].record(3, 0)
     choices = [hybrid.choose(state, [23, 24, 25], 3) for _ in range(16)]
@@ -235,3 +235,53 @@ def test_layer_skip_equals_generate(arch: str) -> None:
 def test_layer_skip_uses_calibrated_layers() -> None:
     engine = SpeculativeEngine(make_model("llama"), drafter="layer_skip", calibration={"layer_skip_layers": [0, 2, 5]})
     assert engine.drafter.layers == [0, 2, 5]
+
+
+def test_graft_puts_the_lookup_beside_the_chain() -> None:
+    from selfspec.drafters import Draft, graft
+
+    chain = Draft(tokens=[1, 2, 3], exit_layer=2)
+    tree = graft(chain, [1, 5, 6])  # shares the first token
+    assert tree.tokens == [1, 2, 3, 5, 6] and tree.parents == [-1, 0, 1, 0, 3]
+    tree = graft(chain, [7, 8])  # shares nothing: a second child of the root
+    assert tree.tokens == [1, 2, 3, 7, 8] and tree.parents == [-1, 0, 1, -1, 3]
+    assert graft(chain, [1, 2]) is chain  # nothing new
+    assert graft(Draft(), [1, 2]) == Draft()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_hybrid_verifies_a_rejected_lookup_beside_the_early_exit(arch: str) -> None:
+    """Greedy rounds where the early exit wins the choice still verify the copied continuation
+    as a second branch; the text equals generate, and the lookup branch is sometimes the one kept."""
+    from selfspec.engine import SpeculativeEngine as Engine
+
+    model = make_model(arch, agreeing=False)
+    prompt = repetitive_prompt()
+    reference = reference_greedy(model, prompt, 40)
+    engine = Engine(model, drafter="hybrid", exit_layer=2, num_draft_tokens=3)
+    engine.drafter.PROBE_EVERY = 10**6  # never take the lookup alone: every match is grafted
+    engine.drafter.choose = lambda state, copied, max_tokens: "early_exit"
+    grafted, kept_lookup = [], []
+    propose, accept = engine.drafter.propose, engine._accept_tree
+
+    def spy_propose(state, max_tokens):
+        draft = propose(state, max_tokens)
+        if draft.parents is not None:
+            grafted.append(draft)
+        return draft
+
+    def spy_accept(state, draft, logits, generator):
+        acceptance = accept(state, draft, logits, generator)
+        chain = next(i for i, parent in enumerate(draft.parents) if parent != i - 1)  # where the graft starts
+        kept_lookup.append(any(i >= chain for i in acceptance.path))
+        return acceptance
+
+    engine.drafter.propose = spy_propose
+    engine._accept_tree = spy_accept
+    assert engine.generate_ids(prompt, max_new_tokens=40).token_ids == reference
+    assert grafted, "no round grafted a lookup"
+    assert any(kept_lookup), "the lookup branch never won"
+    # without the graft, the same text
+    plain = Engine(model, drafter="hybrid", exit_layer=2, num_draft_tokens=3)
+    plain.drafter.graft_lookup = False
+    assert plain.generate_ids(prompt, max_new_tokens=40).token_ids == reference

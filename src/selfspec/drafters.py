@@ -284,6 +284,11 @@ class HybridDrafter(Drafter):
     ones. A source that lost is retried every ``PROBE_EVERY`` matches. The choice reads only
     the token history, so it is deterministic, and any choice is lossless.
 
+    When the early exit is chosen over a lookup match in a greedy round, the copied
+    continuation is not thrown away: it is grafted onto the early-exit draft as a second
+    branch (sharing their common prefix), and the target verifies both in one forward with a
+    tree attention mask, keeping the longer matching path (``graft_lookup``).
+
     Args:
         exit_layer: the early-exit drafter's layer.
         max_ngram: longest n-gram prompt lookup matches.
@@ -292,6 +297,8 @@ class HybridDrafter(Drafter):
             seen (the calibrated agreement at ``exit_layer``, else 0.6).
         confidence: the early exit's confidence stop (see :class:`EarlyExitDrafter`).
         exit_adapter: optional trained :class:`~selfspec.exit_adapter.ExitAdapter` for the early exit.
+        graft_lookup: verify a rejected lookup continuation beside the early-exit draft (greedy
+            rounds without a grammar constraint; the early exit drafting a chain).
     """
 
     name = "hybrid"
@@ -307,10 +314,12 @@ class HybridDrafter(Drafter):
         exit_agreement: float = 0.6,
         confidence: float = 0.0,
         exit_adapter: ExitAdapter | None = None,
+        graft_lookup: bool = True,
     ) -> None:
         self.lookup_drafter = PromptLookupDrafter(max_ngram=max_ngram, min_ngram=min_ngram)
         self.early_exit = EarlyExitDrafter(exit_layer, confidence=confidence, exit_adapter=exit_adapter)
         self.exit_agreement = exit_agreement
+        self.graft_lookup = graft_lookup
         self._draft_cost: float | None = None
 
     @property
@@ -346,7 +355,7 @@ class HybridDrafter(Drafter):
     def note(self, state: GenerationView, kind: str, tokens: list[int]) -> None:
         """Remember this round's draft (from ``kind``) to settle it from the text that follows."""
         if tokens:
-            self._book(state)["pending"] = (kind, list(tokens), len(state.token_ids))
+            self._book(state)["pending"].append((kind, list(tokens), len(state.token_ids)))
 
     def _book(self, state: GenerationView) -> dict[str, Any]:
         book = state.scratch.get("hybrid")
@@ -354,18 +363,16 @@ class HybridDrafter(Drafter):
             book = state.scratch["hybrid"] = {
                 "lookup": _SourceRecord(0.5),
                 "early_exit": _SourceRecord(self.exit_agreement),
-                "pending": None,
+                "pending": [],
                 "skipped": 0,
             }
-        pending = book["pending"]
-        if pending is not None:  # settle the previous round from the text that followed it
-            kind, tokens, start = pending
+        for kind, tokens, start in book["pending"]:  # settle the last round from the text that followed it
             emitted = state.token_ids[start:]
             accepted = 0
             while accepted < min(len(tokens), len(emitted)) and tokens[accepted] == emitted[accepted]:
                 accepted += 1
             book[kind].record(len(tokens), accepted)
-            book["pending"] = None
+        book["pending"] = []
         return book
 
     def propose(self, state: DecodeState, max_tokens: int) -> Draft:
@@ -377,7 +384,33 @@ class HybridDrafter(Drafter):
         kind = self.choose(state, copied, max_tokens) if copied else "early_exit"
         draft = Draft(tokens=copied) if kind == "lookup" else self.early_exit.propose(state, max_tokens)
         self.note(state, kind, draft.tokens)
+        if kind == "early_exit" and copied and self.graft_lookup and state.params.greedy and state.constraint is None:
+            self.note(state, "lookup", copied)
+            return graft(draft, copied)
         return draft
+
+
+def graft(chain: Draft, branch: list[int]) -> Draft:
+    """A greedy early-exit chain with ``branch`` grafted on as a second path from the root.
+
+    The two share their common prefix; the branch's remaining tokens hang from the last shared
+    node. The chain's nodes come first, so its exit states (the root and its first nodes, whose
+    shallow-layer KV is cached) describe the tree too. Returns ``chain`` itself when there is
+    nothing to add (the branch is a prefix of the chain, or the chain is empty or a tree).
+    """
+    if not chain.tokens or chain.parents is not None or chain.draft_probs is not None:
+        return chain
+    shared = 0
+    while shared < min(len(branch), len(chain.tokens)) and branch[shared] == chain.tokens[shared]:
+        shared += 1
+    if shared == len(branch):
+        return chain
+    k = len(chain.tokens)
+    rest = branch[shared:]
+    parents = [i - 1 for i in range(k)] + [shared - 1] + [k + j for j in range(len(rest) - 1)]
+    return Draft(
+        tokens=[*chain.tokens, *rest], parents=parents, exit_states=chain.exit_states, exit_layer=chain.exit_layer
+    )
 
 
 class DraftModelDrafter(Drafter):
