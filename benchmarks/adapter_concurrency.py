@@ -17,12 +17,10 @@ import asyncio
 import json
 import os
 import platform
-import socket
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,30 +33,6 @@ import torch
 RESULTS = Path(__file__).parent / "results"
 PROMPTS = [f"Tell me about {topic}." for topic in ("Bath", "Longbourn", "Mr. Darcy", "the sea")]
 CALLS = 16  # threads, and as many asyncio tasks
-
-
-@contextmanager
-def loopback_server(engine: Any) -> Iterator[str]:
-    """``selfspec serve``'s app over ``engine`` on a free loopback port (uvicorn in a thread)."""
-    import uvicorn
-
-    from selfspec.server import create_app
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(engine, model_id="selfspec-demo"), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 def measure(call: Callable[[str], str], acall: Callable[[str], Awaitable[str]]) -> dict[str, Any]:
@@ -133,11 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
 
     from selfspec import get_engine
+    from selfspec.server import serve_in_background
 
     engine = get_engine("selfspec-demo")
     engine.generate("Warm up.", max_new_tokens=4)
     runs = []
-    with loopback_server(engine) as base_url:
+    with serve_in_background(engine, model_id="selfspec-demo") as root:
+        base_url = f"{root}/v1"
         modes = (("local", {}), ("local, batching", {"batching": True}), ("endpoint", {"base_url": base_url}))
         for mode, fields in modes:
             for adapter, make in (("langchain", langchain_calls), ("llamaindex", llamaindex_calls)):

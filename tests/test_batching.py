@@ -312,39 +312,30 @@ def test_batching_argument_and_reprs() -> None:
 def test_serve_with_batching_answers_like_without() -> None:
     """Concurrent HTTP requests to a batching server get the texts an unbatched server gives."""
     pytest.importorskip("fastapi")
-    uvicorn = pytest.importorskip("uvicorn")
+    pytest.importorskip("uvicorn")
     httpx = pytest.importorskip("httpx")
-    from test_serve import _free_port
 
-    from selfspec.server import create_app
+    from selfspec.server import serve_in_background
 
     base = SpeculativeEngine.from_pretrained("selfspec-demo", dtype="float64")
     prompts = ["It is a truth universally acknowledged", "Tell me about Bath.", "Mr. Darcy said", "Once upon"]
     limits = [20, 7, 14, 11]
 
     def answers(engine: SpeculativeEngine) -> list[str]:
-        port = _free_port()
-        server = uvicorn.Server(uvicorn.Config(create_app(engine, model_id="m"), port=port, log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        while not server.started:
-            assert thread.is_alive()
-            time.sleep(0.05)
         texts: dict[int, str] = {}
+        with serve_in_background(engine, model_id="m") as root:
 
-        def ask(i: int) -> None:
-            body = {"model": "m", "prompt": prompts[i], "max_tokens": limits[i], "temperature": 0}
-            reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120)
-            reply.raise_for_status()
-            texts[i] = reply.json()["choices"][0]["text"]
+            def ask(i: int) -> None:
+                body = {"model": "m", "prompt": prompts[i], "max_tokens": limits[i], "temperature": 0}
+                reply = httpx.post(f"{root}/v1/completions", json=body, timeout=120)
+                reply.raise_for_status()
+                texts[i] = reply.json()["choices"][0]["text"]
 
-        askers = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
-        for asker in askers:
-            asker.start()
-        for asker in askers:
-            asker.join()
-        server.should_exit = True
-        thread.join(timeout=30)
+            askers = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+            for asker in askers:
+                asker.start()
+            for asker in askers:
+                asker.join()
         return [texts[i] for i in range(len(prompts))]
 
     batched = SpeculativeEngine(base.model, base.tokenizer, calibration=base.calibration, batching=True)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +15,7 @@ uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from selfspec.server import create_app  # noqa: E402
+from selfspec.server import serve_in_background  # noqa: E402
 
 MODEL = "selfspec-demo"
 KEY = "test-key"
@@ -37,26 +35,10 @@ STAT_NAMES = (
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def base_url(demo_engine: Any) -> Iterator[str]:
-    port = _free_port()
-    app = create_app(demo_engine, model_id=MODEL, api_key=KEY)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=30)
+    with serve_in_background(demo_engine, model_id=MODEL, api_key=KEY) as root:
+        yield root
 
 
 @pytest.fixture(scope="module")

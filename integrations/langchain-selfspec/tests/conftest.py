@@ -63,32 +63,8 @@ def selfspec_server(demo_engine: Any) -> Any:
 
     Yields the endpoint-mode arguments: ``{"base_url": "http://127.0.0.1:PORT/v1", "api_key": ...}``.
     """
-    for base_url in serve_on_loopback(demo_engine, SERVER_KEY):
-        yield {"base_url": base_url, "api_key": SERVER_KEY}
+    pytest.importorskip("uvicorn")
+    from selfspec.server import serve_in_background
 
-
-def serve_on_loopback(engine: Any, api_key: str | None) -> Generator[str, None, None]:
-    """Run ``selfspec serve``'s app for ``engine`` on a free loopback port until the generator closes."""
-    import socket
-    import threading
-    import time
-
-    uvicorn = pytest.importorskip("uvicorn")
-    from selfspec.server import create_app
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    app = create_app(engine, model_id="selfspec-demo", api_key=api_key)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    with serve_in_background(demo_engine, model_id="selfspec-demo", api_key=SERVER_KEY) as root:
+        yield {"base_url": f"{root}/v1", "api_key": SERVER_KEY}

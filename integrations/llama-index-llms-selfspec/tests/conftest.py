@@ -39,24 +39,8 @@ def selfspec_server(demo_llm):
 
     Yields the endpoint-mode arguments: ``{"base_url": "http://127.0.0.1:PORT/v1", "api_key": ...}``.
     """
-    import socket
-    import threading
-    import time
+    pytest.importorskip("uvicorn")
+    from selfspec.server import serve_in_background
 
-    uvicorn = pytest.importorskip("uvicorn")
-    from selfspec.server import create_app
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    app = create_app(demo_llm.engine, model_id="selfspec-demo", api_key=SERVER_KEY)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    yield {"base_url": f"http://127.0.0.1:{port}/v1", "api_key": SERVER_KEY}
-    server.should_exit = True
-    thread.join(timeout=30)
+    with serve_in_background(demo_llm.engine, model_id="selfspec-demo", api_key=SERVER_KEY) as root:
+        yield {"base_url": f"{root}/v1", "api_key": SERVER_KEY}

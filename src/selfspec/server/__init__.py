@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any
 from .cli import add_serve_parser, cmd_serve
 
 if TYPE_CHECKING:
-    from .app import create_app, serve
+    from .app import create_app, serve, serve_in_background
 
-__all__ = ["add_serve_parser", "cmd_serve", "create_app", "serve"]
+__all__ = ["add_serve_parser", "cmd_serve", "create_app", "serve", "serve_in_background"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("create_app", "serve"):
+    if name in ("create_app", "serve", "serve_in_background"):
         from . import app
 
         return getattr(app, name)

@@ -649,3 +649,39 @@ def serve(
     if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without an API key: anyone who can reach it can use the model", host)
     uvicorn.run(create_app(engine, model_id=model_id, api_key=api_key), host=host, port=port, log_level=log_level)
+
+
+@contextmanager
+def serve_in_background(
+    engine: SpeculativeEngine, *, model_id: str | None = None, api_key: str | None = None, timeout: float = 30.0
+) -> Iterator[str]:
+    """Serve ``engine`` on a free loopback port from a background thread, for tests and benchmarks.
+
+    Yields the server's root URL (``http://127.0.0.1:PORT``; the OpenAI API is under ``/v1``)
+    once it accepts connections, and stops the server when the block ends.
+
+    Raises:
+        RuntimeError: the server did not start within ``timeout`` seconds.
+    """
+    import socket
+
+    import uvicorn
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    app = create_app(engine, model_id=model_id, api_key=api_key)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            raise RuntimeError(f"the server on port {port} did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=timeout)
