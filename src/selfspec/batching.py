@@ -525,7 +525,7 @@ class BatchScheduler:
                     row.draft = copied
                     continue
                 # the hybrid's own per-generation choice, as in a solo generation
-                drafter._book(row)  # settles the previous round's draft
+                drafter.settle(row)
                 row.kind = drafter.choose(row, copied, budget) if copied else "early_exit"
                 if row.kind == "lookup":
                     row.draft = copied

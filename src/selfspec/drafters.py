@@ -357,6 +357,10 @@ class HybridDrafter(Drafter):
         if tokens:
             self._book(state)["pending"].append((kind, list(tokens), len(state.token_ids)))
 
+    def settle(self, state: GenerationView) -> None:
+        """Score the last round's drafts against the text that followed them (before choosing)."""
+        self._book(state)
+
     def _book(self, state: GenerationView) -> dict[str, Any]:
         book = state.scratch.get("hybrid")
         if book is None:
@@ -379,7 +383,7 @@ class HybridDrafter(Drafter):
         """A lookup draft when it is the better bet this round, else an early-exit draft."""
         if max_tokens <= 0:
             return Draft()
-        self._book(state)  # settles the previous round's draft
+        self.settle(state)
         copied = self.lookup_drafter.lookup(state, max_tokens)
         kind = self.choose(state, copied, max_tokens) if copied else "early_exit"
         draft = Draft(tokens=copied) if kind == "lookup" else self.early_exit.propose(state, max_tokens)
