@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import SamplingError
+from .validation import check_temperature, check_top_k, check_top_p
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class SamplingParams:
     """How the next token is chosen.
 
     Attributes:
-        temperature: ``0`` is greedy decoding; a positive value divides the logits.
+        temperature: ``0`` is greedy decoding; a finite positive value divides the logits.
         top_k: keep only the ``top_k`` most likely tokens (``None`` or ``0``: keep all).
         top_p: keep the smallest set of tokens whose probability reaches ``top_p``
             (``None`` or ``1.0``: keep all).
@@ -33,14 +33,11 @@ class SamplingParams:
     top_p: float | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature):
-            raise SamplingError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if self.temperature < 0:
-            raise SamplingError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 0):
-            raise SamplingError(f"top_k must be an integer >= 0 (0 or None: off), got {self.top_k!r}")
-        if self.top_p is not None and (not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0):
-            raise SamplingError(f"top_p must be in (0, 1] (1 or None: off), got {self.top_p!r}")
+        # validated (bool is not a number; temperature is finite) and stored as plain Python
+        # numbers, so NumPy or 0-d tensor arguments behave like ints and floats
+        object.__setattr__(self, "temperature", check_temperature(self.temperature))
+        object.__setattr__(self, "top_k", check_top_k(self.top_k))
+        object.__setattr__(self, "top_p", check_top_p(self.top_p))
 
     @property
     def greedy(self) -> bool:

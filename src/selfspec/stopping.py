@@ -9,22 +9,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import SamplingError
+from .validation import check_stop
 
 REPLACEMENT_CHAR = "\ufffd"
 
 
 def normalize_stop(stop: str | list[str] | tuple[str, ...] | None) -> list[str]:
-    """Validate stop strings: ``None``, one string, or a list of non-empty strings."""
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else list(stop)
-    for item in stops:
-        if not isinstance(item, str):
-            raise SamplingError(f"stop strings must be str, got {type(item).__name__}: {item!r}")
-        if item == "":
-            raise SamplingError("stop strings must not be empty (an empty stop would match at once)")
-    return stops
+    """Validate stop strings: ``None``, one string, or a list of non-empty strings.
+
+    Raises:
+        SamplingError: anything else (``stop=5``, ``[""]``, a list holding a non-str).
+    """
+    return check_stop(stop)
 
 
 class IncrementalDetokenizer:
