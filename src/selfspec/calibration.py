@@ -1,7 +1,8 @@
 """Saved calibration: the exit layer and draft length chosen for a model on some hardware.
 
-Stored as ``selfspec.json`` beside a local model, or under the user cache
-(``$SELFSPEC_CACHE`` or ``~/.cache/selfspec/<model id>/selfspec.json``) for a hub model.
+Stored as ``selfspec.json`` beside a local model folder, under the user cache
+(``$SELFSPEC_CACHE`` or ``~/.cache/selfspec/<model id>/selfspec.json``) for a hub model, and
+beside the dequantized copy in the user cache (never beside the user's file) for a ``.gguf`` file.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ def calibration_path(name_or_path: str | os.PathLike[str] | None) -> Path | None
     path = Path(name_or_path)
     if path.is_dir():
         return path / CALIBRATION_FILE
+    if path.suffix.lower() == ".gguf":  # beside its dequantized copy (selfspec.loading)
+        from .loading import dequantized_folder
+
+        return dequantized_folder(str(path.parent), path.name) / CALIBRATION_FILE
     return cache_dir() / str(name_or_path).replace("/", "--") / CALIBRATION_FILE
 
 

@@ -42,3 +42,7 @@ class UnsafeCheckpointError(SelfSpecError, ValueError):
 
 class GenerationMemoryError(SelfSpecError, MemoryError):
     """A generation ran out of memory (GPU or host); its cache is freed and the engine stays usable."""
+
+
+class MissingDependencyError(SelfSpecError, ImportError):
+    """An optional dependency is not installed; the message names the extra that installs it."""

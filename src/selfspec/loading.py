@@ -1,18 +1,27 @@
-"""Loading models: name resolution, safe checkpoints, dtype/device, bitsandbytes quantization."""
+"""Loading models: name resolution, safe checkpoints, GGUF files, dtype/device, bitsandbytes quantization."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import logging
 import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .adapter import check_architecture
-from .errors import ConfigurationError, ModelNotFoundError, QuantizationError, UnsafeCheckpointError
+from .errors import (
+    ConfigurationError,
+    MissingDependencyError,
+    ModelNotFoundError,
+    QuantizationError,
+    UnsafeCheckpointError,
+    UnsupportedArchitectureError,
+)
+from .modeling.runner import SUPPORTED_ARCHITECTURES, check_architecture
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +69,147 @@ def resolve_model_path(name_or_path: str | os.PathLike[str]) -> str:
     return name
 
 
+#: The first four bytes of every GGUF file.
+GGUF_MAGIC = b"GGUF"
+#: How to install the GGUF reader.
+GGUF_EXTRA = "pip install 'selfspec[gguf]'"
+
+
+def split_gguf(name_or_path: str | os.PathLike[str], gguf_file: str | None = None) -> tuple[str, str | None]:
+    """Split a GGUF checkpoint into ``(folder or hub id, file name)``; other models pass through.
+
+    A path ending in ``.gguf`` (or any existing file) is a GGUF file: it must exist and start
+    with the GGUF magic bytes. With ``gguf_file=`` the first argument is the folder (or hub id)
+    that holds it. Anything else returns ``(name_or_path, None)``.
+
+    Raises:
+        ModelNotFoundError: the file does not exist, or is not a GGUF file.
+    """
+    name = os.fspath(name_or_path)
+    if gguf_file is not None:
+        if not isinstance(gguf_file, str) or not gguf_file:
+            raise ConfigurationError(f"gguf_file must be a file name inside the model folder, got {gguf_file!r}")
+        folder = Path(name).expanduser()
+        if folder.is_dir():
+            check_gguf_file(folder / gguf_file)
+            return str(folder), gguf_file
+        return name, gguf_file  # a hub repository holding the file
+    if not isinstance(name, str) or not name:
+        return name, None
+    path = Path(name).expanduser()
+    if path.is_file() or name.lower().endswith(".gguf"):
+        check_gguf_file(path)
+        return str(path.parent), path.name
+    return name, None
+
+
+def check_gguf_file(path: Path) -> None:
+    """Raise a clear :class:`ModelNotFoundError` unless ``path`` is a readable GGUF file."""
+    if not path.is_file():
+        raise ModelNotFoundError(
+            f"no GGUF file at {str(path)!r}: the path does not exist or is not a file. Pass an existing "
+            f".gguf file (or a folder plus gguf_file=), a model folder, a hub id, or {DEMO_MODEL!r}."
+        )
+    try:
+        with open(path, "rb") as handle:
+            magic = handle.read(4)
+    except OSError as exc:
+        raise ModelNotFoundError(f"cannot read {str(path)!r}: {exc}") from exc
+    if magic != GGUF_MAGIC:
+        raise ModelNotFoundError(
+            f"{str(path)!r} is not a GGUF file (it does not start with the GGUF magic bytes); pass a .gguf "
+            "checkpoint, or a folder with config.json and *.safetensors"
+        )
+
+
+def require_gguf() -> None:
+    """Raise :class:`MissingDependencyError` naming the ``gguf`` extra when the package is missing."""
+    try:
+        import gguf  # noqa: F401
+    except ImportError as exc:
+        raise MissingDependencyError(f"loading a .gguf checkpoint needs the gguf package: {GGUF_EXTRA}") from exc
+
+
+def dequantized_folder(folder: str, gguf_file: str) -> Path:
+    """Where the dequantized copy of a GGUF checkpoint is kept in the user cache.
+
+    ``<cache>/gguf/<file stem>-<key>/``, the key a hash of the file's absolute path, size and
+    modification time (of ``repo/file`` for a hub repository), so an edited file gets a new copy.
+    """
+    from .calibration import cache_dir
+
+    local = Path(folder) / gguf_file
+    if local.is_file():
+        info = local.resolve().stat()
+        ident = f"{local.resolve()}|{info.st_size}|{info.st_mtime_ns}"
+    else:
+        ident = f"hub:{folder}/{gguf_file}"
+    key = hashlib.sha256(ident.encode()).hexdigest()[:12]
+    return cache_dir() / "gguf" / f"{Path(gguf_file).stem}-{key}"
+
+
+def ensure_dequantized(folder: str, gguf_file: str, *, trust_remote_code: bool = False) -> Path:
+    """A folder with the GGUF checkpoint dequantized to safetensors (plus config and tokenizer).
+
+    transformers' GGUF reader takes about half a minute for a 135M model and refuses a
+    bitsandbytes ``quantization_config``; the first load therefore converts the file once into
+    the user cache (logged), and every load then reads plain safetensors from there.
+
+    Raises:
+        MissingDependencyError: the ``gguf`` package is missing (and nothing is cached).
+        UnsupportedArchitectureError: the file's architecture is not supported.
+    """
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    target = dequantized_folder(folder, gguf_file)
+    if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
+        return target
+    require_gguf()
+    config = load_config(folder, trust_remote_code=trust_remote_code, gguf_file=gguf_file)
+    check_architecture(config)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            folder,
+            gguf_file=gguf_file,
+            dtype=torch.float32,
+            device_map={"": "cpu"},
+            trust_remote_code=trust_remote_code,
+        )
+    except (ValueError, NotImplementedError, KeyError) as exc:
+        raise UnsupportedArchitectureError(f"transformers could not load {gguf_file}: {exc}") from exc
+    except OSError as exc:
+        raise ModelNotFoundError(f"could not load the weights of {gguf_file}: {exc}") from exc
+    _drop_gguf_marker(model)
+    tokenizer = _load_tokenizer(folder, trust_remote_code=trust_remote_code, gguf_file=gguf_file)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".converting-", dir=target.parent) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        (Path(tmp) / "SOURCE").write_text(f"{Path(folder) / gguf_file}\n", encoding="utf-8")
+        if target.exists():  # a half-written copy from an interrupted run
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    logger.warning("dequantized %s once into %s (later loads read it from there)", gguf_file, target)
+    return target
+
+
+def _drop_gguf_marker(model: Any) -> None:
+    """Forget that the weights came from GGUF: they are plain dequantized tensors now.
+
+    transformers marks a GGUF-loaded model as quantized, which makes ``save_pretrained``
+    refuse it; the marker carries no information the model needs.
+    """
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    for attr in ("is_quantized", "quantization_method"):
+        if attr in vars(model):
+            delattr(model, attr)
+
+
 def resolve_device(device: str | torch.device) -> torch.device:
     """``"auto"`` is CUDA when available, else CPU."""
     if device == "auto":
@@ -88,12 +238,16 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, config: Any) -
     raise ConfigurationError(f"unknown dtype {dtype!r}: use 'auto', {', '.join(sorted(_DTYPES))}")
 
 
-def load_config(path_or_id: str, *, trust_remote_code: bool) -> Any:
-    """Load a model config, turning hub and remote-code failures into clear errors."""
+def load_config(path_or_id: str, *, trust_remote_code: bool, gguf_file: str | None = None) -> Any:
+    """Load a model config, turning hub, GGUF and remote-code failures into clear errors."""
     from transformers import AutoConfig
 
+    extra: dict[str, Any] = {}
+    if gguf_file is not None:
+        require_gguf()
+        extra["gguf_file"] = gguf_file
     try:
-        config = AutoConfig.from_pretrained(path_or_id, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(path_or_id, trust_remote_code=trust_remote_code, **extra)
     except OSError as exc:
         offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
         hint = " (HF_HUB_OFFLINE is set: only locally cached models can load)" if offline else ""
@@ -102,7 +256,13 @@ def load_config(path_or_id: str, *, trust_remote_code: bool) -> Any:
             f"and the hub has no such model or cannot be reached{hint}. Check the name, or pass "
             f"a local folder, or {DEMO_MODEL!r}."
         ) from exc
-    except ValueError as exc:
+    except (ValueError, NotImplementedError) as exc:
+        if gguf_file is not None and ("not supported" in str(exc) or "Unknown gguf" in str(exc)):
+            supported = ", ".join(f"{k} ({v})" for k, v in SUPPORTED_ARCHITECTURES.items())
+            raise UnsupportedArchitectureError(
+                f"{gguf_file} is not supported by selfspec (transformers: {exc}); supported architectures: "
+                f"{supported}. Use one of these, or decode this model with transformers' generate."
+            ) from exc
         if "trust_remote_code" in str(exc):
             raise UnsafeCheckpointError(
                 f"model {path_or_id!r} needs its own Python code from the hub; selfspec refuses "
@@ -196,16 +356,34 @@ def load_model_and_tokenizer(
     device: str | torch.device = "auto",
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
+    gguf_file: str | None = None,
 ) -> tuple[Any, Any, str]:
     """Load a supported causal LM and its tokenizer.
 
+    Args:
+        name_or_path: a hub id, a local folder, ``"selfspec-demo"``, or a ``.gguf`` file.
+        quantization: ``None``, ``"4bit"`` or ``"8bit"`` (bitsandbytes; for a GGUF file,
+            applied after dequantization).
+        dtype: see :func:`resolve_dtype`.
+        device: see :func:`resolve_device`.
+        trust_remote_code: allow checkpoints that ship their own Python code.
+        allow_pickle: allow ``.bin`` weights when no safetensors exist.
+        gguf_file: the name of a ``.gguf`` file inside the folder (or hub repository)
+            ``name_or_path`` (needs the ``gguf`` package: ``pip install 'selfspec[gguf]'``).
+
     Returns:
         ``(model, tokenizer, resolved path or hub id)``; the tokenizer is ``None`` when the
-        checkpoint has none.
+        checkpoint has none. For a GGUF checkpoint the resolved path is the ``.gguf`` file.
     """
     from transformers import AutoModelForCausalLM
 
-    path = resolve_model_path(name_or_path)
+    path, gguf = split_gguf(name_or_path, gguf_file)
+    if gguf is None:
+        path = resolve_model_path(path)
+        shown = path
+    else:  # loaded from its dequantized copy in the user cache; named by the .gguf file
+        shown = str(Path(path) / gguf) if Path(path).is_dir() else f"{path}/{gguf}"
+        path = str(ensure_dequantized(path, gguf, trust_remote_code=trust_remote_code))
     config = load_config(path, trust_remote_code=trust_remote_code)
     check_architecture(config)
     uses_pickle = check_weights(path, allow_pickle=allow_pickle)
@@ -231,16 +409,22 @@ def load_model_and_tokenizer(
     tokenizer = _load_tokenizer(path, trust_remote_code=trust_remote_code)
     if quant is not None:
         _smoke_test(model, quantization or "")
-    return model, tokenizer, path
+    return model, tokenizer, shown
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def _load_tokenizer(path: str, *, trust_remote_code: bool) -> Any:
+def _load_tokenizer(path: str, *, trust_remote_code: bool, gguf_file: str | None = None) -> Any:
     """The checkpoint's tokenizer, or ``None`` (token-level use only) when it has none."""
     from transformers import AutoTokenizer
 
+    if gguf_file is not None:  # the tokenizer (and chat template) are inside the file
+        try:
+            return AutoTokenizer.from_pretrained(path, gguf_file=gguf_file, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError, KeyError) as exc:
+            logger.warning("could not load the tokenizer of %s (%s); token-level use only", gguf_file, exc)
+            return None
     folder = Path(path)
     if folder.is_dir() and not any((folder / f).is_file() for f in _TOKENIZER_FILES):
         logger.info("%s has no tokenizer files; token-level use only", path)
