@@ -193,3 +193,103 @@ def test_calibrate_layer_skip_search(model_dir, capsys) -> None:
     engine = SpeculativeEngine.from_pretrained(model_dir, drafter="layer_skip", num_draft_tokens=2)
     assert engine.drafter.layers == saved["layer_skip_layers"]
     assert "layer skip: layers" in capsys.readouterr().out
+
+
+def test_bench_checks_categories_and_methods_before_loading_the_model(tmp_path, capsys) -> None:
+    missing = str(tmp_path / "no-such-model")  # never loaded: the arguments fail first
+    assert main(["bench", "--model", missing, "--categories", "poetry"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown prompt category 'poetry'" in err and "rag" in err and "code" in err
+    assert main(["bench", "--model", missing, "--methods", "fastest"]) == 2
+    assert "unknown benchmark method 'fastest'" in capsys.readouterr().err
+
+
+def test_bench_category_aliases_and_default_sets() -> None:
+    from selfspec.bench import default_prompt_sets, select_categories
+    from selfspec.bench_prompts import PROMPT_SETS, STOCK_PROMPT_SETS
+
+    assert list(select_categories(PROMPT_SETS, ["chat"])) == ["multi_turn_chat"]
+    assert list(select_categories(STOCK_PROMPT_SETS, ["chat", "rag"])) == ["chat", "rag"]
+    assert default_prompt_sets("selfspec-demo") is PROMPT_SETS
+    assert set(default_prompt_sets("/models/SmolLM2.gguf")) == {"rag", "summarization", "chat", "code"}
+
+
+def test_bench_help_lists_categories_and_methods(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "multi_turn_chat" in out and "summarization" in out and "code" in out
+    assert "prompt_lookup" in out and "layer_skip" in out and "--methods" in out
+
+
+def test_method_filter_keeps_the_baselines() -> None:
+    from selfspec.bench import Method, filter_methods
+
+    def method(name: str, baseline: str = "hf_greedy") -> Method:
+        return Method(name, baseline, lambda ids, n, seed: ([], None))
+
+    every = [
+        method("hf_greedy"),
+        method("selfspec_plain"),
+        method("selfspec_E2_k3"),
+        method("selfspec_auto"),
+        method("hf_sample_t0.7", "hf_sample_t0.7"),
+        method("selfspec_auto_t0.7", "hf_sample_t0.7"),
+        method("selfspec_tree_8"),
+    ]
+    kept = [m.name for m in filter_methods(every, ["plain", "early_exit"])]
+    assert kept == ["hf_greedy", "selfspec_plain", "selfspec_E2_k3"]
+    kept = [m.name for m in filter_methods(every, ["auto"])]
+    assert kept == ["hf_greedy", "selfspec_auto", "hf_sample_t0.7", "selfspec_auto_t0.7"]
+    assert [m.name for m in filter_methods(every, ["selfspec_tree_*"])] == ["hf_greedy", "selfspec_tree_8"]
+    with pytest.raises(ValueError, match="no benchmark method matches"):
+        filter_methods(every, ["selfspec_medusa*"])
+
+
+def _report(names: list[str]):
+    from selfspec.bench import BenchReport
+
+    methods = {
+        n: {
+            "baseline": "hf_greedy",
+            "per_category": {"rag": {"speedup": 1.0 + i / 10, "speedup_per_repeat": [0.9 + i / 10, 1.2 + i / 10]}},
+        }
+        for i, n in enumerate(names)
+    }
+    settings = {"model": "m", "device": "cpu", "threads": 1, "categories": {"rag": 2}}
+    return BenchReport(settings=settings, methods=methods)
+
+
+def test_plot_gives_each_method_its_own_colour_and_error_bars(tmp_path) -> None:
+    pytest.importorskip("matplotlib")  # the bench extra, installed by make test
+    from selfspec.bench import _plot, method_colours
+
+    names = [f"method_{i}" for i in range(26)]
+    colours = method_colours(names)
+    assert len({tuple(c) for c in colours.values()}) == len(names)
+    path = _plot(_report(names[:14]), tmp_path / "p.png")
+    assert path.stat().st_size > 1000
+
+
+def test_missing_matplotlib_is_reported_not_silent(tmp_path, monkeypatch, caplog) -> None:
+    import sys
+
+    from selfspec.bench import write_report
+
+    report = _report(["a"])
+    report.settings.update({"max_new_tokens": 8, "repeats": 1, "dtype": "float32", "date": "now"})
+    report.methods["a"].update(
+        {
+            "tokens_per_second": 1.0,
+            "tokens_per_second_spread": [1.0, 1.0],
+            "speedup": 1.0,
+            "tau": None,
+            "acceptance_rate": None,
+            "identical_to_greedy": True,
+        }
+    )
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    with caplog.at_level("WARNING"):
+        paths = write_report(report, tmp_path, "r")
+    assert [p.suffix for p in paths] == [".json", ".md"]
+    assert "matplotlib is not installed" in caplog.text

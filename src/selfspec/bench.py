@@ -7,7 +7,9 @@ are checked token for token against transformers' greedy ``generate``.
 
 from __future__ import annotations
 
+import fnmatch
 import json
+import logging
 import platform
 import resource
 import statistics
@@ -21,13 +23,69 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from .bench_prompts import PROMPT_SETS
+from .bench_prompts import CATEGORY_ALIASES, PROMPT_SETS, STOCK_PROMPT_SETS
+from .drafting.medusa import find_medusa_heads
 from .engine import SpeculativeEngine
+from .errors import ConfigurationError
 from .loading import DEMO_DRAFT_MODEL, DEMO_MODEL, load_model_and_tokenizer
-from .medusa import find_medusa_heads
+
+logger = logging.getLogger(__name__)
 
 #: Token-tree node budgets ``selfspec bench`` compares with the chain by default.
 DEFAULT_BENCH_TREE_NODES = (8,)
+
+#: ``--methods`` choices: method family -> what it runs. The baselines (transformers' greedy
+#: ``generate``, and its sampling at each temperature a chosen method samples at) always run.
+METHOD_FAMILIES: dict[str, str] = {
+    "plain": "selfspec_plain: selfspec's loop without drafts",
+    "auto": "selfspec_auto (+ _tT): the calibrated plan, greedy and at each temperature",
+    "early_exit": "selfspec_E<e>_k<k>: early exit at a fixed layer and draft length",
+    "prompt_lookup": "selfspec_prompt_lookup: n-gram lookup in the prompt and output",
+    "hybrid": "selfspec_hybrid: lookup or early exit per round",
+    "layer_skip": "selfspec_layer_skip: a subset of the layers drafts",
+    "exit_adapter": "selfspec_exit_adapter_*, selfspec_hybrid_exit_adapter (when an adapter is saved)",
+    "draft_model": "selfspec_draft_model (when a draft model is given)",
+    "medusa": "selfspec_medusa* (when Medusa heads are saved beside the model)",
+    "tree": "selfspec_tree_N* and the fixed chain at each temperature (with --tree-nodes)",
+    "hf_early_exit": "transformers assistant_early_exit",
+    "hf_prompt_lookup": "transformers prompt_lookup_num_tokens",
+}
+
+
+def check_methods(methods: Sequence[str] | None) -> list[str] | None:
+    """Validate ``--methods`` (family names, or shell patterns over method names); ``None``: all."""
+    if methods is None:
+        return None
+    chosen = list(methods)
+    for name in chosen:
+        if (
+            name not in METHOD_FAMILIES
+            and not any(ch in name for ch in "*?[")
+            and not name.startswith(("selfspec_", "hf_"))
+        ):
+            raise ConfigurationError(
+                f"unknown benchmark method {name!r}; choose among {', '.join(METHOD_FAMILIES)} "
+                "(or a pattern over method names, e.g. 'selfspec_tree_*')"
+            )
+    return chosen
+
+
+def default_prompt_sets(model: str) -> dict[str, list[Any]]:
+    """The built-in prompts for ``model``: the Austen sets for the demo model, else the stock-model sets."""
+    return PROMPT_SETS if model in (DEMO_MODEL, DEMO_DRAFT_MODEL) else STOCK_PROMPT_SETS
+
+
+def select_categories(sets: dict[str, list[Any]], categories: Sequence[str] | None) -> dict[str, list[Any]]:
+    """Restrict ``sets`` to ``categories`` (aliases such as ``chat`` accepted); a clear error for unknown ones."""
+    if not categories:
+        return dict(sets)
+    chosen: dict[str, list[Any]] = {}
+    for name in categories:
+        key = name if name in sets else CATEGORY_ALIASES.get(name)
+        if key is None or key not in sets:
+            raise ConfigurationError(f"unknown prompt category {name!r}; this prompt set has: {', '.join(sets)}")
+        chosen[key] = sets[key]
+    return chosen
 
 
 @dataclass
@@ -55,6 +113,7 @@ class Method:
     generate: Callable[[list[int], int, int], tuple[list[int], Any]]
     greedy: bool = True
     description: str = ""
+    family: str = ""  # the --methods choice that selects it (METHOD_FAMILIES)
 
 
 @dataclass
@@ -278,6 +337,47 @@ def _tree_methods(
     return methods
 
 
+def family_of(name: str) -> str:
+    """The ``--methods`` family of a method name (``"baseline"`` for transformers' greedy and sampling)."""
+    if name == "hf_greedy" or name.startswith("hf_sample_t"):
+        return "baseline"
+    rules = [
+        ("selfspec_plain", "plain"),
+        ("hf_early_exit_*", "hf_early_exit"),
+        ("hf_prompt_lookup_*", "hf_prompt_lookup"),
+        ("selfspec_auto*", "auto"),
+        ("selfspec_prompt_lookup*", "prompt_lookup"),
+        ("selfspec_*exit_adapter*", "exit_adapter"),
+        ("selfspec_hybrid*", "hybrid"),
+        ("selfspec_layer_skip*", "layer_skip"),
+        ("selfspec_draft_model*", "draft_model"),
+        ("selfspec_medusa*", "medusa"),
+        ("selfspec_tree_*", "tree"),
+        ("selfspec_E*_k*_t*", "tree"),
+        ("selfspec_E*_k*", "early_exit"),
+    ]
+    return next((family for pattern, family in rules if fnmatch.fnmatchcase(name, pattern)), "other")
+
+
+def filter_methods(methods: list[Method], chosen: Sequence[str] | None) -> list[Method]:
+    """Keep the chosen families / name patterns, plus the baselines they are measured against."""
+    if chosen is None:
+        return methods
+    kept = [
+        m
+        for m in methods
+        if family_of(m.name) in chosen
+        or any(fnmatch.fnmatchcase(m.name, c) for c in chosen if c not in METHOD_FAMILIES)
+    ]
+    for pattern in chosen:
+        if pattern not in METHOD_FAMILIES and not any(fnmatch.fnmatchcase(m.name, pattern) for m in methods):
+            raise ConfigurationError(
+                f"no benchmark method matches {pattern!r}; this model has: {', '.join(m.name for m in methods)}"
+            )
+    baselines = {"hf_greedy"} | {m.baseline for m in kept}
+    return [m for m in methods if m.name in baselines or m in kept]
+
+
 def _encode(engine: SpeculativeEngine, prompt: Any) -> list[int]:
     return engine.encode_prompt(prompt)
 
@@ -297,13 +397,16 @@ def run_benchmark(
     progress: bool = True,
     draft_model: str | None = "auto",
     tree_nodes: Sequence[int] = (),
+    methods: Sequence[str] | None = None,
     **engine_args: Any,
 ) -> BenchReport:
     """Run every method on every prompt ``repeats`` times, interleaved, and summarise.
 
     Args:
         model: the model to load (hub id, folder, or ``"selfspec-demo"``).
-        prompt_sets: ``{category: [prompt, ...]}``; the built-in Spec-Bench-like sets by default.
+        prompt_sets: ``{category: [prompt, ...]}``; by default the built-in Spec-Bench-like sets
+            for the demo model, and RAG, summarization, chat and code prompts for any other
+            model (:data:`~selfspec.bench_prompts.STOCK_PROMPT_SETS`).
         max_new_tokens: new tokens per generation.
         repeats: passes over all prompts; the method order rotates each pass.
         threads: torch CPU threads (set explicitly: the machine may be shared).
@@ -312,22 +415,23 @@ def run_benchmark(
         num_draft_tokens: the fixed-k method's draft length (default: the calibrated one).
         lookup_tokens: transformers' ``prompt_lookup_num_tokens``.
         temperatures: sampling temperatures to compare at.
-        categories: restrict to these categories.
+        categories: restrict to these categories (checked before the model is loaded).
         progress: show a progress bar.
         draft_model: a draft model (name or folder) for the ``selfspec_draft_model`` method;
             ``"auto"``: ``"selfspec-demo-draft"`` when benchmarking ``"selfspec-demo"``, else none.
         tree_nodes: node budgets of early-exit token trees to compare with the chain
             (``selfspec_tree_N`` methods, greedy and at each temperature).
+        methods: run only these method families (:data:`METHOD_FAMILIES`) or name patterns
+            (``fnmatch``), plus their baselines; ``None``: every method.
         **engine_args: passed to :meth:`SpeculativeEngine.from_pretrained`.
     """
+    sets = select_categories(prompt_sets or default_prompt_sets(str(model)), categories)
+    chosen_methods = check_methods(methods)
     if threads:
         torch.set_num_threads(threads)
     engine = SpeculativeEngine.from_pretrained(model, **engine_args)
     exit_layer = exit_layer or engine.exit_layer
     num_draft_tokens = num_draft_tokens or engine.num_draft_tokens
-    sets = prompt_sets or PROMPT_SETS
-    if categories:
-        sets = {c: sets[c] for c in categories}
     prompts = [(cat, i, _encode(engine, p)) for cat, items in sets.items() for i, p in enumerate(items)]
     if draft_model == "auto":
         draft_model = DEMO_DRAFT_MODEL if model == DEMO_MODEL else None
@@ -339,7 +443,7 @@ def run_benchmark(
             dtype=engine.adapter.dtype,
             device=engine.adapter.device,
         )
-    methods = build_methods(
+    to_run = build_methods(
         engine,
         exit_layer=exit_layer,
         num_draft_tokens=num_draft_tokens,
@@ -348,6 +452,7 @@ def run_benchmark(
         draft_model=loaded_draft,
         tree_nodes=tree_nodes,
     )
+    to_run = filter_methods(to_run, chosen_methods)
     on_cuda = engine.adapter.device.type == "cuda"
     report = BenchReport(
         settings={
@@ -364,6 +469,7 @@ def run_benchmark(
             "lookup_tokens": lookup_tokens,
             "tree_nodes": list(tree_nodes),
             "categories": {c: len(v) for c, v in sets.items()},
+            "methods": list(methods) if methods is not None else "all",
             "torch": torch.__version__,
             "transformers": __import__("transformers").__version__,
             "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
@@ -371,14 +477,14 @@ def run_benchmark(
         }
     )
     # warm up every method once (first-call costs are not decoding speed)
-    for method in methods:
+    for method in to_run:
         method.generate(prompts[0][2], 8, 0)
 
-    total = repeats * len(prompts) * len(methods)
+    total = repeats * len(prompts) * len(to_run)
     bar = tqdm(total=total, desc="benchmark", disable=not progress)
     for repeat in range(repeats):
-        shift = repeat % len(methods)
-        order = methods[shift:] + methods[:shift]
+        shift = repeat % len(to_run)
+        order = to_run[shift:] + to_run[:shift]
         for category, index, ids in prompts:
             for method in order:
                 if on_cuda:
@@ -405,7 +511,7 @@ def run_benchmark(
                 )
                 bar.update()
     bar.close()
-    report.methods = summarise(report.runs, methods)
+    report.methods = summarise(report.runs, to_run)
     report.settings["process_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return report
 
@@ -432,9 +538,16 @@ def summarise(runs: list[Run], methods: list[Method]) -> dict[str, dict[str, Any
             mine_c = [r for r in mine if r.category == cat]
             base_c = [r for r in base if r.category == cat]
             taus = [r.tau for r in mine_c if r.tau is not None]
+            repeats = sorted({r.repeat for r in mine_c})
+            per_repeat_speedup = [
+                round(_rate([r for r in mine_c if r.repeat == k]) / _rate([r for r in base_c if r.repeat == k]), 3)
+                for k in repeats
+                if any(r.repeat == k for r in base_c)
+            ]
             per_category[cat] = {
                 "tokens_per_second": round(_rate(mine_c), 2),
                 "speedup": round(_rate(mine_c) / _rate(base_c), 3) if base_c else None,
+                "speedup_per_repeat": per_repeat_speedup,
                 "tau": round(statistics.mean(taus), 3) if taus else None,
             }
         taus = [r.tau for r in mine if r.tau is not None]
@@ -516,9 +629,21 @@ def write_report(report: BenchReport, out_dir: str | Path, name: str = "bench") 
     )
     try:
         paths.append(_plot(report, out / f"{name}.png"))
-    except ImportError:  # matplotlib is an optional extra
-        pass
+    except ImportError:  # matplotlib is an optional extra: say so, do not skip silently
+        logger.warning("no %s.png: matplotlib is not installed (pip install 'selfspec[bench]')", name)
     return paths
+
+
+def method_colours(names: Sequence[str]) -> dict[str, Any]:
+    """One distinct colour per method (tab20, then tab20b and tab20c for longer lists)."""
+    import matplotlib
+
+    palette = [*matplotlib.colormaps["tab20"].colors, *matplotlib.colormaps["tab20b"].colors]
+    palette += list(matplotlib.colormaps["tab20c"].colors)
+    if len(names) > len(palette):  # more methods than listed colours: sample a continuous map
+        cmap = matplotlib.colormaps["turbo"]
+        return {n: cmap(i / max(1, len(names) - 1)) for i, n in enumerate(names)}
+    return dict(zip(names, palette, strict=False))
 
 
 def _plot(report: BenchReport, path: Path) -> Path:
@@ -529,18 +654,34 @@ def _plot(report: BenchReport, path: Path) -> Path:
 
     names = [n for n, m in report.methods.items() if m["baseline"] == "hf_greedy"]
     categories = list(report.settings["categories"])
-    fig, ax = plt.subplots(figsize=(12, 5))
+    colours = method_colours(names)
+    fig, ax = plt.subplots(figsize=(max(12, 1.2 * len(categories) * max(1, len(names)) / 6), 5.5))
     width = 0.8 / len(names)
     for i, name in enumerate(names):
-        values = [report.methods[name]["per_category"].get(c, {}).get("speedup") or 0 for c in categories]
-        ax.bar([x + i * width for x in range(len(categories))], values, width, label=name)
+        cells = [report.methods[name]["per_category"].get(c, {}) for c in categories]
+        values = [c.get("speedup") or 0 for c in cells]
+        spread = [c.get("speedup_per_repeat") or [v] for c, v in zip(cells, values, strict=True)]
+        errors = [
+            [max(0.0, v - min(r)) for v, r in zip(values, spread, strict=True)],
+            [max(0.0, max(r) - v) for v, r in zip(values, spread, strict=True)],
+        ]
+        ax.bar(
+            [x + i * width for x in range(len(categories))],
+            values,
+            width,
+            label=name,
+            color=colours[name],
+            yerr=errors,
+            error_kw={"elinewidth": 0.8, "capsize": 1.5, "ecolor": "0.25"},
+        )
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(categories))], categories, rotation=15)
     ax.set_ylabel("speedup vs transformers greedy generate")
     ax.set_title(
-        f"{report.settings['model']} on {report.settings['device']}, greedy, {report.settings['threads']} thread(s)"
+        f"{Path(str(report.settings['model'])).name} on {report.settings['device']}, greedy, "
+        f"{report.settings['threads']} thread(s); bars: overall, whiskers: per-repeat range"
     )
-    ax.legend(fontsize=8, ncol=2)
+    ax.legend(fontsize=7, ncol=3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -81,3 +81,65 @@ PROMPT_SETS: dict[str, list[Any]] = {
         _user("Continue this random sequence: 8f Kq 1z Wm 4r Tt 9p Xc 2b Yn 7g"),
     ],
 }
+
+
+# ----------------------------------------------------------------------------- stock models
+
+ARTICLES = [
+    "The Great Barrier Reef is the world's largest coral reef system. It lies in the Coral Sea, off the "
+    "coast of Queensland, Australia, and stretches for over 2,300 kilometres. The reef is made of about "
+    "2,900 individual reefs and 900 islands. It can be seen from outer space and is the largest single "
+    "structure made by living organisms. It was selected as a World Heritage Site in 1981. Climate change, "
+    "pollution and crown-of-thorns starfish are the main threats to its health.",
+    "Photosynthesis is the process by which green plants turn light into chemical energy. Inside the "
+    "chloroplasts, chlorophyll absorbs sunlight. The plant takes in carbon dioxide from the air through "
+    "small pores called stomata, and water from the soil through its roots. Using the energy of light, it "
+    "converts the carbon dioxide and water into glucose and releases oxygen as a by-product. The glucose is "
+    "used for growth or stored as starch.",
+    "The city library will close for renovation from March 1 to June 30. During this time, books can be "
+    "returned at the community centre on Elm Street, which will also offer a small lending collection. "
+    "Online services, including e-books and the catalogue, will stay available. The renovated library will "
+    "have a new children's area, longer opening hours on weekends and twenty additional study rooms.",
+]
+
+_CODE = [
+    "def average(values):\n    total = 0\n    for v in values:\n        total = total + v\n"
+    "    return total / len(values)\n",
+    "class Counter:\n    def __init__(self):\n        self.count = 0\n\n    def increment(self):\n"
+    "        self.count = self.count + 1\n        return self.count\n",
+]
+
+#: Prompts for stock chat checkpoints (SmolLM2, Llama, Qwen, ...): category -> chat messages.
+STOCK_PROMPT_SETS: dict[str, list[Any]] = {
+    "rag": [
+        _user(
+            "Answer the question using only the context.\n\nContext:\n"
+            + ARTICLES[0]
+            + "\n\nQuestion: How long is the Great Barrier Reef, and what threatens it?"
+        ),
+        _user(
+            "Answer the question using only the context.\n\nContext:\n"
+            + ARTICLES[2]
+            + "\n\nQuestion: Where can books be returned while the library is closed, and what will be new?"
+        ),
+    ],
+    "summarization": [
+        _user("Summarize the following text in a few sentences.\n\n" + ARTICLES[1]),
+        _user("Summarize the following announcement.\n\n" + ARTICLES[2]),
+    ],
+    "chat": [
+        _user("What are three good habits for staying healthy?"),
+        [
+            {"role": "user", "content": "I want to learn to cook. Where should I start?"},
+            {"role": "assistant", "content": "Start with simple dishes like pasta, eggs and soups."},
+            {"role": "user", "content": "What equipment do I need for those?"},
+        ],
+    ],
+    "code": [
+        _user("Rename the variable `total` to `running_sum` in this Python function:\n\n" + _CODE[0]),
+        _user("Add a method `reset` that sets the count back to 0 to this Python class:\n\n" + _CODE[1]),
+    ],
+}
+
+#: Other names accepted for a category of the built-in sets.
+CATEGORY_ALIASES: dict[str, str] = {"chat": "multi_turn_chat", "multi_turn_chat": "chat"}

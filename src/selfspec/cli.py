@@ -11,7 +11,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .bench import DEFAULT_BENCH_TREE_NODES
+from .bench import DEFAULT_BENCH_TREE_NODES, METHOD_FAMILIES
+from .bench_prompts import PROMPT_SETS, STOCK_PROMPT_SETS
+from .drafting import list_drafters
 from .errors import SelfSpecError
 from .loading import DEMO_MODEL
 
@@ -35,7 +37,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | N
     parser.add_argument(
         "--drafter",
         default="early_exit",
-        choices=["early_exit", "prompt_lookup", "hybrid", "layer_skip", "draft_model", "medusa", "none"],
+        choices=list_drafters(),  # the drafter registry
     )
     parser.add_argument("--draft-model", default=None, help="with --drafter draft_model: the draft model")
     parser.add_argument(
@@ -259,6 +261,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         exit_layer=args.exit_layer,
         num_draft_tokens=args.num_draft_tokens,
         categories=args.categories,
+        methods=args.methods,
         temperatures=args.temperatures,
         tree_nodes=args.tree_nodes,
         quantization=args.quantization,
@@ -359,7 +362,22 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=int, default=1)
     bench.add_argument("--exit-layer", type=int, default=None)
     bench.add_argument("--num-draft-tokens", type=int, default=None)
-    bench.add_argument("--categories", nargs="*", default=None)
+    bench.add_argument(
+        "--categories",
+        nargs="*",
+        default=None,
+        help="prompt categories to run (checked before loading): for selfspec-demo "
+        + ", ".join(PROMPT_SETS)
+        + "; for any other model "
+        + ", ".join(STOCK_PROMPT_SETS)
+        + "; or those of --prompts",
+    )
+    bench.add_argument(
+        "--methods",
+        nargs="*",
+        default=None,
+        help="method families to run (baselines always run): " + ", ".join(METHOD_FAMILIES) + "; default all",
+    )
     bench.add_argument("--temperatures", nargs="*", type=float, default=[0.7, 1.0])
     bench.add_argument(
         "--tree-nodes",
