@@ -85,9 +85,7 @@ def check_temperature(value: Any) -> float:
     """``0`` (greedy) or a finite positive number."""
     temperature = as_real(value)
     if temperature is None or not math.isfinite(temperature) or temperature < 0:
-        raise SamplingError(
-            f"temperature must be >= 0 and finite (0 means greedy), got {_kind(value)} {value!r}"
-        )
+        raise SamplingError(f"temperature must be >= 0 and finite (0 means greedy), got {_kind(value)} {value!r}")
     return temperature
 
 
@@ -157,7 +155,7 @@ def check_stop(stop: Any) -> list[str]:
 def check_tree_nodes(value: Any) -> int | str | None:
     """``None`` (a chain), ``"auto"``, or an int in ``[1, MAX_TREE_NODES]``."""
     if value is None or (isinstance(value, str) and value == "auto"):
-        return value  # type: ignore[no-any-return]
+        return value
     nodes = as_integer(value)
     if nodes is None or not 1 <= nodes <= MAX_TREE_NODES:
         raise ConfigurationError(
@@ -199,9 +197,7 @@ def check_prompt(prompt: Any) -> None:
     Shape errors of other kinds (empty prompts, no chat template) are left to the caller.
     """
     if isinstance(prompt, (bytes, bytearray, memoryview)):
-        raise InvalidPromptError(
-            f"the prompt is {_kind(prompt)}; decode to str first (e.g. prompt.decode('utf-8'))"
-        )
+        raise InvalidPromptError(f"the prompt is {_kind(prompt)}; decode to str first (e.g. prompt.decode('utf-8'))")
     if isinstance(prompt, str):
         check_text(prompt)
         return
@@ -255,9 +251,7 @@ def check_prompt_ids(prompt_ids: Any, vocab_size: int) -> list[int]:
         for position, token in enumerate(prompt_ids):
             number = as_integer(token)
             if number is None:
-                raise InvalidPromptError(
-                    f"token ids must be ints, got {_kind(token)} {token!r} at position {position}"
-                )
+                raise InvalidPromptError(f"token ids must be ints, got {_kind(token)} {token!r} at position {position}")
             ids.append(number)
     else:
         raise InvalidPromptError(f"prompt_ids must be a list of ints or a 1-D integer tensor, got {_kind(prompt_ids)}")

@@ -16,6 +16,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import threading
 import time
 import uuid
@@ -29,12 +30,21 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..engine import GenerationStream, SpeculativeEngine
 from ..outputs import GenerationOutput
 from ..registry import get_engine
 from ..tools import ContentDelta, ToolCallChunk, ToolCallStreamParser, parse_tool_calls
+from .limits import (
+    PromptLengthCheck,
+    RequestGuard,
+    ServerLimits,
+    host_allow_list,
+    internal_error,
+    parse_json,
+    text_chars,
+    uvicorn_config,
+)
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import (
     APIError,
@@ -49,7 +59,8 @@ from .protocol import (
 
 logger = logging.getLogger("selfspec.server")
 
-#: Generations that may run (or wait for the engine) at once; more requests queue.
+#: Worker threads (template rendering, tokenization, generations); admission control
+#: (:class:`~selfspec.server.limits.ServerLimits`) decides how many requests get in.
 MAX_WORKERS = 64
 #: New tokens allowed when a request sets no limit and the model declares no context window.
 DEFAULT_MAX_TOKENS = 256
@@ -248,10 +259,14 @@ def _sse(body: dict[str, Any]) -> str:
 class _Server:
     """The state behind one app: engine, model id, key, worker threads and metrics."""
 
-    def __init__(self, engine: SpeculativeEngine, model_id: str, api_key: str | None) -> None:
+    def __init__(
+        self, engine: SpeculativeEngine, model_id: str, api_key: str | None, limits: ServerLimits | None = None
+    ) -> None:
         self.engine = engine
         self.model_id = model_id
         self.api_key = api_key
+        self.limits = limits or ServerLimits()
+        self.prompt_length = PromptLengthCheck(engine.tokenizer, engine.context_window)
         self.metrics = Metrics()
         self.created = int(time.time())
         self._executor: ThreadPoolExecutor | None = None
@@ -391,13 +406,15 @@ class _Server:
         """Run one generation request, streamed or whole."""
         self.check_model(body.model)
         body.check_supported()
+        self.check_prompt_length(body)
+        request_id = str(request.scope.get("selfspec.request_id", ""))
         prepare = self.prepare_chat if isinstance(body, ChatCompletionRequest) else self.prepare_completion
         job: _Job = await self.in_thread(prepare, body)
         render = _Render(kind, self.model_id, job, body.include_usage)
         if body.stream:
             queue = job.stream_to(asyncio.get_running_loop())
             return StreamingResponse(
-                self._events(job, queue, render),
+                self._events(job, queue, render, request_id),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
@@ -409,10 +426,28 @@ class _Server:
             self._jobs.discard(job)
             watcher.cancel()
         if job.error is not None or output is None:
-            raise APIError(500, f"generation failed: {job.error}", type="server_error")
+            raise _generation_error(job.error, request_id)
         return JSONResponse(render.response(output))
 
-    async def _events(self, job: _Job, queue: asyncio.Queue[object], render: _Render) -> AsyncIterator[str]:
+    def check_prompt_length(self, body: ChatCompletionRequest | CompletionRequest) -> None:
+        """Refuse, before tokenizing, a prompt with more characters than the context window can hold."""
+        if body.truncate_prompt:
+            return  # the engine keeps the prompt's end
+        if isinstance(body, ChatCompletionRequest):
+            self.prompt_length.check(text_chars(body.messages) + text_chars(body.tools), "messages")
+        elif isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], str)):
+            self.prompt_length.check(text_chars(body.prompt), "prompt")
+        elif self.engine.context_window is not None and len(body.prompt) > self.engine.context_window:
+            raise APIError(
+                400,
+                f"the prompt has {len(body.prompt)} tokens; the context window holds {self.engine.context_window}",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+
+    async def _events(
+        self, job: _Job, queue: asyncio.Queue[object], render: _Render, request_id: str
+    ) -> AsyncIterator[str]:
         """The server-sent events of a streamed answer; leaving early cancels the generation."""
         self._jobs.add(job)
         future = asyncio.get_running_loop().run_in_executor(self.executor, job.run, self.metrics)
@@ -425,7 +460,7 @@ class _Server:
                     yield _sse(chunk)
             await future
             if job.error is not None or job.output is None:
-                yield _sse(error_body(f"generation failed: {job.error}", type="server_error"))
+                yield _sse(_generation_error(job.error, request_id).body())
             else:
                 for chunk in render.last(job.output):
                     yield _sse(chunk)
@@ -442,6 +477,17 @@ def _can_constrain_calls(engine: SpeculativeEngine) -> bool:
     from ..grammar import has_tool_call_tokens
 
     return importlib.util.find_spec("llguidance") is not None and has_tool_call_tokens(engine.tokenizer)
+
+
+def _generation_error(error: BaseException | None, request_id: str) -> APIError:
+    """A failed generation's answer.
+
+    Out of memory is a 503 with the engine's advice; anything else a generic 500 (the traceback
+    is in the log, never in the body).
+    """
+    if isinstance(error, MemoryError):
+        return APIError(503, str(error), type="server_error", code="out_of_memory")
+    return internal_error(request_id)
 
 
 @contextmanager
@@ -465,45 +511,21 @@ async def _cancel_on_disconnect(request: Request, job: _Job) -> None:
 
 
 async def _read_body(request: Request, model: type[_Body]) -> _Body:
-    """Parse a JSON body into ``model``; malformed JSON or fields are a 400."""
+    """Parse a JSON body into ``model``; malformed or over-deep JSON, bad text or fields are a 400."""
     raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except ValueError as error:
-        raise APIError(400, f"the request body is not valid JSON: {error}") from error
+    server: _Server = request.app.state.selfspec
+    data = parse_json(raw, server.limits.max_json_depth)
     try:
         return model.model_validate(data)
     except ValidationError as error:
         first = error.errors()[0]
-        param = ".".join(str(part) for part in first["loc"]) or None
+        # pydantic names the member of a union that failed ("prompt.str"): keep the field's path
+        parts = [str(part) for part in first["loc"] if not _UNION_TAG.match(str(part))]
+        param = ".".join(parts) or None
         raise APIError(400, f"invalid request: {param}: {first['msg']}", param=param) from error
 
 
-class _CountRequests:
-    """ASGI middleware counting answered requests by endpoint and status."""
-
-    def __init__(self, app: ASGIApp, metrics: Metrics, endpoints: frozenset[str]) -> None:
-        self.app = app
-        self.metrics = metrics
-        self.endpoints = endpoints
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        status = 500
-
-        async def counting_send(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = int(message["status"])
-            await send(message)
-
-        try:
-            await self.app(scope, receive, counting_send)
-        finally:
-            path = scope.get("path", "")
-            self.metrics.request_finished(path if path in self.endpoints else "other", status)
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|function-.*)$")
 
 
 # ------------------------------------------------------------------------------- the app
@@ -513,6 +535,8 @@ def create_app(
     model_id: str | None = None,
     api_key: str | None = None,
     batching: bool = False,
+    limits: ServerLimits | None = None,
+    bound_host: str | None = None,
 ) -> FastAPI:
     """Create the OpenAI-compatible ASGI app.
 
@@ -524,6 +548,10 @@ def create_app(
         api_key: when set, ``/v1/*`` requests need ``Authorization: Bearer <api_key>``.
         batching: load a named model with ``batching=True`` (concurrent requests decode
             together); an engine passed in keeps its own setting.
+        limits: body size, timeouts, concurrency, accepted hosts and CORS origins
+            (:class:`~selfspec.server.limits.ServerLimits`; default: its safe defaults).
+        bound_host: the address the server binds, accepted in the ``Host`` header besides
+            ``localhost``, ``127.0.0.1``, ``[::1]`` and ``limits.allowed_hosts``.
 
     Returns:
         A FastAPI app; run it with any ASGI server (see :func:`serve`).
@@ -538,7 +566,8 @@ def create_app(
     else:
         engine = engine_or_model
         model_id = model_id or engine.name_or_path or "selfspec"
-    server = _Server(engine, model_id, api_key)
+    limits = limits or ServerLimits()
+    server = _Server(engine, model_id, api_key, limits)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -583,7 +612,26 @@ def create_app(
         return PlainTextResponse(server.metrics.render(), media_type=CONTENT_TYPE)
 
     endpoints = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"})
-    app.add_middleware(_CountRequests, metrics=server.metrics, endpoints=endpoints)
+
+    def count(path: str, status: int) -> None:
+        server.metrics.request_finished(path if path in endpoints else "other", status)
+
+    if limits.cors_origins:  # inside the guard: the Host check and the counting apply to preflights too
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(limits.cors_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
+    app.add_middleware(
+        RequestGuard,
+        limits=limits,
+        allowed_hosts=host_allow_list(bound_host, limits.allowed_hosts),
+        generation_paths=frozenset({"/v1/chat/completions", "/v1/completions"}),
+        count=count,
+    )
     return app
 
 
@@ -592,8 +640,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     async def api_error(_request: Request, error: Exception) -> Response:
         assert isinstance(error, APIError)
-        headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
-        return JSONResponse(error.body(), status_code=error.status, headers=headers)
+        headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else {}
+        return JSONResponse(error.body(), status_code=error.status, headers={**headers, **error.headers})
 
     async def http_error(_request: Request, error: Exception) -> Response:
         assert isinstance(error, StarletteHTTPException)
@@ -606,9 +654,11 @@ def _add_error_handlers(app: FastAPI) -> None:
         assert isinstance(error, RequestValidationError)
         return JSONResponse(error_body(f"invalid request: {error.errors()}"), status_code=400)
 
-    async def server_error(_request: Request, error: Exception) -> Response:
-        logger.exception("unexpected error", exc_info=error)
-        return JSONResponse(error_body(f"internal error: {error}", type="server_error"), status_code=500)
+    async def server_error(request: Request, error: Exception) -> Response:
+        # reached only if an exception escapes the RequestGuard: a generic body, never the error's text
+        request_id = str(request.scope.get("selfspec.request_id", "unknown"))
+        logger.error("request %s failed", request_id, exc_info=error)
+        return JSONResponse(internal_error(request_id).body(), status_code=500)
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
@@ -624,6 +674,7 @@ def serve(
     *,
     model_id: str | None = None,
     log_level: str = "info",
+    limits: ServerLimits | None = None,
     **engine_args: Any,
 ) -> None:
     """Load a model and serve it until interrupted (binds to loopback by default).
@@ -635,10 +686,12 @@ def serve(
         api_key: require ``Authorization: Bearer <api_key>`` on ``/v1/*``.
         model_id: the id clients use (default: ``model`` when it is a name).
         log_level: uvicorn's log level.
+        limits: the server's limits (:class:`~selfspec.server.limits.ServerLimits`).
         **engine_args: arguments of :meth:`SpeculativeEngine.from_pretrained`.
     """
     import uvicorn
 
+    limits = limits or ServerLimits()
     if isinstance(model, str):
         engine = get_engine(model, **engine_args)
         model_id = model_id or model
@@ -648,12 +701,24 @@ def serve(
         engine = model
     if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without an API key: anyone who can reach it can use the model", host)
-    uvicorn.run(create_app(engine, model_id=model_id, api_key=api_key), host=host, port=port, log_level=log_level)
+    if host in ("0.0.0.0", "::") and not limits.allowed_hosts:
+        logger.warning(
+            "serving on %s, but only requests for localhost are accepted: pass --allowed-host NAME "
+            "for each name clients use to reach this server",
+            host,
+        )
+    app = create_app(engine, model_id=model_id, api_key=api_key, limits=limits, bound_host=host)
+    uvicorn.Server(uvicorn_config(app, host, port, limits, log_level)).run()
 
 
 @contextmanager
 def serve_in_background(
-    engine: SpeculativeEngine, *, model_id: str | None = None, api_key: str | None = None, timeout: float = 30.0
+    engine: SpeculativeEngine,
+    *,
+    model_id: str | None = None,
+    api_key: str | None = None,
+    timeout: float = 30.0,
+    limits: ServerLimits | None = None,
 ) -> Iterator[str]:
     """Serve ``engine`` on a free loopback port from a background thread, for tests and benchmarks.
 
@@ -670,8 +735,9 @@ def serve_in_background(
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = int(sock.getsockname()[1])
-    app = create_app(engine, model_id=model_id, api_key=api_key)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    limits = limits or ServerLimits()
+    app = create_app(engine, model_id=model_id, api_key=api_key, limits=limits, bound_host="127.0.0.1")
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, limits, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout

@@ -1,10 +1,12 @@
 """The OpenAI wire format: request bodies, message conversion, and error bodies.
 
-Requests are parsed leniently (unknown fields are ignored, as OpenAI-compatible servers do)
-but options that would change the answer and that selfspec cannot honour (``n > 1``,
-``logprobs``, penalties, ``logit_bias``) are refused with a 400 rather than silently dropped.
-Sampling values themselves are checked by the engine, whose ``ValueError`` subclasses become
-400 responses with the engine's message.
+Unknown fields are ignored, as OpenAI-compatible servers do, but the known ones are typed
+strictly: ``true`` is not a number, ``"5"`` and ``5.0`` are not integers, ``"yes"`` is not a
+boolean (pydantic's strict mode). Options that would change the answer and that selfspec cannot
+honour (``n > 1``, ``logprobs``, penalties, ``logit_bias``) are refused with a 400 rather than
+silently dropped. Sampling values themselves are checked by the engine
+(:mod:`selfspec.validation`), whose ``ValueError`` subclasses become 400 responses with the
+engine's message.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class APIError(Exception):
         type: OpenAI's error type (``invalid_request_error``, ``authentication_error``, ...).
         param: the request field at fault, if any.
         code: a machine-readable code (``model_not_found``, ``invalid_api_key``, ...).
+        headers: extra response headers (``Retry-After`` on a 429, ...).
     """
 
     def __init__(
@@ -40,6 +43,7 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -47,6 +51,7 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
         """The JSON body of the error response."""
@@ -93,7 +98,7 @@ def engine_error_param(error: Exception, prompt_field: str) -> str | None:
 class StreamOptions(BaseModel):
     """OpenAI's ``stream_options``."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     include_usage: bool = False
 
@@ -101,7 +106,7 @@ class StreamOptions(BaseModel):
 class _SamplingRequest(BaseModel):
     """Fields shared by chat and text completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str
     max_tokens: int | None = None
