@@ -300,7 +300,7 @@ def test_serve_command_line() -> None:
     args = parser.parse_args(["serve", "--model", MODEL])
     assert (args.host, args.port, args.func) == ("127.0.0.1", 8000, cmd_serve)
     args = parser.parse_args(["serve", "-m", MODEL, "--port", "9001", "--api-key", "k", "--num-draft-tokens", "3"])
-    assert (args.port, args.api_key, args.num_draft_tokens) == (9001, "k", "3")
+    assert (args.port, args.api_key, args.num_draft_tokens) == (9001, "k", 3)
 
 
 def test_response_format_json_schema(client: Any) -> None:

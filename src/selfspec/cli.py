@@ -20,6 +20,151 @@ from .loading import DEMO_MODEL
 DEMO_PROMPT = "It is a truth universally acknowledged, that a single man in possession of a good fortune,"
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """An ``argparse`` parser whose errors are one line: ``selfspec: error: ...`` (exit status 2)."""
+
+    def error(self, message: str) -> Any:  # noqa: D102 - argparse's hook
+        self.exit(2, f"selfspec: error: {message} (see '{self.prog} --help')\n")
+
+
+def checked_type(check: Any) -> Any:
+    """An argparse ``type`` that applies a :mod:`selfspec.validation` check to the parsed value."""
+
+    def parse(value: str) -> Any:
+        try:
+            return check(value)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    parse.__name__ = getattr(check, "__name__", "value")
+    return parse
+
+
+def _int(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"expected an int, got {value!r}") from None
+
+
+def _float(value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"expected a number, got {value!r}") from None
+
+
+def _exit_layer(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        layer = int(value)
+    except ValueError:
+        raise ValueError(f"exit_layer must be 'auto' or an int >= 1, got {value!r}") from None
+    if layer < 1:
+        raise ValueError(f"exit_layer must be 'auto' or an int >= 1, got {layer}")
+    return layer
+
+
+def _num_draft_tokens(value: str) -> int | str:
+    from .validation import check_num_draft_tokens
+
+    if value == "auto":
+        return value
+    try:
+        number: Any = int(value)
+    except ValueError:
+        number = value
+    return check_num_draft_tokens(number)
+
+
+def _tree_nodes(value: Any) -> int | str | None:
+    from .validation import check_tree_nodes
+
+    if value is None or not isinstance(value, str):
+        return check_tree_nodes(value)
+    if value.lower() == "none":
+        return None
+    if value == "auto":
+        return value
+    try:
+        return check_tree_nodes(int(value))
+    except ValueError as error:
+        if "tree_nodes" in str(error):
+            raise
+        raise ValueError(f"tree_nodes must be an int, 'auto' or 'none', got {value!r}") from None
+
+
+def _device(value: str) -> str:
+    """``auto``, ``cpu``, or a device this torch build has (checked before any model loads)."""
+    kind = value.split(":", 1)[0].lower()
+    if kind in ("auto", "cpu"):
+        return value
+    import torch
+
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device {value!r}: this torch ({torch.__version__}) sees no CUDA GPU; use --device cpu or auto"
+            )
+        index = value.split(":", 1)[1] if ":" in value else "0"
+        if not index.isdigit() or int(index) >= torch.cuda.device_count():
+            raise ValueError(f"device {value!r}: there are {torch.cuda.device_count()} CUDA devices")
+    elif kind == "mps":
+        if not torch.backends.mps.is_available():
+            raise ValueError(f"device {value!r}: MPS is not available here; use --device cpu or auto")
+    else:
+        try:
+            torch.device(value)
+        except (RuntimeError, ValueError):
+            raise ValueError(f"unknown device {value!r}: use auto, cpu, cuda, cuda:N or mps") from None
+    return value
+
+
+def _max_new_tokens(value: str) -> int:
+    from .validation import check_max_new_tokens
+
+    return check_max_new_tokens(_int(value), context_window=0)
+
+
+def _temperature(value: str) -> float:
+    from .validation import check_temperature
+
+    return check_temperature(_float(value))
+
+
+def _top_k(value: str) -> int | None:
+    from .validation import check_top_k
+
+    return check_top_k(_int(value))
+
+
+def _top_p(value: str) -> float | None:
+    from .validation import check_top_p
+
+    return check_top_p(_float(value))
+
+
+def _seed(value: str) -> int | None:
+    from .validation import check_seed
+
+    return check_seed(_int(value))
+
+
+def _stop(value: str) -> str:
+    from .validation import check_stop
+
+    return check_stop([value])[0]
+
+
+def positive_int(value: str) -> int:
+    """An int >= 1 (for ``checked_type``)."""
+    number = _int(value)
+    if number < 1:
+        raise ValueError(f"must be an int >= 1, got {number}")
+    return number
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | None = None) -> None:
     """Add the engine's loading options (``--model``, ``--drafter``, ...) to a subcommand."""
     parser.add_argument(
@@ -31,9 +176,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | N
     )
     parser.add_argument("--quantization", choices=["4bit", "8bit"], default=None)
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--exit-layer", default="auto", help="draft exit layer, or 'auto'")
-    parser.add_argument("--num-draft-tokens", default="auto", help="draft length, or 'auto'")
+    parser.add_argument("--device", default="auto", type=checked_type(_device), help="auto, cpu, cuda, cuda:N or mps")
+    parser.add_argument(
+        "--exit-layer", default="auto", type=checked_type(_exit_layer), help="draft exit layer, or 'auto'"
+    )
+    parser.add_argument(
+        "--num-draft-tokens", default="auto", type=checked_type(_num_draft_tokens), help="draft length, or 'auto'"
+    )
     parser.add_argument(
         "--drafter",
         default="early_exit",
@@ -48,7 +197,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | N
     )
     parser.add_argument(
         "--tree-nodes",
-        default="none",
+        default=None,
+        type=checked_type(_tree_nodes),
         help="draft a token tree of at most N nodes (an int), 'auto' (calibrated choice), or 'none' (a chain)",
     )
     parser.add_argument("--trust-remote-code", action="store_true")
@@ -56,12 +206,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | N
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    parser.add_argument("--max-new-tokens", type=checked_type(_max_new_tokens), default=256)
+    parser.add_argument("--temperature", type=checked_type(_temperature), default=0.0, help="0 (greedy) or > 0")
+    parser.add_argument("--top-k", type=checked_type(_top_k), default=None)
+    parser.add_argument("--top-p", type=checked_type(_top_p), default=None)
+    parser.add_argument("--seed", type=checked_type(_seed), default=None, help="an int in [0, 2**64 - 1]")
+    parser.add_argument(
+        "--stop", action="append", type=checked_type(_stop), default=None, help="stop string (repeatable)"
+    )
     parser.add_argument(
         "--truncate-prompt",
         action="store_true",
@@ -69,21 +221,8 @@ def _sampling_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _int_or_auto(value: str) -> int | str:
-    return value if value == "auto" else int(value)
-
-
-def _tree_nodes(value: str) -> int | str | None:
-    if value.lower() == "none":
-        return None
-    if value == "auto":
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        from .errors import ConfigurationError
-
-        raise ConfigurationError(f"--tree-nodes must be an int, 'auto' or 'none', got {value!r}") from None
+def _int_or_auto(value: int | str) -> int | str:
+    return value if value == "auto" or not isinstance(value, str) else int(value)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -317,11 +456,14 @@ def cmd_train_medusa(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``selfspec`` command."""
-    parser = argparse.ArgumentParser(prog="selfspec", description="Lossless self-speculative decoding.")
+    from . import __version__
+
+    parser = ArgumentParser(prog="selfspec", description="Lossless self-speculative decoding.")
+    parser.add_argument("--version", action="version", version=f"selfspec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for one prompt")
-    add_engine_arguments(gen)
+    add_engine_arguments(gen, default_model=DEMO_MODEL)
     _sampling_args(gen)
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user chat message")
@@ -329,7 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="interactive streaming chat")
-    add_engine_arguments(chat)
+    add_engine_arguments(chat, default_model=DEMO_MODEL)
     _sampling_args(chat)
     chat.add_argument("--system", default=None, help="system prompt")
     chat.set_defaults(func=cmd_chat)
@@ -341,7 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--device", default="auto")
     cal.add_argument("--trust-remote-code", action="store_true")
     cal.add_argument("--max-new-tokens", type=int, default=48)
-    cal.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    cal.add_argument("--threads", type=checked_type(positive_int), default=None, help="torch CPU threads")
     cal.add_argument("--no-save", action="store_true", help="print the result without saving it")
     cal.add_argument(
         "--trees", action="store_true", help="also race early-exit token trees against the chain (tree_nodes='auto')"
@@ -359,7 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompts", default=None, help='JSON file {"category": [prompt, ...]}')
     bench.add_argument("--max-new-tokens", type=int, default=96)
     bench.add_argument("--repeats", type=int, default=3)
-    bench.add_argument("--threads", type=int, default=1)
+    bench.add_argument("--threads", type=checked_type(positive_int), default=1)
     bench.add_argument("--exit-layer", type=int, default=None)
     bench.add_argument("--num-draft-tokens", type=int, default=None)
     bench.add_argument(
@@ -396,7 +538,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(demo, default_model=DEMO_MODEL)
     demo.add_argument("--prompt", default=DEMO_PROMPT)
     demo.add_argument("--max-new-tokens", type=int, default=128)
-    demo.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    demo.add_argument("--threads", type=checked_type(positive_int), default=1, help="torch CPU threads")
     demo.set_defaults(func=cmd_demo)
 
     from .training.adapter_cli import add_train_adapter_parser
@@ -419,7 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
     medusa.add_argument("--seed", type=int, default=0)
     medusa.add_argument("--dtype", default="float32")
     medusa.add_argument("--device", default="auto")
-    medusa.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    medusa.add_argument("--threads", type=checked_type(positive_int), default=None, help="torch CPU threads")
     medusa.add_argument("--trust-remote-code", action="store_true")
     medusa.set_defaults(func=cmd_train_medusa)
 
@@ -430,8 +572,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``selfspec`` console script."""
-    args = build_parser().parse_args(argv)
+    """Entry point of the ``selfspec`` console script.
+
+    Argument errors are one ``selfspec: error: ...`` line and exit status 2, before any model
+    loads; so are the errors the engine raises for bad input (``ValueError``, ``OSError``).
+    """
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exit_:  # --help, --version and argument errors (already printed)
+        return exit_.code if isinstance(exit_.code, int) else 2
     threads = getattr(args, "threads", None)
     if threads:
         import torch

@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine import GenerationStream, SpeculativeEngine
 from ..outputs import GenerationOutput
 from ..registry import get_engine
+from ..requests import DEFAULT_MAX_TOKENS, encode_request, plan_constraint, token_budget  # noqa: F401 - re-exported
 from ..tools import ContentDelta, ToolCallChunk, ToolCallStreamParser, parse_tool_calls
 from .limits import (
     PromptLengthCheck,
@@ -62,8 +63,6 @@ logger = logging.getLogger("selfspec.server")
 #: Worker threads (template rendering, tokenization, generations); admission control
 #: (:class:`~selfspec.server.limits.ServerLimits`) decides how many requests get in.
 MAX_WORKERS = 64
-#: New tokens allowed when a request sets no limit and the model declares no context window.
-DEFAULT_MAX_TOKENS = 256
 
 _Body = TypeVar("_Body", bound=BaseModel)
 _END = object()  # the worker's last queue item
@@ -324,16 +323,25 @@ class _Server:
             raise APIError(400, "a forced tool_choice and a response_format cannot be combined", param="tool_choice")
         messages = engine_messages(body.messages)
         engine = self.engine
+        # the adapters' request planner (selfspec.requests): prompt, constraint and budget alike
+        stated = schema if schema != {"type": "object"} else None
         with _bad_request("messages"):
-            prompt_ids = engine.encode_prompt(messages, tools=tools or None)
+            prompt_ids = encode_request(engine, messages, tools, stated, forced)
+        plan = plan_constraint(
+            engine.tokenizer,
+            tools,
+            forced,
+            schema,
+            constrain_tool_calls=body.constrain_tool_calls,
+            parallel_tool_calls=body.parallel_tool_calls is not False,
+        )
         constraint = None
-        if forced is not None:
-            constraint = self._grammar("tool_call_constraint", tools, tool_name=forced or None)
-        elif schema is not None:
+        if plan is not None and plan.kind == "json_schema":
             constraint = self._grammar("json_schema_constraint", schema)
-        elif tools and body.constrain_tool_calls and _can_constrain_calls(engine):
-            # as the adapters do: the calls the model chooses to make follow the tools' grammar
-            constraint = self._grammar("tool_call_constraint", tools, required=False)
+        elif plan is not None:
+            constraint = self._grammar(
+                "tool_call_constraint", tools, tool_name=plan.tool_name, required=plan.required, parallel=plan.parallel
+            )
         return self._start(prompt_ids, body.token_limit, body.sampling(), constraint, "messages", bool(tools))
 
     def prepare_completion(self, body: CompletionRequest) -> _Job:
@@ -365,17 +373,13 @@ class _Server:
         engine = self.engine
         if limit is not None and limit < 1:
             raise APIError(400, f"max_tokens must be >= 1, got {limit}", param="max_tokens")
-        if limit is None:
-            window = engine.context_window
-            limit = DEFAULT_MAX_TOKENS if window is None else window - len(prompt_ids)
-            if limit < 1 and sampling.get("truncate_prompt") and window is not None and window > 1:
-                limit = min(DEFAULT_MAX_TOKENS, window // 2)  # the engine keeps the prompt's end
-            if limit < 1:
-                raise APIError(
-                    400,
-                    f"the prompt ({len(prompt_ids)} tokens) fills the model's context window of {window} tokens",
-                    param=prompt_field,
+        if limit is None:  # the one default (selfspec.requests.DEFAULT_MAX_TOKENS), never past the window
+            try:
+                limit = token_budget(
+                    None, len(prompt_ids), engine.context_window, truncate_prompt=bool(sampling.get("truncate_prompt"))
                 )
+            except ValueError as error:
+                raise APIError(400, str(error), param=prompt_field) from error
         with _bad_request(prompt_field):
             stream = engine.stream_ids(prompt_ids, max_new_tokens=limit, constraint=constraint, **sampling)
         return _Job(stream, parse_tools)
@@ -468,15 +472,6 @@ class _Server:
         finally:
             job.cancelled.set()  # a no-op when finished; else the client has gone
             self._jobs.discard(job)
-
-
-def _can_constrain_calls(engine: SpeculativeEngine) -> bool:
-    """Whether optional tool calls can be grammar-constrained (llguidance, single-token tags)."""
-    import importlib.util
-
-    from ..grammar import has_tool_call_tokens
-
-    return importlib.util.find_spec("llguidance") is not None and has_tool_call_tokens(engine.tokenizer)
 
 
 def _generation_error(error: BaseException | None, request_id: str) -> APIError:

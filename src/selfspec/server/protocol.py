@@ -167,6 +167,8 @@ class ChatCompletionRequest(_SamplingRequest):
     #: selfspec's own field: with tools and ``tool_choice="auto"``, generate the calls the model
     #: chooses to make under the tools' grammar (as the adapters' ``constrain_tool_calls``)
     constrain_tool_calls: bool = True
+    #: ``False``: at most one tool call per answer (enforced by the grammar when calls are constrained)
+    parallel_tool_calls: bool | None = None
 
     @property
     def token_limit(self) -> int | None:
