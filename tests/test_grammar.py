@@ -367,3 +367,13 @@ def test_schema_without_additional_properties_is_closed(tokenizer: Any) -> None:
     assert accepts(json_schema_constraint(tokenizer, opened), tokenizer, '{"b": 1}')
     # the JSON layout is json.dumps's: no other whitespace
     assert not accepts(json_schema_constraint(tokenizer, schema), tokenizer, '{"a":1}')
+
+
+def test_parallel_tool_calls_false_allows_at_most_one_call(tokenizer: Any) -> None:
+    call = '<tool_call>{"name": "no_args", "arguments": {}}</tool_call>'
+    for text in ["Plain words.", call, "Let me see.\n" + call]:
+        assert accepts(tool_call_constraint(tokenizer, TOOLS, required=False, parallel=False), tokenizer, text)
+    assert not accepts(tool_call_constraint(tokenizer, TOOLS, required=False, parallel=False), tokenizer,
+                       call + "\n" + call)
+    assert accepts(tool_call_constraint(tokenizer, TOOLS, required=False), tokenizer, call + "\n" + call)
+    assert "calls: call\n" in tool_call_grammar(tokenizer, TOOLS, required=False, parallel=False)

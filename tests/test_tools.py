@@ -230,3 +230,42 @@ def test_tool_schema_rejects_invalid(tool: object, message: str) -> None:
 
 def test_tool_call_dataclasses_have_fresh_ids() -> None:
     assert ToolCall("a", {}).id != ToolCall("a", {}).id
+
+
+def test_invalid_calls_carry_the_arguments_only() -> None:
+    """A call cut off by max_tokens: the arguments' text, not the whole envelope."""
+    [bad] = parse_tool_calls('<tool_call>{"name": "Person", "arguments": {"name": "An').invalid_tool_calls
+    assert bad.name == "Person" and bad.arguments == '{"name": "An'
+    [bad] = parse_tool_calls('<tool_call>{"name": "Person", "arguments": {"age": 3}').invalid_tool_calls
+    assert bad.arguments == '{"age": 3}'
+
+
+#: A response template for transformers' ``parse_response``, in a format the built-in parser does not read.
+CALL_TEMPLATE = {
+    "version": 1,
+    "start_anchor_pattern": r"\A",
+    "fields": {
+        "content": {},
+        "tool_calls": {"open": "<call>", "close": "</call>", "content": "json", "repeats": True},
+    },
+}
+
+
+def test_the_tokenizers_own_parser_is_used_when_it_has_one() -> None:
+    import copy
+
+    from transformers import AutoTokenizer
+
+    from selfspec import demo_model_path
+
+    tokenizer = copy.deepcopy(AutoTokenizer.from_pretrained(demo_model_path()))
+    text = 'Let me add. <call>{"name": "add", "arguments": {"a": 1, "b": 2}}</call>'
+    assert parse_tool_calls(text, tokenizer=tokenizer).tool_calls == []  # no template: the built-in parser
+    tokenizer.response_template = CALL_TEMPLATE
+    parsed = parse_tool_calls(text, tokenizer=tokenizer)
+    assert parsed.content == "Let me add."
+    assert [(c.name, c.arguments) for c in parsed.tool_calls] == [("add", {"a": 1, "b": 2})]
+    # what the template cannot read falls back to the built-in parser
+    fallback = parse_tool_calls('<call>{oops</call><tool_call>{"name": "x", "arguments": {}}</tool_call>',
+                                tokenizer=tokenizer)
+    assert [c.name for c in fallback.tool_calls] == ["x"]

@@ -217,9 +217,11 @@ def text_body(prompt: str, *, model: str, **options: Any) -> dict[str, Any]:
 
 
 def _wire_response_format(response_format: Mapping[str, Any]) -> dict[str, Any]:
-    if response_format.get("type") == "json_schema" and "json_schema" not in response_format:
+    """OpenAI's wire form; JSON mode with a schema is sent as that schema (any server honours it)."""
+    if response_format.get("type") in ("json_schema", "json_object") and "json_schema" not in response_format:
         schema = response_format.get("schema")
-        return {"type": "json_schema", "json_schema": {"name": "response", "schema": schema}}
+        if response_format.get("type") == "json_schema" or isinstance(schema, Mapping):
+            return {"type": "json_schema", "json_schema": {"name": "response", "schema": schema}}
     return dict(response_format)
 
 

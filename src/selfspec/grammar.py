@@ -275,6 +275,7 @@ def tool_call_constraint(
     vocab_size: int | None = None,
     eos_token_ids: Iterable[int] | None = None,
     required: bool = True,
+    parallel: bool = True,
 ) -> GrammarConstraint:
     """Constrain the output to exactly one Hermes-style tool call, then end-of-sequence.
 
@@ -289,7 +290,7 @@ def tool_call_constraint(
     that special tokens other than the tags and end-of-sequence are not allowed), or write
     some text and then one or more calls, one per line: a call the model chooses to make is
     still well formed. This needs the tags to be single tokens (so that text cannot spell
-    them out).
+    them out). With ``parallel=False`` at most one call is allowed.
 
     Args:
         tokenizer: the model's transformers fast tokenizer.
@@ -298,6 +299,8 @@ def tool_call_constraint(
         vocab_size: the model's logits vocabulary (may exceed ``len(tokenizer)``).
         eos_token_ids: the end-of-sequence tokens (default: the tokenizer's eos).
         required: whether a tool call is required (default) or optional.
+        parallel: with ``required=False``, whether several calls may follow (default) or at
+            most one.
 
     Returns:
         A fresh constraint for one generation.
@@ -307,7 +310,7 @@ def tool_call_constraint(
             ``required=False`` with tags that are not single tokens.
         ImportError: llguidance is not installed.
     """
-    grammar = tool_call_grammar(tokenizer, tools, tool_name=tool_name, required=required)
+    grammar = tool_call_grammar(tokenizer, tools, tool_name=tool_name, required=required, parallel=parallel)
     llguidance = _llguidance()
     return _constraint(tokenizer, llguidance.LLMatcher.grammar_from_lark(grammar), vocab_size, eos_token_ids)
 
@@ -319,7 +322,12 @@ def has_tool_call_tokens(tokenizer: Any) -> bool:
 
 
 def tool_call_grammar(
-    tokenizer: Any, tools: Sequence[Mapping[str, Any]], *, tool_name: str | None = None, required: bool = True
+    tokenizer: Any,
+    tools: Sequence[Mapping[str, Any]],
+    *,
+    tool_name: str | None = None,
+    required: bool = True,
+    parallel: bool = True,
 ) -> str:
     """The Lark grammar of :func:`tool_call_constraint` (for inspection and tests)."""
     functions = [tool_schema(tool)["function"] for tool in tools]
@@ -343,12 +351,8 @@ def tool_call_grammar(
     elif has_tool_call_tokens(tokenizer):
         # nothing, free text (any bytes: the tags are single tokens, which text cannot
         # spell), or optional text then calls, one per line
-        head_rules = (
-            "start: TEXT? calls?\n"
-            'calls: call ("\\n" call)*\n'
-            f"call: {call}\n"
-            "TEXT: /(?s:.+)/\n"
-        )
+        calls = 'calls: call ("\\n" call)*\n' if parallel else "calls: call\n"
+        head_rules = f"start: TEXT? calls?\n{calls}call: {call}\nTEXT: /(?s:.+)/\n"
     else:
         raise ValueError(
             "an optional tool call needs <tool_call> and </tool_call> as single tokens of the tokenizer"

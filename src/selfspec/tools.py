@@ -7,6 +7,10 @@ Two output formats are understood, both emitted by open chat models:
 - Llama 3.1 JSON: the whole message is ``{"name": ..., "parameters": {...}}`` (or with
   ``"arguments"``), optionally after ``<|python_tag|>``.
 
+Where a transformers tokenizer declares how its own template's answers are read (a
+``response_template``, read by ``tokenizer.parse_response``), :func:`parse_tool_calls` uses that
+first and these two formats are the fallback.
+
 Parsing never raises: a block whose JSON is malformed, or which has no name, becomes an
 :class:`InvalidToolCall` so that the caller can show the model its mistake. Framework adapters
 (LangChain, LlamaIndex) share these functions so that every adapter reads tool calls alike.
@@ -62,8 +66,8 @@ class InvalidToolCall:
 
     Attributes:
         name: the tool's name when it could be read, else ``None``.
-        arguments: the raw text of the arguments (or of the whole call when they could not
-            be located).
+        arguments: the raw text of the arguments only (the whole call's text only when the
+            arguments cannot be located in it).
         error: what was wrong.
         id: a unique id (``call_<hex>``).
     """
@@ -90,20 +94,27 @@ class ParsedOutput:
 
 
 # ------------------------------------------------------------------------------- parsing
-def parse_tool_calls(text: str) -> ParsedOutput:
+def parse_tool_calls(text: str, *, tokenizer: Any = None) -> ParsedOutput:
     """Split a complete model message into content and tool calls.
 
-    Hermes/Qwen ``<tool_call>`` blocks are looked for first (several are allowed, and a last
+    With a ``tokenizer`` that has a ``response_template``, its ``parse_response`` reads the
+    message first (the template's own schema); when it has none, or cannot read the text,
+    the parser below does. Hermes/Qwen ``<tool_call>`` blocks are looked for first (several are allowed, and a last
     block left unclosed at the end of the text is read too); without any, a message that is
     entirely one Llama 3.1 JSON call (or a JSON list of them) is read as tool calls. Any
     other text is plain content.
 
     Args:
         text: the decoded model output.
+        tokenizer: the model's transformers tokenizer (optional).
 
     Returns:
         The content and the valid and invalid tool calls. Never raises.
     """
+    if tokenizer is not None and getattr(tokenizer, "response_template", None) is not None:
+        parsed = _parse_with_tokenizer(tokenizer, text)
+        if parsed is not None:
+            return parsed
     if TOOL_CALL_START in text:
         parsed = ParsedOutput(content="")
         for match in _BLOCK_RE.finditer(text):
@@ -119,6 +130,23 @@ def parse_tool_calls(text: str) -> ParsedOutput:
     return parsed
 
 
+def _parse_with_tokenizer(tokenizer: Any, text: str) -> ParsedOutput | None:
+    """The message read by ``tokenizer.parse_response`` (``None`` when it cannot read it)."""
+    try:
+        message = tokenizer.parse_response(text, prefix="")
+    except Exception:  # noqa: BLE001 - any failure falls back to the built-in parser
+        return None
+    if not isinstance(message, Mapping):
+        return None
+    calls = message.get("tool_calls") or []
+    if not isinstance(calls, list):
+        return None
+    parsed = ParsedOutput(content=str(message.get("content") or "").strip())
+    for value in calls:
+        _add_call(parsed, _call_from_value(value, json.dumps(value, ensure_ascii=False, default=str)))
+    return parsed
+
+
 def _add_call(parsed: ParsedOutput, call: ToolCall | InvalidToolCall) -> None:
     if isinstance(call, ToolCall):
         parsed.tool_calls.append(call)
@@ -131,6 +159,18 @@ def _read_call(body: str) -> ToolCall | InvalidToolCall:
     try:
         value = json.loads(body)
     except ValueError as error:
+        head = _HEAD_RE.match(body)
+        if head is not None:  # the envelope is readable: keep only the arguments' text
+            rest = body[head.end() :]
+            try:
+                arguments = rest[: json.JSONDecoder().raw_decode(rest)[1]]  # complete arguments, broken envelope
+            except ValueError:
+                arguments = _without_outer_close(rest)
+            return InvalidToolCall(
+                name=_unescape(head.group(1)),
+                arguments=arguments.strip(),
+                error=f"the tool call's arguments are not valid JSON: {error}",
+            )
         name = _NAME_RE.search(body)
         return InvalidToolCall(
             name=_unescape(name.group(1)) if name else None,

@@ -16,16 +16,13 @@ Where each part lives:
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
 import functools
-import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from operator import itemgetter
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.exceptions import OutputParserException
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.language_models.chat_models import LangSmithParams
 from langchain_core.messages import (
@@ -41,24 +38,31 @@ from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call
 from langchain_core.output_parsers import JsonOutputKeyToolsParser, JsonOutputParser, PydanticToolsParser
 from langchain_core.output_parsers.pydantic import PydanticOutputParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.runnables import Runnable, RunnableGenerator, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
 from langchain_core.utils import secret_from_env
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
-from pydantic import ConfigDict, Field, PrivateAttr, SecretStr
-from selfspec import GenerationOutput, SpeculativeEngine, TokenConstraint, get_engine
+from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, model_validator
+from selfspec import GenerationOutput, SpeculativeEngine, get_engine
 from selfspec.endpoint import API_KEY_ENV_VARS, EndpointClient, EndpointResult, chat_body
-from selfspec.errors import ConfigurationError, InvalidPromptError
+from selfspec.errors import ConfigurationError
 from selfspec.registry import engine_args
+from selfspec.requests import (
+    RequestPlan,
+    agenerate,
+    aiterate,
+    check_arguments,
+    cut_off_message,
+    normalize_tool_choice,
+    plan_request,
+)
 from selfspec.tools import (
     ContentDelta,
     InvalidToolCall,
     StreamEvent,
     ToolCall,
-    ToolCallChunk,
     ToolCallStreamParser,
-    parse_tool_calls,
     tool_schema,
 )
 
@@ -77,13 +81,13 @@ _CALL_ARGS = frozenset(
         "seed",
         "tools",
         "tool_choice",
+        "parallel_tool_calls",
         "response_format",
         "stream",
         "ls_structured_output_format",
         "structured_output_format",
     }
 )
-_T = TypeVar("_T")
 
 
 class ChatSpeculative(BaseChatModel):
@@ -308,7 +312,8 @@ class ChatSpeculative(BaseChatModel):
     """Sampling temperature: 0 for greedy decoding, > 0 samples."""
 
     max_tokens: int | None = None
-    """Most new tokens per answer; ``None`` allows up to the end of the context window."""
+    """Most new tokens per answer; ``None``: ``selfspec.requests.DEFAULT_MAX_TOKENS`` (256, the
+    default of ``selfspec serve`` and ``SpeculativeLLM`` too), never past the context window."""
 
     top_p: float | None = None
     """Nucleus sampling: sample among the most likely tokens whose probabilities sum to ``top_p``."""
@@ -333,7 +338,7 @@ class ChatSpeculative(BaseChatModel):
     truncate_prompt: bool = False
     """When the prompt and the answer do not fit in the context window, keep only the prompt's end
     (left truncation) instead of raising ``InvalidPromptError``. Without ``max_tokens``, a prompt
-    that fills the window leaves room for ``min(256, window // 2)`` new tokens."""
+    that fills the window leaves room for ``min(DEFAULT_MAX_TOKENS, window // 2)`` new tokens."""
 
     # -- endpoint mode: an OpenAI-compatible server instead of a local engine
     base_url: str | None = None
@@ -354,6 +359,21 @@ class ChatSpeculative(BaseChatModel):
     _endpoint: EndpointClient | None = PrivateAttr(default=None)
 
     model_config = ConfigDict(use_attribute_docstrings=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_arguments(cls, values: Any) -> Any:
+        """``model_name`` is an alias of ``model``; an unknown argument names the closest field."""
+        if not isinstance(values, dict):
+            return values
+        values = dict(values)
+        if "model_name" in values:
+            if "model" in values and values["model"] != values["model_name"]:
+                raise ValueError("pass either model or its alias model_name, not both")
+            values["model"] = values.pop("model_name")
+        known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+        check_arguments("ChatSpeculative", values, known)
+        return values
 
     # ------------------------------------------------------------------ LangChain hooks
     @property
@@ -457,11 +477,10 @@ class ChatSpeculative(BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         if self.base_url is not None:
-            result = self.endpoint().create(self._endpoint_body(messages, stop, kwargs))
-            return _endpoint_chat_result(result, kwargs.get("model") or self.model)
-        request = self._request(messages, stop, kwargs)
-        output = request.engine.generate_ids(request.prompt_ids, **request.options())
-        return ChatResult(generations=[ChatGeneration(message=_message(request, output))])
+            body = self._endpoint_body(messages, stop, kwargs)
+            return _endpoint_chat_result(self.endpoint().create(body), body)
+        plan = self._plan(messages, stop, kwargs)
+        return _chat_result(plan, kwargs.get("model") or self.model, plan.generate())
 
     async def _agenerate(
         self,
@@ -471,9 +490,16 @@ class ChatSpeculative(BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         if self.base_url is not None:
-            result = await self.endpoint().acreate(self._endpoint_body(messages, stop, kwargs))
-            return _endpoint_chat_result(result, kwargs.get("model") or self.model)
-        return await asyncio.to_thread(self._generate, messages, stop, None, **kwargs)
+            body = self._endpoint_body(messages, stop, kwargs)
+            return _endpoint_chat_result(await self.endpoint().acreate(body), body)
+        plans: list[RequestPlan] = []
+
+        def stream() -> Any:  # planned in the worker: templates, tokenization, grammars take time
+            plans.append(self._plan(messages, stop, kwargs))
+            return plans[0].stream()
+
+        output = await agenerate(stream)  # cancelling this call stops the engine within a round
+        return _chat_result(plans[0], kwargs.get("model") or self.model, output)
 
     def _stream(
         self,
@@ -497,7 +523,7 @@ class ChatSpeculative(BaseChatModel):
         if self.base_url is not None:
             chunks = self._endpoint_achunks(messages, stop, kwargs)
         else:
-            chunks = _iterate_in_thread(lambda: self._chunks(messages, stop, kwargs))
+            chunks = aiterate(lambda: self._chunks(messages, stop, kwargs))
         try:
             async for chunk in chunks:
                 if run_manager is not None:
@@ -513,9 +539,9 @@ class ChatSpeculative(BaseChatModel):
         if self.base_url is not None:
             yield from self._endpoint_chunks(messages, stop, kwargs)
             return
-        request = self._request(messages, stop, kwargs)
-        stream = request.engine.stream_ids(request.prompt_ids, **request.options())
-        parser = ToolCallStreamParser() if request.parse_tools else None
+        plan = self._plan(messages, stop, kwargs)
+        stream = plan.stream()
+        parser = ToolCallStreamParser() if plan.parse_tools else None
         try:
             for delta in stream:
                 for event in parser.feed(delta) if parser else [ContentDelta(delta)]:
@@ -525,17 +551,19 @@ class ChatSpeculative(BaseChatModel):
         finally:
             stream.close()
         assert stream.output is not None
-        yield _chunk(None, request=request, output=stream.output)
+        output = stream.output
+        metadata = _metadata(plan, kwargs.get("model") or self.model, output)
+        yield _last_chunk(_usage(output), metadata, output.finish_reason)
 
     def _endpoint_chunks(
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
     ) -> Iterator[ChatGenerationChunk]:
         """Endpoint mode's chunks; closing early closes the HTTP stream (the server cancels)."""
-        model = kwargs.get("model") or self.model
-        events = self.endpoint().stream(self._endpoint_body(messages, stop, kwargs, stream=True))
+        body = self._endpoint_body(messages, stop, kwargs, stream=True)
+        events = self.endpoint().stream(body)
         try:
             for event in events:
-                yield _endpoint_last_chunk(event, model) if isinstance(event, EndpointResult) else _chunk(event)
+                yield _endpoint_last_chunk(event, body) if isinstance(event, EndpointResult) else _chunk(event)
         finally:
             events.close()
 
@@ -543,24 +571,24 @@ class ChatSpeculative(BaseChatModel):
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
     ) -> AsyncIterator[ChatGenerationChunk]:
         """Async :meth:`_endpoint_chunks` (the ``openai`` async client: no worker thread)."""
-        model = kwargs.get("model") or self.model
-        events = self.endpoint().astream(self._endpoint_body(messages, stop, kwargs, stream=True))
+        body = self._endpoint_body(messages, stop, kwargs, stream=True)
+        events = self.endpoint().astream(body)
         try:
             async for event in events:
-                yield _endpoint_last_chunk(event, model) if isinstance(event, EndpointResult) else _chunk(event)
+                yield _endpoint_last_chunk(event, body) if isinstance(event, EndpointResult) else _chunk(event)
         finally:
             await events.aclose()
 
     def _endpoint_body(
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any], stream: bool = False
     ) -> dict[str, Any]:
-        """Endpoint mode's request: the same options as :meth:`_request`, in OpenAI's form."""
+        """Endpoint mode's request: the same options as :meth:`_plan`, in OpenAI's form."""
         _check_call_args(kwargs)
         tools: list[dict[str, Any]] = list(kwargs.get("tools") or [])
-        tool_choice = kwargs.get("tool_choice") or "auto"
+        tool_choice = normalize_tool_choice(kwargs.get("tool_choice"), [t["function"]["name"] for t in tools])
         if tool_choice == "none":
             tools = []
-        return chat_body(
+        body = chat_body(
             to_engine_messages(messages),
             model=kwargs.get("model") or self.model,
             max_tokens=kwargs.get("max_tokens", self.max_tokens),
@@ -576,68 +604,29 @@ class ChatSpeculative(BaseChatModel):
             stream=stream,
             constrain_tool_calls=self.constrain_tool_calls,
         )
+        if tools and kwargs.get("parallel_tool_calls") is False:
+            body["parallel_tool_calls"] = False
+        return body
 
-    def _request(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> _Request:
-        """Everything one call needs: engine, prompt ids, sampling options, constraint."""
+    def _plan(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> RequestPlan:
+        """One call planned by :func:`selfspec.requests.plan_request` on this model's engine."""
         _check_call_args(kwargs)
-        model = kwargs.get("model") or self.model
-        engine = self.get_engine(model)
-        tools: list[dict[str, Any]] = list(kwargs.get("tools") or [])
-        tool_choice = kwargs.get("tool_choice") or "auto"
-        if tool_choice == "none":
-            tools = []
-        prompt_ids = engine.encode_prompt(to_engine_messages(messages), tools=tools or None)
-        request = _Request(
-            engine=engine,
-            model_name=model,
-            prompt_ids=prompt_ids,
-            max_new_tokens=self._budget(
-                engine, len(prompt_ids), kwargs.get("max_tokens", self.max_tokens), self.truncate_prompt
-            ),
+        return plan_request(
+            self.get_engine(kwargs.get("model") or self.model),
+            to_engine_messages(messages),
+            max_tokens=kwargs.get("max_tokens", self.max_tokens),
             temperature=kwargs.get("temperature", self.temperature),
             top_p=kwargs.get("top_p", self.top_p),
             top_k=kwargs.get("top_k", self.top_k),
             seed=kwargs.get("seed", self.seed),
             stop=list(stop if stop is not None else self.stop or []) or None,
-            parse_tools=bool(tools),
+            tools=kwargs.get("tools"),
+            tool_choice=kwargs.get("tool_choice"),
+            response_format=kwargs.get("response_format"),
             truncate_prompt=self.truncate_prompt,
+            constrain_tool_calls=self.constrain_tool_calls,
+            parallel_tool_calls=kwargs.get("parallel_tool_calls") is not False,
         )
-        forced = _forced_tool(tool_choice, tools)
-        response_format = kwargs.get("response_format")
-        if forced is not None:
-            request.constraint = _lazy_grammar("tool_call_constraint", engine, tools, tool_name=forced or None)
-        elif response_format is not None:
-            request.constraint = _lazy_grammar("json_schema_constraint", engine, _response_schema(response_format))
-            request.parse_tools = False
-        elif tools and self.constrain_tool_calls and _has_tool_call_tokens(engine):
-            request.constraint = _lazy_grammar("tool_call_constraint", engine, tools, required=False)
-        return request
-
-    @staticmethod
-    def _budget(engine: SpeculativeEngine, prompt_length: int, max_tokens: int | None, truncate: bool = False) -> int:
-        """New tokens allowed: ``max_tokens``, never past the end of the context window.
-
-        With ``truncate`` the engine cuts the prompt instead: ``max_tokens`` is kept as given
-        (without it, a prompt that fills the window leaves ``min(256, window // 2)``).
-        """
-        if max_tokens is not None and (
-            isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
-        ):
-            return max_tokens  # the engine refuses it with a SamplingError naming max_new_tokens
-        window = engine.context_window
-        room = window - prompt_length if window is not None else None
-        if truncate and window is not None and room is not None:
-            if max_tokens is not None:
-                return max_tokens
-            return room if room >= 1 else min(256, window // 2)
-        if room is not None and room < 1:
-            raise InvalidPromptError(
-                f"the prompt ({prompt_length} tokens) fills the model's context window of {window} tokens "
-                "(or pass truncate_prompt=True to keep only its end)"
-            )
-        if max_tokens is None:
-            return room if room is not None else 256
-        return min(max_tokens, room) if room is not None else max_tokens
 
     # ------------------------------------------------------------------ tools and structure
     def bind_tools(
@@ -645,6 +634,8 @@ class ChatSpeculative(BaseChatModel):
         tools: Sequence[dict[str, Any] | type | Callable[..., Any] | BaseTool],
         *,
         tool_choice: dict[str, Any] | str | bool | None = None,
+        strict: bool | None = None,
+        parallel_tool_calls: bool | None = None,
         **kwargs: Any,
     ) -> Runnable[LanguageModelInput, AIMessage]:
         """Offer tools to the model (rendered by its chat template).
@@ -657,16 +648,27 @@ class ChatSpeculative(BaseChatModel):
                 forced), a tool's name or ``{"type": "function", "function": {"name": ...}}``
                 (that tool is forced). Forced calls are well formed by construction
                 (constrained decoding over the tools' schemas).
+            strict: accepted for compatibility: calls generated under the tools' grammar
+                (forced ones, and with ``constrain_tool_calls`` those the model chooses) follow
+                their schemas exactly, as OpenAI's strict mode promises.
+            parallel_tool_calls: ``False``: at most one call per answer, enforced by the
+                grammar (locally, or by ``selfspec serve``); ``None``/``True``: several allowed.
             **kwargs: other arguments bound to the model.
 
         Returns:
             The model with the tools bound.
 
         Raises:
-            ValueError: an invalid tool schema, or a ``tool_choice`` naming no offered tool.
+            ValueError: an invalid tool schema, or a bad ``tool_choice`` (here, not at invoke).
         """
         formatted = [_tool_dict(t) for t in tools]
-        choice = _normalize_tool_choice(tool_choice, [t["function"]["name"] for t in formatted])
+        choice = normalize_tool_choice(tool_choice, [t["function"]["name"] for t in formatted])
+        if strict is not None and not isinstance(strict, bool):
+            raise ValueError(f"strict must be a bool or None, got {strict!r}")
+        if parallel_tool_calls is not None:
+            if not isinstance(parallel_tool_calls, bool):
+                raise ValueError(f"parallel_tool_calls must be a bool or None, got {parallel_tool_calls!r}")
+            kwargs["parallel_tool_calls"] = parallel_tool_calls
         return super().bind(tools=formatted, tool_choice=choice, **kwargs)
 
     def with_structured_output(
@@ -685,7 +687,7 @@ class ChatSpeculative(BaseChatModel):
                 OpenAI tool schema (the output is a dict).
             method: ``"function_calling"``: a forced call of a tool named after the schema;
                 ``"json_schema"``: the answer is JSON valid for the schema; ``"json_mode"``:
-                the answer is some JSON object (ask for the keys in the prompt).
+                the same, constrained to the schema (also ask for the keys in the prompt).
             include_raw: return ``{"raw": AIMessage, "parsed": ..., "parsing_error": ...}``.
             strict: accepted for compatibility; output always follows the schema.
             **kwargs: not supported.
@@ -695,6 +697,10 @@ class ChatSpeculative(BaseChatModel):
 
         Raises:
             ValueError: an unknown ``method`` or unsupported arguments.
+
+        An answer cut off by ``max_tokens`` raises ``OutputParserException`` naming
+        ``max_tokens`` and the tokens used (with ``include_raw=True`` it is the
+        ``parsing_error``).
         """
         if kwargs:
             raise ValueError(f"unsupported arguments: {', '.join(sorted(kwargs))}")
@@ -708,15 +714,18 @@ class ChatSpeculative(BaseChatModel):
                 parser = PydanticToolsParser(tools=[schema], first_tool_only=True)  # type: ignore[list-item]
             else:
                 parser = JsonOutputKeyToolsParser(key_name=name, first_tool_only=True)
+            what = f"{name} tool call"
         elif method in ("json_schema", "json_mode"):
-            if method == "json_schema":
-                response_format = {"type": "json_schema", "schema": convert_to_json_schema(schema)}
-            else:
-                response_format = {"type": "json_object"}
+            response_format: dict[str, Any] = {"type": "json_object"}
+            if method == "json_schema" or schema is not None:  # json_mode with a schema: constrained to it
+                response_format = {"type": method.replace("json_mode", "json_object"),
+                                   "schema": convert_to_json_schema(schema)}
             llm = self.bind(response_format=response_format, ls_structured_output_format=trace)
             parser = PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()  # type: ignore[arg-type]
+            what = "JSON answer"
         else:
             raise ValueError(f"unknown method {method!r}: use 'function_calling', 'json_schema' or 'json_mode'")
+        parser = _cut_off_check(parser, what) | parser
         if not include_raw:
             return llm | parser
         parse = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
@@ -725,59 +734,50 @@ class ChatSpeculative(BaseChatModel):
 
 
 # ---------------------------------------------------------------------------- requests
-@dataclass
-class _Request:
-    """One call: the engine, the prompt and how to decode it."""
-
-    engine: SpeculativeEngine
-    model_name: str
-    prompt_ids: list[int]
-    max_new_tokens: int
-    temperature: float
-    top_p: float | None
-    top_k: int | None
-    seed: int | None
-    stop: list[str] | None
-    parse_tools: bool
-    constraint: Callable[[], TokenConstraint] | None = field(default=None)
-    truncate_prompt: bool = False
-
-    def options(self) -> dict[str, Any]:
-        """Keyword arguments of ``engine.generate_ids`` / ``stream_ids`` (a fresh constraint)."""
-        return {
-            "max_new_tokens": self.max_new_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "seed": self.seed,
-            "stop": self.stop,
-            "constraint": self.constraint() if self.constraint is not None else None,
-            "truncate_prompt": self.truncate_prompt,
-        }
+def _check_call_args(kwargs: dict[str, Any]) -> None:
+    check_arguments("ChatSpeculative call", kwargs, _CALL_ARGS)
 
 
-def _lazy_grammar(kind: str, engine: SpeculativeEngine, *args: Any, **kwargs: Any) -> Callable[[], TokenConstraint]:
-    """A factory of fresh constraints (``selfspec.grammar`` imports llguidance on first use)."""
+def _cut_off_check(parser: Runnable[Any, Any], what: str) -> Runnable[Any, Any]:
+    """Passes messages (or chunks) through; raises ``OutputParserException`` for a cut-off answer.
 
-    def make() -> TokenConstraint:
-        from selfspec import grammar
+    An answer that ended at ``max_tokens`` (``finish_reason="length"``) and that ``parser``
+    cannot read in full is reported with the budget and the tokens used, instead of a parser
+    returning ``None`` or an empty stream.
+    """
 
-        factory = getattr(grammar, kind)
-        return factory(
-            engine.tokenizer,
-            *args,
-            vocab_size=engine.adapter.vocab_size,
-            eos_token_ids=engine.eos_token_ids,
-            **kwargs,
+    def check(message: BaseMessage) -> None:
+        metadata = message.response_metadata or {}
+        if metadata.get("finish_reason") != "length":
+            return
+        try:
+            if parser.invoke(message) is not None:
+                return
+        except OutputParserException:
+            pass
+        usage = getattr(message, "usage_metadata", None) or {}
+        raise OutputParserException(
+            cut_off_message(what, metadata.get("max_tokens"), usage.get("output_tokens")),
+            llm_output=str(message.content) if isinstance(message.content, str) else None,
         )
 
-    return make
+    def transform(chunks: Iterator[BaseMessage]) -> Iterator[BaseMessage]:
+        whole: Any = None
+        for chunk in chunks:
+            whole = chunk if whole is None else whole + chunk
+            yield chunk
+        if whole is not None:
+            check(whole)
 
+    async def atransform(chunks: AsyncIterator[BaseMessage]) -> AsyncIterator[BaseMessage]:
+        whole: Any = None
+        async for chunk in chunks:
+            whole = chunk if whole is None else whole + chunk
+            yield chunk
+        if whole is not None:
+            check(whole)
 
-def _check_call_args(kwargs: Mapping[str, Any]) -> None:
-    unknown = set(kwargs) - _CALL_ARGS
-    if unknown:
-        raise ValueError(f"ChatSpeculative got unsupported arguments: {', '.join(sorted(unknown))}")
+    return RunnableGenerator(transform, atransform, name="cut_off_check")
 
 
 @functools.lru_cache(maxsize=8)
@@ -795,59 +795,9 @@ def _local_tokenizer(model: str, trust_remote_code: bool) -> Any:
         ) from error
 
 
-def _has_tool_call_tokens(engine: SpeculativeEngine) -> bool:
-    from selfspec.grammar import has_tool_call_tokens
-
-    return has_tool_call_tokens(engine.tokenizer)
-
-
-def _response_schema(response_format: Mapping[str, Any]) -> dict[str, Any]:
-    """The JSON schema of an OpenAI-style ``response_format``."""
-    kind = response_format.get("type")
-    if kind == "json_object":
-        return {"type": "object"}
-    if kind == "json_schema":
-        schema = response_format.get("schema") or (response_format.get("json_schema") or {}).get("schema")
-        if isinstance(schema, Mapping):
-            return dict(schema)
-    raise ValueError(
-        "response_format must be {'type': 'json_object'} or {'type': 'json_schema', 'schema': {...}}, "
-        f"got {response_format!r}"
-    )
-
-
 def _tool_dict(tool: Any) -> dict[str, Any]:
     """A tool as ``{"type": "function", "function": {...}}``, validated."""
     return tool_schema(convert_to_openai_tool(tool))
-
-
-def _normalize_tool_choice(choice: Any, names: list[str]) -> str | dict[str, Any]:
-    """``"auto"``, ``"none"``, ``"required"`` or ``{"type": "function", "function": {"name": ...}}``."""
-    if choice is None or choice == "auto" or choice is False:
-        return "auto"
-    if choice == "none":
-        return "none"
-    if not names:
-        raise ValueError(f"tool_choice={choice!r} needs at least one tool")
-    if choice in ("any", "required") or choice is True:
-        return "required"
-    if isinstance(choice, dict):
-        function = choice["function"] if isinstance(choice.get("function"), dict) else choice
-        choice = function.get("name")
-    if isinstance(choice, str) and choice in names:
-        return {"type": "function", "function": {"name": choice}}
-    raise ValueError(f"tool_choice {choice!r} is not one of the tools ({', '.join(names)}) nor auto/any/none")
-
-
-def _forced_tool(choice: str | dict[str, Any], tools: list[dict[str, Any]]) -> str | None:
-    """``None`` when nothing is forced, ``""`` for any tool, else the forced tool's name."""
-    if not tools or choice in ("auto", "none"):
-        return None
-    if choice == "required":
-        return ""
-    if isinstance(choice, dict):
-        return str(choice["function"]["name"])
-    raise ValueError(f"unknown tool_choice {choice!r}")
 
 
 # ---------------------------------------------------------------------------- messages
@@ -911,15 +861,14 @@ def _text(message: BaseMessage) -> str:
 
 
 # ---------------------------------------------------------------------------- one place for results
-def _message(request: _Request, output: GenerationOutput) -> AIMessage:
-    """The AI message of a finished (non-streamed) answer."""
-    text = output.text or ""
-    if not request.parse_tools:
-        return _ai_message(text, [], [], _usage(output), _metadata(request, output))
-    parsed = parse_tool_calls(text)
-    return _ai_message(
-        parsed.content, parsed.tool_calls, parsed.invalid_tool_calls, _usage(output), _metadata(request, output)
+def _chat_result(plan: RequestPlan, model: str, output: GenerationOutput) -> ChatResult:
+    """The chat result of a finished (non-streamed) local answer."""
+    parsed = plan.parse(output.text or "")
+    message = _ai_message(
+        parsed.content, parsed.tool_calls, parsed.invalid_tool_calls, _usage(output), _metadata(plan, model, output)
     )
+    generation = ChatGeneration(message=message, generation_info={"finish_reason": output.finish_reason})
+    return ChatResult(generations=[generation])
 
 
 def _ai_message(
@@ -939,16 +888,16 @@ def _ai_message(
     )
 
 
-def _endpoint_chat_result(result: EndpointResult, model: str) -> ChatResult:
+def _endpoint_chat_result(result: EndpointResult, body: dict[str, Any]) -> ChatResult:
     """Endpoint mode's answer as a chat result."""
-    usage, metadata = _endpoint_usage(result), _endpoint_metadata(result, model)
+    usage, metadata = _endpoint_usage(result), _endpoint_metadata(result, body)
     message = _ai_message(result.text, result.tool_calls, result.invalid_tool_calls, usage, metadata)
     info = {"finish_reason": result.finish_reason}
     return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)])
 
 
-def _endpoint_last_chunk(result: EndpointResult, model: str) -> ChatGenerationChunk:
-    return _last_chunk(_endpoint_usage(result), _endpoint_metadata(result, model), result.finish_reason)
+def _endpoint_last_chunk(result: EndpointResult, body: dict[str, Any]) -> ChatGenerationChunk:
+    return _last_chunk(_endpoint_usage(result), _endpoint_metadata(result, body), result.finish_reason)
 
 
 def _endpoint_usage(result: EndpointResult) -> Any:
@@ -961,25 +910,22 @@ def _endpoint_usage(result: EndpointResult) -> Any:
     }
 
 
-def _endpoint_metadata(result: EndpointResult, model: str) -> dict[str, Any]:
-    """``model_name`` and ``finish_reason``; the speculation statistics when the server sends them."""
-    return {"model_name": result.model or model, "finish_reason": result.finish_reason, **result.stats}
+def _endpoint_metadata(result: EndpointResult, body: dict[str, Any]) -> dict[str, Any]:
+    """``model_name``, ``finish_reason``, ``max_tokens``; the speculation statistics the server sends."""
+    return {
+        "model_name": result.model or body["model"],
+        "finish_reason": result.finish_reason,
+        "max_tokens": body.get("max_tokens"),
+        **result.stats,
+    }
 
 
-def _chunk(
-    event: StreamEvent | None, *, request: _Request | None = None, output: GenerationOutput | None = None
-) -> ChatGenerationChunk:
-    """A streamed chunk: content, a tool-call piece, or (``event=None``) the last chunk.
-
-    The last chunk carries the usage and the response metadata, once per stream.
-    """
+def _chunk(event: StreamEvent) -> ChatGenerationChunk:
+    """A streamed chunk: content or a tool-call piece (the last chunk: :func:`_last_chunk`)."""
     if isinstance(event, ContentDelta):
         return ChatGenerationChunk(message=AIMessageChunk(content=event.text))
-    if isinstance(event, ToolCallChunk):
-        piece = tool_call_chunk(name=event.name, args=event.arguments, id=event.id, index=event.index)
-        return ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[piece]))
-    assert request is not None and output is not None
-    return _last_chunk(_usage(output), _metadata(request, output), output.finish_reason)
+    piece = tool_call_chunk(name=event.name, args=event.arguments, id=event.id, index=event.index)
+    return ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[piece]))
 
 
 def _last_chunk(usage: Any, metadata: dict[str, Any], finish_reason: str | None) -> ChatGenerationChunk:
@@ -997,56 +943,10 @@ def _usage(output: GenerationOutput) -> Any:
     }
 
 
-def _metadata(request: _Request, output: GenerationOutput) -> dict[str, Any]:
-    return {"model_name": request.model_name, "finish_reason": output.finish_reason, **output.stats.to_dict()}
-
-
-# ---------------------------------------------------------------------------- async plumbing
-_DONE = object()
-
-
-async def _iterate_in_thread(make_iterator: Callable[[], Iterator[_T]]) -> AsyncIterator[_T]:
-    """Run a blocking iterator in a worker thread and yield its items without blocking the loop.
-
-    One thread owns the iterator from creation to close; when the consumer stops early the
-    thread stops after the current item and closes it (which frees the engine's KV cache).
-    """
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[tuple[Any, BaseException | None]] = asyncio.Queue()
-    stopped = threading.Event()
-
-    def put(item: Any, error: BaseException | None = None) -> None:
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, (item, error))
-        except RuntimeError:  # the loop is closed: nobody is listening
-            stopped.set()
-
-    def work() -> None:
-        try:
-            iterator = make_iterator()
-            try:
-                for item in iterator:
-                    if stopped.is_set():
-                        break
-                    put(item)
-            finally:
-                close = getattr(iterator, "close", None)
-                if close is not None:
-                    close()
-        except BaseException as error:  # noqa: BLE001 - handed to the consumer
-            put(_DONE, error)
-        else:
-            put(_DONE)
-
-    worker = loop.run_in_executor(None, contextvars.copy_context().run, work)
-    try:
-        while True:
-            item, error = await queue.get()
-            if item is _DONE:
-                if error is not None:
-                    raise error
-                break
-            yield item
-    finally:
-        stopped.set()
-        await asyncio.shield(worker)
+def _metadata(plan: RequestPlan, model: str, output: GenerationOutput) -> dict[str, Any]:
+    return {
+        "model_name": model,
+        "finish_reason": output.finish_reason,
+        "max_tokens": plan.max_new_tokens,
+        **output.stats.to_dict(),
+    }

@@ -129,9 +129,18 @@ def test_messages_render_tool_calls_and_results():
     ]
 
 
+def _assistant_message(text, parse_tools=True):
+    """The assistant message the adapter builds from a local answer (the one response builder)."""
+    from selfspec.tools import ParsedOutput, parse_tool_calls
+
+    parsed = parse_tool_calls(text) if parse_tools else ParsedOutput(content=text)
+    answer = selfspec_base._Answer(parsed.content, parsed.tool_calls, parsed.invalid_tool_calls, "stop", {}, {}, "m", 8)
+    return selfspec_base._final_response("chat", answer).message
+
+
 def test_tool_calls_are_parsed_from_the_models_format():
     text = 'Let me compute.\n<tool_call>{"name": "multiply", "arguments": {"x": 7, "y": 6}}</tool_call>'
-    message = selfspec_base._assistant_message(text, parse_tools=True)
+    message = _assistant_message(text, parse_tools=True)
     assert message.content == "Let me compute."
     llm = SpeculativeLLM()
     (selection,) = llm.get_tool_calls_from_response(ChatResponse(message=message))
@@ -145,12 +154,12 @@ def test_tool_calls_are_parsed_from_the_models_format():
 
 def test_no_tool_call():
     llm = SpeculativeLLM()
-    message = selfspec_base._assistant_message('<tool_call>{"name": "multiply", "argu', parse_tools=True)
+    message = _assistant_message('<tool_call>{"name": "multiply", "argu', parse_tools=True)
     response = ChatResponse(message=message)
     assert llm.get_tool_calls_from_response(response, error_on_no_tool_call=False) == []
     with pytest.raises(ValueError, match="malformed tool calls"):
         llm.get_tool_calls_from_response(response)
-    plain = selfspec_base._assistant_message("<tool_call> is only text here", parse_tools=False)
+    plain = _assistant_message("<tool_call> is only text here", parse_tools=False)
     assert plain.content == "<tool_call> is only text here"
 
 
@@ -159,7 +168,7 @@ def test_parallel_tool_calls_are_trimmed_unless_allowed():
     text = "".join(
         f'<tool_call>{{"name": "multiply", "arguments": {{"x": {i}, "y": 1}}}}</tool_call>' for i in range(2)
     )
-    response = ChatResponse(message=selfspec_base._assistant_message(text, parse_tools=True))
+    response = ChatResponse(message=_assistant_message(text, parse_tools=True))
     assert len(llm.get_tool_calls_from_response(response)) == 2
     llm._validate_chat_with_tools_response(response, [], allow_parallel_tool_calls=False)
     assert len(llm.get_tool_calls_from_response(response)) == 1
@@ -187,13 +196,19 @@ def test_tool_schemas_and_forced_choice():
     schemas = [selfspec_base.tool_schema(t) for t in (FunctionTool.from_defaults(fn=multiply), Person, multiply)]
     assert [s["function"]["name"] for s in schemas] == ["multiply", "Person", "multiply"]
     assert schemas[0]["function"]["parameters"]["required"] == ["x", "y"]
-    forced = selfspec_base._forced_tool
+    from selfspec.requests import forced_tool, normalize_tool_choice
+
+    names = [s["function"]["name"] for s in schemas]
+
+    def forced(tools, choice):
+        return forced_tool(normalize_tool_choice(choice, names), tools)
+
     assert forced(schemas, None) is None
     assert forced(schemas, "auto") is None
     assert forced(schemas, "required") == ""
     assert forced(schemas, "Person") == "Person"
     assert forced(schemas, {"type": "function", "function": {"name": "multiply"}}) == "multiply"
-    with pytest.raises(ValueError, match="not one of the offered tools"):
+    with pytest.raises(ValueError, match="not one of the tools"):
         forced(schemas, "divide")
 
 

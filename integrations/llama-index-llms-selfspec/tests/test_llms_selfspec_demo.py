@@ -25,6 +25,7 @@ from pydantic import BaseModel, Field
 from selfspec import GenerationStats
 
 from llama_index.llms.selfspec import SpeculativeLLM
+from llama_index.llms.selfspec.base import to_engine_messages
 
 pytestmark = pytest.mark.slow
 
@@ -277,11 +278,16 @@ def test_optional_tool_calls_are_well_formed(demo_llm):
     for selection in demo_llm.get_tool_calls_from_response(response, error_on_no_tool_call=False):
         assert selection.tool_name == "multiply"
         assert set(selection.tool_kwargs) == {"x", "y"}
-    schemas = [tool.metadata.to_openai_tool() for tool in tools]
-    assert demo_llm._grammar(demo_llm.engine, schemas, "auto", None) is not None
+    messages = [ChatMessage(role="user", content="hi")]
+
+    def constraint(llm, choice):
+        options = llm._options({"tools": tools, "tool_choice": choice})
+        return llm._plan(to_engine_messages(messages), options).constraint
+
+    assert constraint(demo_llm, "auto") is not None
     unconstrained = SpeculativeLLM(model="selfspec-demo", constrain_tool_calls=False)
-    assert unconstrained._grammar(demo_llm.engine, schemas, "auto", None) is None
-    assert unconstrained._grammar(demo_llm.engine, schemas, "multiply", None) is not None
+    assert constraint(unconstrained, "auto") is None
+    assert constraint(unconstrained, "multiply") is not None
 
 
 class Person(BaseModel):

@@ -118,7 +118,7 @@ def test_invalid_tool_schemas(mode, reference) -> None:
     messages = [ChatMessage(role="user", content="Hi")]
     with pytest.raises(ValueError, match="invalid tool name"):
         llm.chat(messages, tools=[{"name": "bad name", "parameters": {"type": "object", "properties": {}}}])
-    with pytest.raises(ValueError, match="not one of the offered tools"):
+    with pytest.raises(ValueError, match="not one of the tools"):
         llm.chat(messages, tools=[{"name": "f", "parameters": {"type": "object", "properties": {}}}], tool_choice="g")
     assert llm.complete(REFERENCE_QUESTION).text == reference
 

@@ -12,16 +12,13 @@ import pytest
 from langchain_core.messages import AIMessage, ChatMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_tests.unit_tests import ChatModelUnitTests
 from pydantic import BaseModel, Field
+from selfspec.requests import aiterate as _iterate_in_thread
+from selfspec.requests import normalize_tool_choice as _normalize_tool_choice
+from selfspec.requests import response_schema as _response_schema
 from selfspec.tools import ContentDelta, ToolCallChunk
 
 from langchain_selfspec import ChatSpeculative
-from langchain_selfspec.chat_models import (
-    _chunk,
-    _iterate_in_thread,
-    _normalize_tool_choice,
-    _response_schema,
-    to_engine_messages,
-)
+from langchain_selfspec.chat_models import _chunk, to_engine_messages
 
 
 class TestChatSpeculativeUnit(ChatModelUnitTests):
@@ -158,13 +155,15 @@ def test_structured_output_wiring() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     assert _response_schema({"type": "json_schema", "schema": schema}) == schema
     assert _response_schema({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}) == schema
+    assert _response_schema({"type": "text"}) is None
+    assert _response_schema({"type": "json_object", "schema": schema}) == schema  # json_mode with a schema
     with pytest.raises(ValueError, match="response_format"):
-        _response_schema({"type": "text"})
+        _response_schema({"type": "xml"})
 
 
 def test_unknown_call_arguments_are_refused() -> None:
-    with pytest.raises(ValueError, match="unsupported arguments: frequency_penalty"):
-        ChatSpeculative(model="no/such-model")._request([HumanMessage("hi")], None, {"frequency_penalty": 1.0})
+    with pytest.raises(ValueError, match="unknown argument 'frequency_penalty'"):
+        ChatSpeculative(model="no/such-model")._plan([HumanMessage("hi")], None, {"frequency_penalty": 1.0})
 
 
 def test_chunks_are_built_in_one_place() -> None:

@@ -20,13 +20,11 @@ Where things live:
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 import logging
-import threading
 import uuid
-from collections.abc import AsyncGenerator, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -43,7 +41,7 @@ from llama_index.core.base.llms.types import (
     MessageRole,
     ToolCallBlock,
 )
-from llama_index.core.bridge.pydantic import BaseModel, Field, PrivateAttr, ValidationError
+from llama_index.core.bridge.pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_validator
 from llama_index.core.constants import DEFAULT_CONTEXT_WINDOW
 from llama_index.core.instrumentation.events.llm import (
     LLMStructuredPredictEndEvent,
@@ -52,13 +50,25 @@ from llama_index.core.instrumentation.events.llm import (
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
+from llama_index.core.llms.utils import parse_partial_json
+from llama_index.core.program.utils import FlexibleModel, create_flexible_model
 from llama_index.core.types import PydanticProgramMode
 
-from selfspec import GenerationOutput, GenerationStream, SpeculativeEngine, TokenConstraint, get_engine
+from selfspec import GenerationOutput, GenerationStream, SpeculativeEngine, get_engine
 from selfspec.endpoint import EndpointClient, EndpointResult, chat_body, text_body
 from selfspec.errors import ConfigurationError
 from selfspec.registry import engine_args
-from selfspec.tools import ContentDelta, InvalidToolCall, StreamEvent, ToolCall
+from selfspec.requests import (
+    DEFAULT_MAX_TOKENS,
+    RequestPlan,
+    agenerate,
+    aiterate,
+    check_arguments,
+    cut_off_message,
+    normalize_tool_choice,
+    plan_request,
+)
+from selfspec.tools import ContentDelta, InvalidToolCall, StreamEvent, ToolCall, ToolCallChunk, ToolCallStreamParser
 
 if TYPE_CHECKING:
     from llama_index.core.prompts import BasePromptTemplate
@@ -71,11 +81,6 @@ Model = TypeVar("Model", bound=BaseModel)
 
 #: LlamaIndex roles that chat templates know under another name.
 _ROLE_ALIASES = {"developer": "system", "function": "tool", "model": "assistant", "chatbot": "assistant"}
-#: ``tool_choice`` values that force some tool call, whichever the model picks.
-_ANY_TOOL = ("required", "any")
-
-#: Instruction added to the system message by :meth:`SpeculativeLLM.structured_predict`.
-STRUCTURED_INSTRUCTION = "Answer with one JSON object that matches this JSON schema: "
 
 
 class SpeculativeLLM(FunctionCallingLLM):
@@ -184,7 +189,12 @@ class SpeculativeLLM(FunctionCallingLLM):
         "(None: the heads saved beside the model, e.g. the demo model's).",
     )
     temperature: float = Field(default=0.0, ge=0.0, description="0 for greedy decoding; > 0 samples.")
-    max_new_tokens: int = Field(default=256, gt=0, description="The most new tokens per response.")
+    max_new_tokens: int = Field(
+        default=DEFAULT_MAX_TOKENS,
+        gt=0,
+        description="The most new tokens per response (default: selfspec.requests.DEFAULT_MAX_TOKENS, "
+        "the default of selfspec serve and ChatSpeculative too); never past the context window.",
+    )
     top_k: int | None = Field(default=None, gt=0, description="Sample among the top_k most likely tokens.")
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
     stop: list[str] | None = Field(
@@ -226,6 +236,21 @@ class SpeculativeLLM(FunctionCallingLLM):
     max_retries: int = Field(default=2, ge=0, description="Endpoint mode: retries of failed connections.")
 
     _endpoint: EndpointClient | None = PrivateAttr(default=None)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_arguments(cls, values: Any) -> Any:
+        """``model_name`` is an alias of ``model``; an unknown argument names the closest field."""
+        if not isinstance(values, dict):
+            return values
+        values = dict(values)
+        if "model_name" in values:
+            if "model" in values and values["model"] != values["model_name"]:
+                raise ValueError("pass either model or its alias model_name, not both")
+            values["model"] = values.pop("model_name")
+        known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+        check_arguments("SpeculativeLLM", values, known | {"class_name"})
+        return values
 
     @classmethod
     def class_name(cls) -> str:
@@ -296,12 +321,12 @@ class SpeculativeLLM(FunctionCallingLLM):
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         """Complete a prompt (one user turn of the chat template; raw text when ``formatted``)."""
-        return self._complete(prompt, formatted, kwargs)
+        return self._answer("completion", self._completion_prompt(prompt, formatted), kwargs)
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
         """Stream :meth:`complete`: each response holds the cumulative ``text`` and its ``delta``."""
-        return self._stream_complete(prompt, formatted, kwargs)
+        return self._stream("completion", self._completion_prompt(prompt, formatted), kwargs)
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
@@ -309,49 +334,40 @@ class SpeculativeLLM(FunctionCallingLLM):
 
         Keyword arguments override the fields ``max_new_tokens`` (or ``max_tokens``),
         ``temperature``, ``top_k``, ``top_p``, ``stop`` and ``seed`` for this call; ``tools``
-        (LlamaIndex tools or OpenAI-style dicts) and ``tool_choice`` (``"auto"``, ``"none"``,
-        ``"required"`` or a tool name) offer tools, as :meth:`chat_with_tools` does.
+        (LlamaIndex tools or OpenAI-style dicts), ``tool_choice`` (``"auto"``, ``"none"``,
+        ``"required"`` or a tool name) and ``parallel_tool_calls`` offer tools, as
+        :meth:`chat_with_tools` does; ``json_schema`` constrains the answer to a JSON schema.
         """
-        return self._chat(messages, kwargs)
+        return self._answer("chat", to_engine_messages(messages), kwargs)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        """Stream :meth:`chat`: cumulative ``message.content`` and ``delta``; the last one parsed."""
-        return self._stream_chat(messages, kwargs)
+        """Stream :meth:`chat`: cumulative ``message.content`` and ``delta``; tool calls as they arrive.
+
+        While a tool call is generated, ``message.additional_kwargs["tool_calls"]`` holds the
+        calls so far (arguments: the JSON text so far); the last response has them parsed.
+        """
+        return self._stream("chat", to_engine_messages(messages), kwargs)
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        """Async :meth:`complete`, computed in a worker thread (the event loop stays free)."""
-        if self.base_url is not None:
-            body = self._endpoint_body(self._endpoint_prompt(prompt, formatted), dict(kwargs))
-            return self._endpoint_completion(await self.endpoint().acreate(body))
-        return await asyncio.to_thread(self._complete, prompt, formatted, kwargs)
+        """Async :meth:`complete` (a worker thread runs the engine; cancelling stops it within a round)."""
+        return await self._aanswer("completion", self._completion_prompt(prompt, formatted), kwargs)
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
-        """Async :meth:`stream_complete`; each step of the engine runs in a worker thread."""
-        if self.base_url is not None:
-            body = self._endpoint_body(self._endpoint_prompt(prompt, formatted), dict(kwargs), stream=True)
-            return _completions_from_events(self, _aiter_held(self.endpoint().astream(body)))
-        responses = await asyncio.to_thread(self._stream_complete, prompt, formatted, kwargs)
-        return _iterate_in_thread(responses)
+        """Async :meth:`stream_complete`; closing or cancelling it stops the generation within a round."""
+        return self._astream("completion", self._completion_prompt(prompt, formatted), kwargs)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        """Async :meth:`chat`, computed in a worker thread (the event loop stays free)."""
-        if self.base_url is not None:
-            body = self._endpoint_body(to_engine_messages(messages), dict(kwargs))
-            return self._endpoint_chat(await self.endpoint().acreate(body))
-        return await asyncio.to_thread(self._chat, messages, kwargs)
+        """Async :meth:`chat` (a worker thread runs the engine; cancelling stops it within a round)."""
+        return await self._aanswer("chat", to_engine_messages(messages), kwargs)
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        """Async :meth:`stream_chat`; each step of the engine runs in a worker thread."""
-        if self.base_url is not None:
-            body = self._endpoint_body(to_engine_messages(messages), dict(kwargs), stream=True)
-            return _chats_from_events(self, _aiter_held(self.endpoint().astream(body)))
-        responses = await asyncio.to_thread(self._stream_chat, messages, kwargs)
-        return _iterate_in_thread(responses)
+        """Async :meth:`stream_chat`; closing or cancelling it stops the generation within a round."""
+        return self._astream("chat", to_engine_messages(messages), kwargs)
 
     # ----------------------------------------------------------------- tool calling
     def _prepare_chat_with_tools(
@@ -413,6 +429,7 @@ class SpeculativeLLM(FunctionCallingLLM):
             )
             for call in message_tool_calls(response.message)
         ]
+        # a streamed response holds the arguments so far: read what is complete of them
         if not selections and error_on_no_tool_call:
             invalid = response.message.additional_kwargs.get("invalid_tool_calls") or []
             detail = f"; malformed tool calls: {invalid}" if invalid else ""
@@ -467,6 +484,68 @@ class SpeculativeLLM(FunctionCallingLLM):
         dispatcher.event(LLMStructuredPredictEndEvent(output=result))
         return result
 
+    @dispatcher.span
+    def stream_structured_predict(
+        self,
+        output_cls: type[Model],
+        prompt: BasePromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None,
+        **prompt_args: Any,
+    ) -> Generator[Model | FlexibleModel, None, None]:
+        """Stream :meth:`structured_predict`: partial objects that fill in as the JSON arrives.
+
+        Each item is a partial object (a ``FlexibleModel`` of ``output_cls`` whose fields are
+        ``None`` until their value is complete); the last is the validated ``output_cls``.
+        Other program modes use LlamaIndex's programs (which read the streamed tool calls).
+
+        Raises:
+            ValueError: the JSON was cut off at ``max_new_tokens``.
+        """
+        if self.pydantic_program_mode != PydanticProgramMode.DEFAULT:
+            yield from super().stream_structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+            return
+        dispatcher.event(
+            LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt, template_args=prompt_args)
+        )
+        messages, kwargs = self._structured_request(output_cls, prompt, llm_kwargs, prompt_args)
+        partials = _PartialObjects(output_cls)
+        response = None
+        for response in self.stream_chat(messages, **kwargs):
+            yield from partials.feed(response.message.content or "")
+        assert response is not None
+        result = _validate_json(output_cls, response)
+        dispatcher.event(LLMStructuredPredictEndEvent(output=result))
+        yield result
+
+    @dispatcher.span
+    async def astream_structured_predict(
+        self,
+        output_cls: type[Model],
+        prompt: BasePromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None,
+        **prompt_args: Any,
+    ) -> AsyncGenerator[Model | FlexibleModel, None]:
+        """Async :meth:`stream_structured_predict`."""
+        if self.pydantic_program_mode != PydanticProgramMode.DEFAULT:
+            return await super().astream_structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+
+        async def gen() -> AsyncGenerator[Model | FlexibleModel, None]:
+            dispatcher.event(
+                LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt, template_args=prompt_args)
+            )
+            messages, kwargs = self._structured_request(output_cls, prompt, llm_kwargs, prompt_args)
+            partials = _PartialObjects(output_cls)
+            response = None
+            async for response in await self.astream_chat(messages, **kwargs):
+                for partial in partials.feed(response.message.content or ""):
+                    yield partial
+            assert response is not None
+            result = _validate_json(output_cls, response)
+            dispatcher.event(LLMStructuredPredictEndEvent(output=result))
+            yield result
+
+        return gen()
+
     def _structured_request(
         self,
         output_cls: type[BaseModel],
@@ -474,128 +553,108 @@ class SpeculativeLLM(FunctionCallingLLM):
         llm_kwargs: dict[str, Any] | None,
         prompt_args: dict[str, Any],
     ) -> tuple[list[ChatMessage], dict[str, Any]]:
-        """The messages (schema in the system message) and chat arguments of a structured call."""
-        schema = output_cls.model_json_schema()
+        """The messages and chat arguments of a structured call (the planner states the schema)."""
         messages = self._get_messages(prompt, **prompt_args)
-        instruction = STRUCTURED_INSTRUCTION + json.dumps(schema, ensure_ascii=False)
-        if messages and messages[0].role == MessageRole.SYSTEM:
-            system = f"{messages[0].content or ''}\n\n{instruction}".strip()
-            messages = [ChatMessage(role=MessageRole.SYSTEM, content=system), *messages[1:]]
+        return messages, {**(llm_kwargs or {}), "json_schema": output_cls.model_json_schema()}
+
+    # ----------------------------------------------------------------- the one request path
+    # Every public method ends in one of these four; each branches once on endpoint mode, and
+    # every response (chat or completion, streamed or not, local or endpoint) is built by
+    # _ResponseBuilder.
+    def _answer(self, kind: _Kind, prompt: _Prompt, kwargs: dict[str, Any]) -> Any:
+        options = self._options(kwargs)
+        if self.base_url is not None:
+            return _final_response(kind, _endpoint_answer(self.endpoint().create(self._body(prompt, options)), options))
+        plan = self._plan(prompt, options)
+        return _final_response(kind, _local_answer(plan, self.model, plan.generate()))
+
+    async def _aanswer(self, kind: _Kind, prompt: _Prompt, kwargs: dict[str, Any]) -> Any:
+        options = self._options(kwargs)
+        if self.base_url is not None:
+            result = await self.endpoint().acreate(self._body(prompt, options))
+            return _final_response(kind, _endpoint_answer(result, options))
+        plans: list[RequestPlan] = []
+
+        def stream() -> GenerationStream:  # planned in the worker: templates and grammars take time
+            plans.append(self._plan(prompt, options))
+            return plans[0].stream()
+
+        output = await agenerate(stream)  # cancelling the caller stops the engine within a round
+        return _final_response(kind, _local_answer(plans[0], self.model, output))
+
+    def _stream(self, kind: _Kind, prompt: _Prompt, kwargs: dict[str, Any]) -> Iterator[Any]:
+        options = self._options(kwargs)
+        if self.base_url is not None:
+            events = _endpoint_events(self.endpoint().stream(self._body(prompt, options, stream=True)), options)
         else:
-            messages = [ChatMessage(role=MessageRole.SYSTEM, content=instruction), *messages]
-        return messages, {**(llm_kwargs or {}), "json_schema": schema}
+            events = _local_events(self._plan(prompt, options), self.model)
+        return _ResponseBuilder(kind).responses(events)
 
-    # ----------------------------------------------------------------- the shared paths
-    def _complete(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> CompletionResponse:
+    async def _astream(self, kind: _Kind, prompt: _Prompt, kwargs: dict[str, Any]) -> AsyncGenerator[Any, None]:
+        options = self._options(kwargs)
+        builder = _ResponseBuilder(kind)
         if self.base_url is not None:
-            body = self._endpoint_body(self._endpoint_prompt(prompt, formatted), dict(kwargs))
-            return self._endpoint_completion(self.endpoint().create(body))
-        request = self._request(self._completion_prompt(prompt, formatted), dict(kwargs))
-        return self._completion_response(request.generate())
+            events: AsyncIterator[StreamEvent | _Answer] = _aendpoint_events(
+                self.endpoint().astream(self._body(prompt, options, stream=True)), options
+            )
+        else:
+            events = aiterate(lambda: _local_events(self._plan(prompt, options), self.model))
+        try:
+            async for event in events:
+                for response in builder.feed(event):
+                    yield response
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
 
-    def _stream_complete(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> CompletionResponseGen:
-        if self.base_url is not None:
-            body = self._endpoint_body(self._endpoint_prompt(prompt, formatted), dict(kwargs), stream=True)
-            return _endpoint_completions(self, self.endpoint().stream(body))
-        request = self._request(self._completion_prompt(prompt, formatted), dict(kwargs))
-        stream = request.stream()
-
-        def responses() -> CompletionResponseGen:
-            for text, delta, output in _with_output(stream):
-                if output is None:
-                    yield CompletionResponse(text=text, delta=delta)
-                else:
-                    yield self._completion_response(output, delta=delta)
-
-        return responses()
-
-    def _chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
-        if self.base_url is not None:
-            body = self._endpoint_body(to_engine_messages(messages), dict(kwargs))
-            return self._endpoint_chat(self.endpoint().create(body))
-        request = self._request(to_engine_messages(messages), dict(kwargs))
-        return self._chat_response(request.generate(), request)
-
-    def _stream_chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponseGen:
-        if self.base_url is not None:
-            body = self._endpoint_body(to_engine_messages(messages), dict(kwargs), stream=True)
-            return _endpoint_chats(self, self.endpoint().stream(body))
-        request = self._request(to_engine_messages(messages), dict(kwargs))
-        stream = request.stream()
-
-        def responses() -> ChatResponseGen:
-            for text, delta, output in _with_output(stream):
-                if output is None:
-                    message = ChatMessage(role=MessageRole.ASSISTANT, content=text)
-                    yield ChatResponse(message=message, delta=delta)
-                else:
-                    yield self._chat_response(output, request, delta=delta)
-
-        return responses()
-
-    def _completion_prompt(self, prompt: str, formatted: bool) -> str | list[dict[str, Any]]:
-        """A user turn of the chat template, or the raw text (``formatted`` or no template)."""
+    def _completion_prompt(self, prompt: str, formatted: bool) -> _Prompt:
+        """A user turn of the chat template, or the raw text (``formatted``, or a local model without one)."""
         if formatted:
             return prompt
-        if getattr(self.engine.tokenizer, "chat_template", None) is None:
+        if self.base_url is None and getattr(self.engine.tokenizer, "chat_template", None) is None:
             to_prompt = self.completion_to_prompt or (lambda text: text)
             return to_prompt(prompt)
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return [*system, {"role": "user", "content": prompt}]
 
-    def _request(self, prompt: str | list[dict[str, Any]], kwargs: dict[str, Any]) -> _Request:
-        """Encode the prompt (with any tools) and resolve the per-call options; consumes ``kwargs``."""
-        engine = self.engine
-        tools, tool_choice, json_schema = _tool_options(kwargs)
-        prompt_ids = engine.encode_prompt(prompt, tools=tools or None)
-        options = self._sampling_options(kwargs)
-        window = engine.context_window
-        if window is not None and len(prompt_ids) < window and not self.truncate_prompt:
-            # LlamaIndex budgets num_output tokens for the answer; never overrun the window
-            options["max_new_tokens"] = min(options["max_new_tokens"], window - len(prompt_ids))
-        options["truncate_prompt"] = self.truncate_prompt
-        options["constraint"] = kwargs.pop("constraint", None)
-        if options["constraint"] is None:
-            options["constraint"] = self._grammar(engine, tools, tool_choice, json_schema)
-        if kwargs:
-            logger.debug("SpeculativeLLM ignores the arguments %s", ", ".join(sorted(kwargs)))
-        return _Request(engine=engine, prompt_ids=prompt_ids, options=options, parse_tools=bool(tools))
-
-    def _sampling_options(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """A call's sampling options (its keyword arguments over the fields); consumes them."""
+    def _options(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """A call's options: its keyword arguments over the fields (unknown ones are refused)."""
+        kwargs = dict(kwargs)
         max_tokens = kwargs.pop("max_tokens", None)  # the name other LlamaIndex LLMs use
         max_new_tokens = kwargs.pop("max_new_tokens", None)
         if max_new_tokens is None:
             max_new_tokens = max_tokens if max_tokens is not None else self.max_new_tokens
-        return {
-            "max_new_tokens": max_new_tokens,
+        options = {
+            "max_tokens": max_new_tokens,
             "temperature": kwargs.pop("temperature", self.temperature),
             "top_k": kwargs.pop("top_k", self.top_k),
             "top_p": kwargs.pop("top_p", self.top_p),
             "stop": kwargs.pop("stop", self.stop),
             "seed": kwargs.pop("seed", self.seed),
+            "tools": [tool_schema(tool) for tool in kwargs.pop("tools", None) or []],
+            "tool_choice": kwargs.pop("tool_choice", None),
+            "json_schema": kwargs.pop("json_schema", None),
+            "parallel_tool_calls": kwargs.pop("parallel_tool_calls", True) is not False,
         }
+        for ignored in _IGNORED_CALL_ARGS:  # LlamaIndex passes these to every LLM
+            kwargs.pop(ignored, None)
+        check_arguments("SpeculativeLLM call", kwargs, ())
+        return options
 
-    # ----------------------------------------------------------------- endpoint mode
-    def _endpoint_prompt(self, prompt: str, formatted: bool) -> str | list[dict[str, Any]]:
-        """A user turn of the server's chat template, or the raw text when ``formatted``."""
-        if formatted:
-            return prompt
-        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        return [*system, {"role": "user", "content": prompt}]
+    def _plan(self, prompt: _Prompt, options: dict[str, Any]) -> RequestPlan:
+        """The call planned on the local engine (:func:`selfspec.requests.plan_request`)."""
+        return plan_request(
+            self.engine,
+            prompt,
+            **options,
+            truncate_prompt=self.truncate_prompt,
+            constrain_tool_calls=self.constrain_tool_calls,
+        )
 
-    def _endpoint_body(
-        self, prompt: str | list[dict[str, Any]], kwargs: dict[str, Any], stream: bool = False
-    ) -> dict[str, Any]:
-        """Endpoint mode's request: the options of :meth:`_request` in OpenAI's form."""
-        tools, tool_choice, json_schema = _tool_options(kwargs)
-        options = self._sampling_options(kwargs)
-        kwargs.pop("constraint", None)
-        if kwargs:
-            logger.debug("SpeculativeLLM ignores the arguments %s", ", ".join(sorted(kwargs)))
+    def _body(self, prompt: _Prompt, options: dict[str, Any], stream: bool = False) -> dict[str, Any]:
+        """Endpoint mode's request: the same options, in OpenAI's form."""
         sampling = {
             "model": self.model,
-            "max_tokens": options["max_new_tokens"],
+            "max_tokens": options["max_tokens"],
             "temperature": options["temperature"],
             "top_p": options["top_p"],
             "top_k": options["top_k"],
@@ -606,249 +665,202 @@ class SpeculativeLLM(FunctionCallingLLM):
         }
         if isinstance(prompt, str):
             return text_body(prompt, **sampling)
-        forced = _forced_tool(tools, tool_choice)
-        choice: str | dict[str, Any] | None = None
-        if forced == "":
-            choice = "required"
-        elif forced is not None:
-            choice = {"type": "function", "function": {"name": forced}}
-        elif tools:
-            choice = "auto"
+        tools = options["tools"]
+        choice = normalize_tool_choice(options["tool_choice"], [t["function"]["name"] for t in tools])
+        json_schema = options["json_schema"]
         response_format = None
         if json_schema is not None:
             response_format = {"type": "json_schema", "json_schema": {"name": "response", "schema": json_schema}}
-        return chat_body(
+        body = chat_body(
             prompt,
             tools=tools or None,
-            tool_choice=choice,
+            tool_choice=choice if tools else None,
             response_format=response_format,
             constrain_tool_calls=self.constrain_tool_calls,
             **sampling,
         )
+        if tools and not options["parallel_tool_calls"]:
+            body["parallel_tool_calls"] = False
+        return body
 
-    def _endpoint_raw(self, result: EndpointResult) -> tuple[dict[str, Any], dict[str, Any]]:
-        usage = {}
-        if result.prompt_tokens is not None and result.completion_tokens is not None:
-            usage = {
-                "prompt_tokens": result.prompt_tokens,
-                "completion_tokens": result.completion_tokens,
-                "total_tokens": result.prompt_tokens + result.completion_tokens,
-            }
-        return _raw_and_extra(result.model or self.model, result.finish_reason, usage, result.stats)
 
-    def _endpoint_completion(self, result: EndpointResult, delta: str | None = None) -> CompletionResponse:
-        raw, extra = self._endpoint_raw(result)
-        return CompletionResponse(text=result.text, delta=delta, raw=raw, additional_kwargs=extra)
+# --------------------------------------------------------------------- answers and responses
+_Kind = Literal["chat", "completion"]
+_Prompt = str | list[dict[str, Any]]
+#: Call arguments LlamaIndex hands every LLM, which mean nothing here.
+_IGNORED_CALL_ARGS = ("formatted", "allow_parallel_tool_calls", "verbose", "tool_required")
 
-    def _endpoint_chat(self, result: EndpointResult, delta: str | None = None) -> ChatResponse:
-        raw, extra = self._endpoint_raw(result)
-        message = _message_with_calls(result.text, result.tool_calls, result.invalid_tool_calls)
-        return ChatResponse(message=message, delta=delta, raw=raw, additional_kwargs=extra)
 
-    def _grammar(
-        self,
-        engine: SpeculativeEngine,
-        tools: list[dict[str, Any]],
-        tool_choice: str | dict[str, Any] | None,
-        json_schema: dict[str, Any] | None,
-    ) -> TokenConstraint | None:
-        """The grammar constraint of a call: a JSON schema, a forced or an optional tool call."""
-        from selfspec.grammar import has_tool_call_tokens, json_schema_constraint, tool_call_constraint
+@dataclass
+class _Answer:
+    """A finished answer, local or from the endpoint: what the last response is built from."""
 
-        common: dict[str, Any] = {"vocab_size": engine.adapter.vocab_size, "eos_token_ids": engine.eos_token_ids}
-        if json_schema is not None:
-            return json_schema_constraint(engine.tokenizer, json_schema, **common)
-        forced = _forced_tool(tools, tool_choice)
-        if forced is not None:
-            return tool_call_constraint(engine.tokenizer, tools, tool_name=forced or None, **common)
-        if tools and self.constrain_tool_calls and has_tool_call_tokens(engine.tokenizer):
-            return tool_call_constraint(engine.tokenizer, tools, required=False, **common)
-        return None
+    text: str
+    tool_calls: list[ToolCall]
+    invalid_tool_calls: list[InvalidToolCall]
+    finish_reason: str | None
+    usage: dict[str, int]
+    stats: dict[str, Any]
+    model: str
+    max_tokens: int | None
 
-    def _usage_and_stats(self, output: GenerationOutput) -> tuple[dict[str, Any], dict[str, Any]]:
-        """``raw`` and ``additional_kwargs`` of a finished response: token counts and stats."""
-        completion_tokens = len(output.token_ids)
+
+def _local_answer(plan: RequestPlan, model: str, output: GenerationOutput) -> _Answer:
+    parsed = plan.parse(output.text or "")
+    completion_tokens = len(output.token_ids)
+    usage = {
+        "prompt_tokens": output.prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": output.prompt_tokens + completion_tokens,
+    }
+    return _Answer(
+        parsed.content if plan.parse_tools else output.text or "",
+        parsed.tool_calls,
+        parsed.invalid_tool_calls,
+        output.finish_reason,
+        usage,
+        output.stats.to_dict(),
+        model,
+        plan.max_new_tokens,
+    )
+
+
+def _endpoint_answer(result: EndpointResult, options: dict[str, Any]) -> _Answer:
+    usage = {}
+    if result.prompt_tokens is not None and result.completion_tokens is not None:
         usage = {
-            "prompt_tokens": output.prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": output.prompt_tokens + completion_tokens,
+            "prompt_tokens": result.prompt_tokens,
+            "completion_tokens": result.completion_tokens,
+            "total_tokens": result.prompt_tokens + result.completion_tokens,
         }
-        return _raw_and_extra(self.model, output.finish_reason, usage, output.stats.to_dict())
-
-    def _completion_response(self, output: GenerationOutput, delta: str | None = None) -> CompletionResponse:
-        raw, extra = self._usage_and_stats(output)
-        return CompletionResponse(text=output.text or "", delta=delta, raw=raw, additional_kwargs=extra)
-
-    def _chat_response(self, output: GenerationOutput, request: _Request, delta: str | None = None) -> ChatResponse:
-        raw, extra = self._usage_and_stats(output)
-        message = _assistant_message(output.text or "", parse_tools=request.parse_tools)
-        return ChatResponse(message=message, delta=delta, raw=raw, additional_kwargs=extra)
-
-
-def _raw_and_extra(
-    model: str, finish_reason: str | None, usage: dict[str, int], stats: dict[str, Any]
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``raw`` (``model``, ``finish_reason``, ``usage``, stats) and ``additional_kwargs`` (flat)."""
-    raw = {"model": model, "finish_reason": finish_reason, "usage": usage, **stats}
-    return raw, {**usage, "finish_reason": finish_reason, **stats}
+    return _Answer(
+        result.text,
+        result.tool_calls,
+        result.invalid_tool_calls,
+        result.finish_reason,
+        usage,
+        result.stats,
+        result.model,
+        options["max_tokens"],
+    )
 
 
-def _tool_options(kwargs: dict[str, Any]) -> tuple[list[dict[str, Any]], Any, dict[str, Any] | None]:
-    """``(tools, tool_choice, json_schema)`` of a call; consumes them from ``kwargs``."""
-    tools = [tool_schema(tool) for tool in kwargs.pop("tools", None) or []]
-    tool_choice = kwargs.pop("tool_choice", None)
-    if tool_choice == "none":
-        tools = []
-    return tools, tool_choice, kwargs.pop("json_schema", None)
+def _local_events(plan: RequestPlan, model: str) -> Iterator[StreamEvent | _Answer]:
+    """A local stream's events (text and tool-call pieces), then its :class:`_Answer`.
 
-
-# --------------------------------------------------------------------- endpoint streams
-def _held(events: Iterator[StreamEvent | EndpointResult]) -> Iterator[tuple[str, str, EndpointResult | None]]:
-    """``(cumulative text, delta, result)`` per text delta, ``result`` on the last one only.
-
-    Tool-call chunks are gathered by the server's stream reader and arrive parsed in the
-    result. Closing this closes the HTTP stream (the server cancels the generation).
+    Closing this closes the engine's stream (the generation stops within a round).
     """
-    text, pending = "", None
+    stream = plan.stream()
+    parser = ToolCallStreamParser() if plan.parse_tools else None
+    try:
+        for delta in stream:
+            yield from parser.feed(delta) if parser else [ContentDelta(delta)]
+        yield from parser.finish() if parser else []
+    finally:
+        stream.close()
+    assert stream.output is not None
+    yield _local_answer(plan, model, stream.output)
+
+
+def _endpoint_events(
+    events: Iterator[StreamEvent | EndpointResult], options: dict[str, Any]
+) -> Iterator[StreamEvent | _Answer]:
+    """An endpoint stream's events, then its :class:`_Answer` (closing closes the HTTP stream)."""
     try:
         for event in events:
-            if isinstance(event, EndpointResult):
-                yield text + (pending or ""), pending or "", event
-                return
-            if isinstance(event, ContentDelta) and event.text:
-                if pending is not None:
-                    text += pending
-                    yield text, pending, None
-                pending = event.text
+            yield _endpoint_answer(event, options) if isinstance(event, EndpointResult) else event
     finally:
         close = getattr(events, "close", None)
         if close is not None:
             close()
 
 
-async def _aiter_held(
-    events: AsyncGenerator[StreamEvent | EndpointResult, None],
-) -> AsyncGenerator[tuple[str, str, EndpointResult | None], None]:
-    """Async :func:`_held`."""
-    text, pending = "", None
+async def _aendpoint_events(
+    events: AsyncGenerator[StreamEvent | EndpointResult, None], options: dict[str, Any]
+) -> AsyncGenerator[StreamEvent | _Answer, None]:
+    """Async :func:`_endpoint_events`."""
     try:
         async for event in events:
-            if isinstance(event, EndpointResult):
-                yield text + (pending or ""), pending or "", event
-                return
-            if isinstance(event, ContentDelta) and event.text:
-                if pending is not None:
-                    text += pending
-                    yield text, pending, None
-                pending = event.text
+            yield _endpoint_answer(event, options) if isinstance(event, EndpointResult) else event
     finally:
         await events.aclose()
 
 
-def _endpoint_chats(llm: SpeculativeLLM, events: Iterator[StreamEvent | EndpointResult]) -> ChatResponseGen:
-    for text, delta, result in _held(events):
-        if result is None:
-            yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta)
-        else:
-            yield llm._endpoint_chat(result, delta=delta)
+class _ResponseBuilder:
+    """Turns a stream's events into LlamaIndex responses: the one place responses are built.
 
-
-def _endpoint_completions(llm: SpeculativeLLM, events: Iterator[StreamEvent | EndpointResult]) -> CompletionResponseGen:
-    for text, delta, result in _held(events):
-        yield CompletionResponse(text=text, delta=delta) if result is None else llm._endpoint_completion(result, delta)
-
-
-async def _chats_from_events(
-    llm: SpeculativeLLM, held: AsyncGenerator[tuple[str, str, EndpointResult | None], None]
-) -> ChatResponseAsyncGen:
-    try:
-        async for text, delta, result in held:
-            if result is None:
-                yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta)
-            else:
-                yield llm._endpoint_chat(result, delta=delta)
-    finally:
-        await held.aclose()
-
-
-async def _completions_from_events(
-    llm: SpeculativeLLM, held: AsyncGenerator[tuple[str, str, EndpointResult | None], None]
-) -> CompletionResponseAsyncGen:
-    try:
-        async for text, delta, result in held:
-            if result is None:
-                yield CompletionResponse(text=text, delta=delta)
-            else:
-                yield llm._endpoint_completion(result, delta)
-    finally:
-        await held.aclose()
-
-
-# --------------------------------------------------------------------- requests and streams
-@dataclass
-class _Request:
-    """An encoded prompt with its engine options, ready to run once (blocking) or stream."""
-
-    engine: SpeculativeEngine
-    prompt_ids: list[int]
-    options: dict[str, Any]
-    parse_tools: bool
-
-    def generate(self) -> GenerationOutput:
-        return self.engine.generate_ids(self.prompt_ids, **self.options)
-
-    def stream(self) -> GenerationStream:
-        return self.engine.stream_ids(self.prompt_ids, **self.options)
-
-
-def _with_output(stream: GenerationStream) -> Iterator[tuple[str, str, GenerationOutput | None]]:
-    """``(cumulative text, delta, output)`` per delta; ``output`` is set on the last one only.
-
-    One delta is held back so that the last response can carry the token counts and the
-    statistics, which exist once the engine's stream is exhausted.
+    Text deltas are held back by one, so that the last response carries both the last delta and
+    the token counts and statistics (which exist once the answer is finished); tool-call pieces
+    are sent as they arrive, in ``additional_kwargs["tool_calls"]`` (the calls so far).
     """
-    text, pending = "", None
-    try:
-        for delta in stream:
-            if pending is not None:
-                text += pending
-                yield text, pending, None
-            pending = delta
-    finally:
-        stream.close()
-    pending = pending or ""
-    assert stream.output is not None
-    yield text + pending, pending, stream.output
+
+    def __init__(self, kind: _Kind) -> None:
+        self.kind = kind
+        self.text = ""
+        self.pending: str | None = None
+        self.calls: dict[int, dict[str, Any]] = {}  # index -> {"id", "name", "arguments" so far}
+
+    def responses(self, events: Iterator[StreamEvent | _Answer]) -> Iterator[Any]:
+        """The responses of a sync stream (closing this closes ``events``)."""
+        try:
+            for event in events:
+                yield from self.feed(event)
+        finally:
+            close = getattr(events, "close", None)
+            if close is not None:
+                close()
+
+    def feed(self, event: StreamEvent | _Answer) -> list[Any]:
+        """The responses one event completes."""
+        if isinstance(event, _Answer):
+            return [_final_response(self.kind, event, delta=self.pending or "")]
+        out = []
+        if isinstance(event, ToolCallChunk):
+            out += self._flush()
+            call = self.calls.setdefault(event.index, {"id": event.id, "name": event.name, "arguments": ""})
+            call["id"] = call["id"] or event.id
+            call["name"] = call["name"] or event.name
+            call["arguments"] += event.arguments
+            out.append(self._partial(""))
+        elif event.text:
+            out += self._flush()
+            self.pending = event.text
+        return out
+
+    def _flush(self) -> list[Any]:
+        if self.pending is None:
+            return []
+        delta, self.pending = self.pending, None
+        self.text += delta
+        return [self._partial(delta)]
+
+    def _partial(self, delta: str) -> Any:
+        if self.kind == "completion":
+            return CompletionResponse(text=self.text, delta=delta)
+        extra: dict[str, Any] = {}
+        if self.calls:
+            extra["tool_calls"] = [
+                {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                for _, c in sorted(self.calls.items())
+            ]
+        message = ChatMessage(role=MessageRole.ASSISTANT, content=self.text, additional_kwargs=extra)
+        return ChatResponse(message=message, delta=delta)
 
 
-_DONE = object()
-_T = TypeVar("_T")
-
-
-async def _iterate_in_thread(responses: Iterator[_T]) -> AsyncGenerator[_T, None]:
-    """Iterate a blocking iterator from async code, each step in a worker thread.
-
-    Steps and the final ``close`` hold one lock, so closing a stream whose consumer was
-    cancelled mid-step waits for that step (one engine round) instead of failing.
-    """
-    lock = threading.Lock()
-
-    def step() -> Any:
-        with lock:
-            return next(responses, _DONE)
-
-    def close() -> None:
-        with lock:
-            getattr(responses, "close", lambda: None)()
-
-    try:
-        while True:
-            item = await asyncio.to_thread(step)
-            if item is _DONE:
-                return
-            yield item
-    finally:
-        await asyncio.to_thread(close)
+def _final_response(kind: _Kind, answer: _Answer, delta: str | None = None) -> Any:
+    """The finished answer as a chat or completion response (text, calls, counts, statistics)."""
+    raw = {
+        "model": answer.model,
+        "finish_reason": answer.finish_reason,
+        "max_tokens": answer.max_tokens,
+        "usage": answer.usage,
+        **answer.stats,
+    }
+    extra = {**answer.usage, "finish_reason": answer.finish_reason, "max_tokens": answer.max_tokens, **answer.stats}
+    if kind == "completion":
+        return CompletionResponse(text=answer.text, delta=delta, raw=raw, additional_kwargs=extra)
+    message = _message_with_calls(answer.text, answer.tool_calls, answer.invalid_tool_calls)
+    return ChatResponse(message=message, delta=delta, raw=raw, additional_kwargs=extra)
 
 
 # --------------------------------------------------------------------- messages and tools
@@ -912,17 +924,16 @@ def _openai_call(name: str, arguments: Any, call_id: str | None) -> dict[str, An
 
 
 def _arguments_dict(arguments: Any) -> dict[str, Any]:
-    return arguments if isinstance(arguments, dict) else {}
-
-
-def _assistant_message(text: str, *, parse_tools: bool) -> ChatMessage:
-    """The assistant's message; with tools offered, tool calls are parsed out of the text."""
-    if not parse_tools:
-        return ChatMessage(role=MessageRole.ASSISTANT, content=text)
-    from selfspec.tools import parse_tool_calls
-
-    parsed = parse_tool_calls(text)
-    return _message_with_calls(parsed.content, parsed.tool_calls, parsed.invalid_tool_calls)
+    """A call's arguments as a dict; the part that is complete of a streamed JSON text."""
+    if isinstance(arguments, dict):
+        return arguments
+    if isinstance(arguments, str) and arguments.strip():
+        try:
+            value = parse_partial_json(arguments)
+        except (ValueError, json.JSONDecodeError):
+            return {}
+        return value if isinstance(value, dict) else {}
+    return {}
 
 
 def _message_with_calls(content: str, calls: Sequence[ToolCall], invalid: Sequence[InvalidToolCall]) -> ChatMessage:
@@ -957,34 +968,39 @@ def tool_schema(tool: Any) -> dict[str, Any]:
     return normalize(tool)
 
 
-def _forced_tool(tools: list[dict[str, Any]], tool_choice: str | dict[str, Any] | None) -> str | None:
-    """``None``: no forced call; ``""``: some tool must be called; else the tool to call."""
-    if not tools or tool_choice in (None, "auto", "none"):
-        return None
-    if isinstance(tool_choice, dict):
-        tool_choice = (tool_choice.get("function") or tool_choice).get("name")
-    if tool_choice in _ANY_TOOL:
-        return ""
-    names = [schema["function"]["name"] for schema in tools]
-    if tool_choice not in names:
-        raise ValueError(
-            f"tool_choice {tool_choice!r} is not one of the offered tools ({', '.join(names)}); "
-            "use 'auto', 'none', 'required' or a tool name"
-        )
-    return str(tool_choice)
-
-
 def _validate_json(output_cls: type[Model], response: ChatResponse) -> Model:
+    """The validated object, or a clear ``ValueError`` naming the budget when the JSON was cut off."""
     text = response.message.content or ""
     try:
         return output_cls.model_validate_json(text)
     except ValidationError as exc:
-        if response.additional_kwargs.get("finish_reason") == "length":
-            raise ValueError(
-                f"the {output_cls.__name__} JSON was cut off at max_new_tokens "
-                f"({response.additional_kwargs.get('completion_tokens')} tokens); raise max_new_tokens"
-            ) from exc
+        extra = response.additional_kwargs
+        if extra.get("finish_reason") == "length":
+            what = f"{output_cls.__name__} JSON"
+            message = cut_off_message(what, extra.get("max_tokens"), extra.get("completion_tokens"))
+            raise ValueError(message.replace("max_tokens=", "max_new_tokens=", 1)) from exc
         raise
+
+
+class _PartialObjects:
+    """Partial objects of ``output_cls`` from a growing JSON text (each new state once)."""
+
+    def __init__(self, output_cls: type[BaseModel]) -> None:
+        self.flexible = create_flexible_model(output_cls)
+        self.last: Any = None
+
+    def feed(self, text: str) -> list[Any]:
+        if not text.strip():
+            return []
+        try:
+            value = parse_partial_json(text)
+            partial = self.flexible.model_validate(value)
+        except (ValueError, ValidationError, json.JSONDecodeError):
+            return []
+        if self.last is not None and partial.model_dump() == self.last.model_dump():
+            return []
+        self.last = partial
+        return [partial]
 
 
 @functools.lru_cache(maxsize=64)
