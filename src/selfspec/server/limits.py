@@ -408,6 +408,7 @@ class RequestGuard:
             f"the request body is {size}; this server accepts at most {self.limits.max_body_bytes} bytes "
             "(selfspec serve --max-body-size)",
             code="request_too_large",
+            headers={"Connection": "close"},  # the rest of the body is never read
         )
 
 
