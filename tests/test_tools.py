@@ -238,6 +238,8 @@ def test_invalid_calls_carry_the_arguments_only() -> None:
     assert bad.name == "Person" and bad.arguments == '{"name": "An'
     [bad] = parse_tool_calls('<tool_call>{"name": "Person", "arguments": {"age": 3}').invalid_tool_calls
     assert bad.arguments == '{"age": 3}'
+    [bad] = parse_tool_calls('<tool_call>{"name": "Pers').invalid_tool_calls  # cut before the arguments
+    assert bad.name is None and bad.arguments == ""
 
 
 #: A response template for transformers' ``parse_response``, in a format the built-in parser does not read.

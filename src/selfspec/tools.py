@@ -35,6 +35,7 @@ _BLOCK_RE = re.compile(re.escape(TOOL_CALL_START) + r"(.*?)(?:" + re.escape(TOOL
 _NAME_RE = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 # the head of a call whose arguments can be streamed: {"name": "...", "arguments": <args>}
 _HEAD_RE = re.compile(r'\A\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+_ENVELOPE_START_RE = re.compile(r'\A\s*\{\s*"name"\s*:')
 _ARG_KEYS = ("arguments", "parameters")
 _LLAMA_KEYS = frozenset({"name", "arguments", "parameters", "type", "id"})
 _TOOL_NAME_RE = re.compile(r"\A[A-Za-z0-9_.\-]{1,64}\Z")
@@ -172,9 +173,10 @@ def _read_call(body: str) -> ToolCall | InvalidToolCall:
                 error=f"the tool call's arguments are not valid JSON: {error}",
             )
         name = _NAME_RE.search(body)
+        envelope = _ENVELOPE_START_RE.match(body) is not None and '"arguments"' not in body
         return InvalidToolCall(
             name=_unescape(name.group(1)) if name else None,
-            arguments=body.strip(),
+            arguments="" if envelope else body.strip(),  # cut before its arguments: there are none
             error=f"the tool call is not valid JSON: {error}",
         )
     return _call_from_value(value, body)

@@ -725,7 +725,7 @@ class ChatSpeculative(BaseChatModel):
             what = "JSON answer"
         else:
             raise ValueError(f"unknown method {method!r}: use 'function_calling', 'json_schema' or 'json_mode'")
-        parser = _cut_off_check(parser, what) | parser
+        parser = _cut_off_check(parser, what)
         if not include_raw:
             return llm | parser
         parse = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
@@ -739,45 +739,80 @@ def _check_call_args(kwargs: dict[str, Any]) -> None:
 
 
 def _cut_off_check(parser: Runnable[Any, Any], what: str) -> Runnable[Any, Any]:
-    """Passes messages (or chunks) through; raises ``OutputParserException`` for a cut-off answer.
+    """``parser``, but an answer cut off by ``max_tokens`` raises a clear ``OutputParserException``.
 
     An answer that ended at ``max_tokens`` (``finish_reason="length"``) and that ``parser``
     cannot read in full is reported with the budget and the tokens used, instead of a parser
-    returning ``None`` or an empty stream.
+    returning ``None``, an empty stream or a puzzling parse error. Streams keep their partial
+    objects; the error comes at the end.
     """
 
-    def check(message: BaseMessage) -> None:
-        metadata = message.response_metadata or {}
+    def cut_off(whole: Any, error: Exception | None) -> OutputParserException | None:
+        metadata = getattr(whole, "response_metadata", None) or {}
         if metadata.get("finish_reason") != "length":
-            return
-        try:
-            if parser.invoke(message) is not None:
-                return
-        except OutputParserException:
-            pass
-        usage = getattr(message, "usage_metadata", None) or {}
-        raise OutputParserException(
+            return None
+        if error is None:
+            try:
+                if parser.invoke(whole) is not None:
+                    return None  # complete although the budget ran out exactly at its end
+            except OutputParserException:
+                pass
+        usage = getattr(whole, "usage_metadata", None) or {}
+        content = getattr(whole, "content", None)
+        return OutputParserException(
             cut_off_message(what, metadata.get("max_tokens"), usage.get("output_tokens")),
-            llm_output=str(message.content) if isinstance(message.content, str) else None,
+            llm_output=content if isinstance(content, str) else None,
         )
 
-    def transform(chunks: Iterator[BaseMessage]) -> Iterator[BaseMessage]:
-        whole: Any = None
-        for chunk in chunks:
-            whole = chunk if whole is None else whole + chunk
-            yield chunk
-        if whole is not None:
-            check(whole)
+    def transform(chunks: Iterator[Any]) -> Iterator[Any]:
+        seen: list[Any] = []
 
-    async def atransform(chunks: AsyncIterator[BaseMessage]) -> AsyncIterator[BaseMessage]:
-        whole: Any = None
-        async for chunk in chunks:
-            whole = chunk if whole is None else whole + chunk
-            yield chunk
-        if whole is not None:
-            check(whole)
+        def tee() -> Iterator[Any]:
+            for chunk in chunks:
+                seen.append(chunk)
+                yield chunk
 
-    return RunnableGenerator(transform, atransform, name="cut_off_check")
+        try:
+            yield from parser.transform(tee())
+        except OutputParserException as error:
+            seen.extend(chunks)  # the rest of the answer
+            cut = cut_off(_joined(seen), error)
+            if cut is None:
+                raise
+            raise cut from error
+        cut = cut_off(_joined(seen), None)
+        if cut is not None:
+            raise cut
+
+    async def atransform(chunks: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        seen: list[Any] = []
+
+        async def tee() -> AsyncIterator[Any]:
+            async for chunk in chunks:
+                seen.append(chunk)
+                yield chunk
+
+        try:
+            async for item in parser.atransform(tee()):
+                yield item
+        except OutputParserException as error:
+            seen.extend([chunk async for chunk in chunks])
+            cut = cut_off(_joined(seen), error)
+            if cut is None:
+                raise
+            raise cut from error
+        cut = cut_off(_joined(seen), None)
+        if cut is not None:
+            raise cut
+
+    return RunnableGenerator(transform, atransform, name=f"{getattr(parser, 'name', None) or 'parser'}_cut_off_check")
+
+
+def _joined(chunks: list[Any]) -> Any:
+    whole = None
+    for chunk in chunks:
+        whole = chunk if whole is None else whole + chunk
+    return whole
 
 
 @functools.lru_cache(maxsize=8)

@@ -96,10 +96,12 @@ def test_structured_output_cut_by_max_tokens_raises_a_clear_error(mode: dict[str
         assert raw["parsed"] is None
         assert isinstance(raw["parsing_error"], OutputParserException)
         assert "max_tokens=8" in str(raw["parsing_error"])
-        if method == "function_calling":
-            [bad] = raw["raw"].invalid_tool_calls
-            assert bad["name"] == "Person"
-            assert bad["args"].startswith("{") and '"arguments"' not in bad["args"]  # the arguments only
+    # a call cut inside its arguments: invalid_tool_calls carry the arguments' text only
+    raw = ChatSpeculative(**mode, max_tokens=16).with_structured_output(Person, include_raw=True).invoke("Anne is 27.")
+    assert "max_tokens=16" in str(raw["parsing_error"])
+    [bad] = raw["raw"].invalid_tool_calls
+    assert bad["name"] == "Person"
+    assert bad["args"].startswith("{") and '"arguments"' not in bad["args"] and "Person" not in bad["args"]
 
 
 async def test_structured_output_cut_by_max_tokens_raises_async(mode: dict[str, Any]) -> None:
