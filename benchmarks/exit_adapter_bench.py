@@ -26,7 +26,7 @@ import logging
 from pathlib import Path
 
 from selfspec.bench import format_category_table, format_table, run_benchmark, write_report
-from selfspec.exit_adapter import exit_adapter_path, load_exit_adapter
+from selfspec.drafting.exit_adapter import exit_adapter_path, load_exit_adapter
 from selfspec.loading import DEMO_DRAFT_MODEL, DEMO_MODEL, demo_model_path
 
 logger = logging.getLogger("exit_adapter_bench")

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import transformers
 
-from selfspec.adapter import ModelAdapter
+from selfspec.modeling import ModelAdapter
 
 SHAPES: dict[str, dict[str, Any]] = {
     "llama3-8b": {

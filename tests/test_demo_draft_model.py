@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from selfspec import SpeculativeEngine, demo_model_path
-from selfspec.exit_adapter import exit_adapter_path, load_exit_adapter
+from selfspec.drafting.exit_adapter import exit_adapter_path, load_exit_adapter
 from selfspec.loading import DEMO_DRAFT_MODEL
 
 HELD_OUT = json.loads((Path(__file__).parent / "data" / "heldout_austen.json").read_text(encoding="utf-8"))

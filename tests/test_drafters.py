@@ -8,7 +8,7 @@ from tiny_models import VOCAB, make_model, reference_greedy
 
 from selfspec import SpeculativeEngine
 from selfspec.adaptive import FALLBACK_ROUNDS, WINDOW, DraftController
-from selfspec.drafters import DecodeState, EarlyExitDrafter, HybridDrafter, NgramIndex, PromptLookupDrafter
+from selfspec.drafting import DecodeState, EarlyExitDrafter, HybridDrafter, NgramIndex, PromptLookupDrafter
 
 
 def repetitive_prompt() -> list[int]:
@@ -67,7 +67,7 @@ def test_ngram_index_matches_a_plain_scan() -> None:
 
 
 def state_for(tokens: list[int], model) -> DecodeState:
-    from selfspec.adapter import ModelAdapter
+    from selfspec.modeling import ModelAdapter
     from selfspec.sampling import SamplingParams
 
     adapter = ModelAdapter(model)
@@ -103,13 +103,13 @@ def test_hybrid_learns_which_source_pays_in_this_generation() -> None:
     # the target rejected the copy at once: settled from the emitted text on the next call
     state.token_ids.extend([99, 20, 21, 22])
     book = hybrid._book(state)
-    assert book["lookup"].rate < 0.5 and book["pending"] == []
+    assert book.lookup.rate < 0.5 and book.pending == []
     for _ in range(6):
-        book["lookup"].record(3, 0)
+        book.lookup.record(3, 0)
     choices = [hybrid.choose(state, [23, 24, 25], 3) for _ in range(16)]
     assert choices.count("early_exit") == 14 and choices.count("lookup") == 2  # probes
     for _ in range(12):
-        book["lookup"].record(3, 3)
+        book.lookup.record(3, 3)
     assert hybrid.choose(state, [23, 24, 25], 3) == "lookup"
 
 
@@ -214,7 +214,7 @@ def test_draft_model_by_name(tmp_path) -> None:
 
 
 def test_contiguous_runs_and_default_subset() -> None:
-    from selfspec.drafters import contiguous_runs, default_skip_layers
+    from selfspec.drafting import contiguous_runs, default_skip_layers
 
     assert contiguous_runs([0, 1, 2, 5, 6, 9]) == [(0, 3), (5, 7), (9, 10)]
     assert default_skip_layers(16) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 15]
@@ -238,7 +238,7 @@ def test_layer_skip_uses_calibrated_layers() -> None:
 
 
 def test_graft_puts_the_lookup_beside_the_chain() -> None:
-    from selfspec.drafters import Draft, graft
+    from selfspec.drafting import Draft, graft
 
     chain = Draft(tokens=[1, 2, 3], exit_layer=2)
     tree = graft(chain, [1, 5, 6])  # shares the first token
@@ -250,7 +250,7 @@ def test_graft_puts_the_lookup_beside_the_chain() -> None:
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
-def test_hybrid_verifies_a_rejected_lookup_beside_the_early_exit(arch: str) -> None:
+def test_hybrid_verifies_a_rejected_lookup_beside_the_early_exit(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Greedy rounds where the early exit wins the choice still verify the copied continuation
     as a second branch; the text equals generate, and the lookup branch is sometimes the one kept."""
     from selfspec.engine import SpeculativeEngine as Engine
@@ -262,7 +262,9 @@ def test_hybrid_verifies_a_rejected_lookup_beside_the_early_exit(arch: str) -> N
     engine.drafter.PROBE_EVERY = 10**6  # never take the lookup alone: every match is grafted
     engine.drafter.choose = lambda state, copied, max_tokens: "early_exit"
     grafted, kept_lookup = [], []
-    propose, accept = engine.drafter.propose, engine._accept_tree
+    import selfspec.loop
+
+    propose, accept = engine.drafter.propose, selfspec.loop.accept_tree_greedy
 
     def spy_propose(state, max_tokens):
         draft = propose(state, max_tokens)
@@ -270,14 +272,14 @@ def test_hybrid_verifies_a_rejected_lookup_beside_the_early_exit(arch: str) -> N
             grafted.append(draft)
         return draft
 
-    def spy_accept(state, draft, logits, generator):
-        acceptance = accept(state, draft, logits, generator)
-        chain = next(i for i, parent in enumerate(draft.parents) if parent != i - 1)  # where the graft starts
+    def spy_accept(tokens, parents, logits):
+        acceptance = accept(tokens, parents, logits)
+        chain = next(i for i, parent in enumerate(parents) if parent != i - 1)  # where the graft starts
         kept_lookup.append(any(i >= chain for i in acceptance.path))
         return acceptance
 
     engine.drafter.propose = spy_propose
-    engine._accept_tree = spy_accept
+    monkeypatch.setattr(selfspec.loop, "accept_tree_greedy", spy_accept)
     assert engine.generate_ids(prompt, max_new_tokens=40).token_ids == reference
     assert grafted, "no round grafted a lookup"
     assert any(kept_lookup), "the lookup branch never won"

@@ -17,9 +17,9 @@ from tiny_tokenizer import make_tokenizer
 
 from selfspec import SpeculativeEngine
 from selfspec.cli import build_parser, engine_kwargs, main
-from selfspec.drafters import DecodeState, EarlyExitDrafter
+from selfspec.drafting import DecodeState, EarlyExitDrafter
+from selfspec.drafting.exit_adapter import ExitAdapter, ExitAdapterConfig, exit_adapter_path, load_exit_adapter
 from selfspec.errors import ConfigurationError
-from selfspec.exit_adapter import ExitAdapter, ExitAdapterConfig, exit_adapter_path, load_exit_adapter
 from selfspec.sampling import SamplingParams
 from selfspec.training.exit_adapter import AdapterTrainConfig, train_exit_adapter
 

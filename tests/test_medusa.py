@@ -25,8 +25,8 @@ from tiny_models import make_model, reference_greedy, scale_deep_layers
 
 from selfspec import SpeculativeEngine
 from selfspec.cli import build_parser, engine_kwargs, main
+from selfspec.drafting.medusa import MedusaDrafter, MedusaHeads, build_candidate_tree, load_medusa_heads
 from selfspec.errors import ConfigurationError, ModelNotFoundError, UnsafeCheckpointError
-from selfspec.medusa import MedusaDrafter, MedusaHeads, build_candidate_tree, load_medusa_heads
 from selfspec.sampling import SamplingParams
 
 HIDDEN, TINY_VOCAB = 32, 96  # tiny_models' sizes
@@ -266,7 +266,7 @@ def test_tree_mode_drafter_proposes_a_tree() -> None:
     heads = MedusaHeads(2, HIDDEN, TINY_VOCAB).double()
     drafter = MedusaDrafter(heads, tree=True, tree_nodes=6, top_k=2)
     engine = SpeculativeEngine(model, drafter="medusa", medusa_heads=heads)
-    from selfspec.drafters import DecodeState
+    from selfspec.drafting import DecodeState
 
     hidden = engine.adapter.run_layers(
         engine.adapter.embed(torch.tensor([[5, 6, 7]])), 0, 6, torch.arange(3), engine.adapter.new_cache(16)

@@ -24,9 +24,9 @@ from test_distribution import PROMPT, chi_square_pvalue, exact_distribution, sam
 from test_distribution import model as distribution_model  # noqa: F401  (a fixture)
 from tiny_models import ARCHITECTURES, make_model, reference_greedy
 
-import selfspec.engine
-from selfspec import SpeculativeEngine
-from selfspec.drafters import DecodeState, Draft, Drafter
+import selfspec.loop
+from selfspec import GenerationRequest, SpeculativeEngine
+from selfspec.drafting import DecodeState, Draft, Drafter
 from selfspec.errors import ConfigurationError
 from selfspec.sampling import SamplingParams
 from selfspec.tree import (
@@ -289,7 +289,7 @@ def test_cache_after_a_tree_round_equals_a_chain_over_the_accepted_text() -> Non
     model = make_model("qwen2")
     engine = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=4, tree_nodes=10)
     adapter = engine.adapter
-    run = engine._start(GREEDY_PROMPT, 20, 0.0, None, None, None, 0, None)
+    run = engine._start(GenerationRequest(GREEDY_PROMPT, 20, seed=0))
     rounds = engine._rounds(run)
     emitted = [*next(rounds), *next(rounds), *next(rounds)]  # the prefill, then two tree rounds
     text = [*GREEDY_PROMPT, *emitted[:-1]]  # the last emitted token is not in the cache yet
@@ -356,7 +356,7 @@ def test_tree_sampling_follows_target(distribution_model, drafter: str, params: 
 
 @pytest.mark.slow
 def test_the_engine_test_rejects_a_lossy_tree_acceptance(distribution_model, monkeypatch) -> None:  # noqa: F811
-    monkeypatch.setattr(selfspec.engine, "accept_tree_sampled", accept_without_residual)
+    monkeypatch.setattr(selfspec.loop, "accept_tree_sampled", accept_without_residual)
     params = SamplingParams(1.0)
     engine = SpeculativeEngine(distribution_model, drafter=IIDTreeDrafter(), num_draft_tokens=2)
     counts = sampled_counts(engine, params)
@@ -491,7 +491,7 @@ def test_wide_trees_near_the_end_of_the_cache() -> None:
 
 def test_no_layer_runs_twice_on_a_tree_node(monkeypatch) -> None:
     """With a static tree every layer writes each node's KV exactly once (exit states reused)."""
-    from selfspec.cache import StaticKVCache
+    from selfspec.modeling.cache import StaticKVCache
 
     writes: Counter = Counter()
     update = StaticKVCache.update

@@ -6,18 +6,22 @@ forward pass; the text is exactly what the model alone would write, sooner.
 
 from importlib.metadata import PackageNotFoundError, version
 
-from .adapter import SUPPORTED_ARCHITECTURES, ModelAdapter
 from .constraints import TokenConstraint
-from .drafters import (
+from .drafting import (
+    DecodeState,
     Draft,
     Drafter,
     DraftModelDrafter,
     EarlyExitDrafter,
     HybridDrafter,
+    MedusaDrafter,
+    MedusaHeads,
     NoDrafter,
     PromptLookupDrafter,
+    list_drafters,
+    register_drafter,
 )
-from .engine import GenerationStream, SpeculativeEngine
+from .engine import SpeculativeEngine
 from .errors import (
     ConfigurationError,
     GenerationMemoryError,
@@ -29,8 +33,9 @@ from .errors import (
     UnsafeCheckpointError,
     UnsupportedArchitectureError,
 )
+from .generation import GenerationRequest, GenerationStream
 from .loading import DEMO_MODEL, demo_model_path
-from .medusa import MedusaDrafter, MedusaHeads
+from .modeling import SUPPORTED_ARCHITECTURES, ModelAdapter, ModelRunner
 from .outputs import GenerationOutput, GenerationStats
 from .registry import clear_engines, get_engine
 
@@ -43,12 +48,14 @@ __all__ = [
     "DEMO_MODEL",
     "SUPPORTED_ARCHITECTURES",
     "ConfigurationError",
+    "DecodeState",
     "Draft",
     "DraftModelDrafter",
     "Drafter",
     "EarlyExitDrafter",
     "GenerationMemoryError",
     "GenerationOutput",
+    "GenerationRequest",
     "GenerationStats",
     "GenerationStream",
     "HybridDrafter",
@@ -57,6 +64,7 @@ __all__ = [
     "MedusaHeads",
     "ModelAdapter",
     "ModelNotFoundError",
+    "ModelRunner",
     "NoDrafter",
     "PromptLookupDrafter",
     "QuantizationError",
@@ -70,4 +78,6 @@ __all__ = [
     "clear_engines",
     "demo_model_path",
     "get_engine",
+    "list_drafters",
+    "register_drafter",
 ]

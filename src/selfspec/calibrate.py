@@ -189,7 +189,7 @@ def _subset_agreement(
     engine: SpeculativeEngine, sequences: list[tuple[torch.Tensor, int]], layers: list[int], targets: list[torch.Tensor]
 ) -> float:
     """Teacher-forced greedy agreement of a layer subset with the full model."""
-    from .drafters import contiguous_runs
+    from .drafting import contiguous_runs
 
     adapter = engine.adapter
     matches = total = 0

@@ -42,3 +42,27 @@ def apply_mask(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     n = min(vocab, allowed.shape[-1])
     full[..., :n] = allowed[..., :n].to(logits.device)
     return logits.masked_fill(~full, float("-inf"))
+
+
+def draft_masks(constraint: TokenConstraint | None, tokens: list[int]) -> list[torch.Tensor] | None:
+    """The constraint's allowed-token masks at each verified position of a chain (``None``: no constraint).
+
+    Walks the draft through the constraint and stops at the first forbidden token (the draft is
+    cut there: one mask per kept draft token plus one for the token after them), then rolls
+    the constraint back.
+    """
+    if constraint is None:
+        return None
+    masks: list[torch.Tensor] = []
+    consumed = 0
+    for token in tokens:
+        allowed = constraint.allowed_tokens()
+        masks.append(allowed)
+        if token >= allowed.shape[-1] or not bool(allowed[token]):
+            break
+        constraint.advance(token)
+        consumed += 1
+    else:
+        masks.append(constraint.allowed_tokens())
+    constraint.rollback(consumed)
+    return masks

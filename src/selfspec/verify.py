@@ -1,116 +1,138 @@
-"""Acceptance: decide how much of a draft the target keeps.
+"""The verifier: every forward of the target model (prefill, chain, tree, a batch of rows).
 
-Pure functions over tensors, with no model code, so they are tested on their own.
+Scoring a draft is one target forward over the last emitted token and the draft, returning
+the target's logits at every position (row ``i`` judges draft token ``i``; the last row gives
+the bonus token). When the draft came from the target's own first ``E`` layers
+(``Draft.exit_states``), the forward starts at layer ``E`` from those states: the first layers
+never run twice on the same token. Otherwise it runs every layer from the token embeddings.
 
-Vocabulary (one round with ``k`` draft tokens ``d_1 .. d_k``):
-
-* ``target_probs[i]`` is the target's processed distribution for the token after the
-  ``i``-th position of the round, so ``target_probs[i]`` judges ``d_{i+1}`` and
-  ``target_probs[k]`` gives the bonus token. Shape ``[k + 1, vocab]``.
-* ``draft_probs[i]`` is the distribution ``d_{i+1}`` was drawn from, processed the same way.
-  Shape ``[k, vocab]``; ``None`` for a deterministic drafter (prompt lookup), which is the
-  same as a one-hot ``draft_probs``.
-* **accepted** tokens are the draft prefix the target keeps; the **recovered** token replaces
-  the first rejected draft token; the **bonus** token follows a fully accepted draft. Every
-  round emits the accepted tokens plus exactly one recovered or bonus token.
-
-Greedy acceptance keeps ``d_i`` while it equals the target's argmax. Sampling uses the
-rejection rule of Leviathan et al. 2023 ("Fast Inference from Transformers via Speculative
-Decoding") and Chen et al. 2023 ("Accelerating Large Language Model Decoding with
-Speculative Sampling"): accept ``d_i`` with probability ``min(1, target(d_i) / draft(d_i))``;
-on rejection sample from ``normalize(max(0, target - draft))``. The emitted tokens then
-follow the target distribution exactly, whatever the draft distribution is.
+The acceptance maths that reads these logits is pure and lives in :mod:`selfspec.acceptance`
+(chains) and :mod:`selfspec.tree` (trees).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from .sampling import sample
+from .drafting.base import DecodeState, Draft
+from .modeling.cache import BatchedKVCache, StaticKVCache
+from .modeling.runner import ModelRunner
+from .tree import TreeMask, tree_attention, tree_depths
 
 
-@dataclass(frozen=True)
-class Acceptance:
-    """The outcome of one verification round.
-
-    Attributes:
-        num_accepted: how many draft tokens were kept (``0 .. k``).
-        next_token: the recovered token (after a rejection) or bonus token (all accepted).
-    """
-
-    num_accepted: int
-    next_token: int
-
-    def emitted(self, draft_tokens: list[int]) -> list[int]:
-        """The tokens this round adds to the text: accepted drafts, then ``next_token``."""
-        return [*draft_tokens[: self.num_accepted], self.next_token]
-
-
-def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> Acceptance:
-    """Greedy acceptance: keep drafts while they equal the target's argmax.
-
-    Args:
-        draft_tokens: ``[k]`` draft token ids.
-        target_logits: ``[k + 1, vocab]`` target logits (or probabilities: only the argmax
-            is read).
+def prefill(runner: ModelRunner, cache: StaticKVCache, prompt_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the prompt through every layer into ``cache``.
 
     Returns:
-        The accepted count and the target's argmax at the first mismatch (or the bonus).
+        The last position's ``[1, 1, hidden]`` output state and its ``[vocab]`` logits.
     """
-    num_draft = draft_tokens.shape[0]
-    target_tokens = target_logits.argmax(dim=-1)  # [k + 1]
-    matches = (target_tokens[:num_draft] == draft_tokens).long()
-    # cumprod zeroes everything after the first mismatch
-    num_accepted = int(matches.cumprod(dim=0).sum().item()) if num_draft else 0
-    return Acceptance(num_accepted, int(target_tokens[num_accepted].item()))
+    ids = torch.tensor([prompt_ids], device=runner.device)
+    positions = torch.arange(len(prompt_ids), device=runner.device)
+    hidden = runner.run_layers(runner.embed(ids), 0, runner.num_layers, positions, cache)[:, -1:]
+    return hidden, runner.logits(hidden)[0]
 
 
-def accept_sampled(
-    draft_tokens: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    target_probs: torch.Tensor,
-    generator: torch.Generator | None,
-) -> Acceptance:
-    """Lossless speculative sampling (Leviathan et al. 2023, Chen et al. 2023).
+def prefill_row(
+    runner: ModelRunner, cache: BatchedKVCache, row: int, prompt_ids: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`prefill` into row ``row`` of a batched cache."""
+    ids = torch.tensor([prompt_ids], device=runner.device)
+    positions = torch.arange(len(prompt_ids), device=runner.device)[None]  # [1, n]
+    hidden = runner.run_rows(runner.embed(ids), 0, runner.num_layers, positions, cache, row)[:, -1:]
+    return hidden, runner.logits(hidden)[0]
 
-    Args:
-        draft_tokens: ``[k]`` draft token ids, each drawn from the matching ``draft_probs`` row.
-        draft_probs: ``[k, vocab]`` draft distributions, or ``None`` when the drafter is
-            deterministic (treated as one-hot on ``draft_tokens``).
-        target_probs: ``[k + 1, vocab]`` target distributions after the same processing.
-        generator: the random source (seed it for reproducible text).
 
-    Returns:
-        The accepted count and the recovered or bonus token.
+def score_chain(state: DecodeState, draft: Draft, keep_hidden: bool = False) -> torch.Tensor:
+    """Target logits ``[k + 1, vocab]`` for ``last_token`` and every draft token of a chain.
+
+    With ``keep_hidden``, ``state.last_hidden`` becomes the ``[1, k + 1, hidden]`` output states
+    (the loop keeps the accepted position's).
     """
-    num_draft = draft_tokens.shape[0]
-    if num_draft:
-        rows = torch.arange(num_draft, device=target_probs.device)
-        target_of_draft = target_probs[rows, draft_tokens]  # [k]
-        if draft_probs is None:
-            draft_of_draft = torch.ones_like(target_of_draft)
-        else:
-            draft_of_draft = draft_probs[rows, draft_tokens]  # [k]
-        uniform = torch.rand(num_draft, generator=generator, device=target_probs.device, dtype=target_probs.dtype)
-        # accept with probability min(1, target / draft), i.e. u * draft < target
-        accepted = (uniform * draft_of_draft < target_of_draft).long()
-        num_accepted = int(accepted.cumprod(dim=0).sum().item())
+    runner, cache, device = state.runner, state.cache, state.runner.device
+    assert isinstance(cache, StaticKVCache)
+    num_draft = len(draft)
+    positions = torch.arange(state.position, state.position + num_draft + 1, device=device)
+    if draft.exit_states is not None and num_draft > 0:
+        # the drafter ran layers [0, E) on last_token and drafts 1..k-1; finish the last one
+        exit_layer = draft.exit_layer
+        cache.crop_to(state.position + num_draft, range(exit_layer))  # drop shallow KV beyond a truncation
+        last = torch.full((1, 1), draft.tokens[-1], device=device)
+        last_state = runner.run_layers(runner.embed(last), 0, exit_layer, positions[-1:], cache)
+        exit_states = torch.cat([draft.exit_states[:, :num_draft], last_state], dim=1)
+        hidden = runner.run_layers(exit_states, exit_layer, runner.num_layers, positions, cache)
     else:
-        num_accepted = 0
+        ids = torch.tensor([[state.last_token, *draft.tokens]], device=device)
+        hidden = runner.run_layers(runner.embed(ids), 0, runner.num_layers, positions, cache)
+    if keep_hidden:
+        state.last_hidden = hidden
+    return runner.logits(hidden)
 
-    if num_accepted == num_draft:  # all accepted: bonus token from the target
-        return Acceptance(num_accepted, int(sample(target_probs[num_draft : num_draft + 1], generator)))
 
-    rejected_target = target_probs[num_accepted]  # [vocab]
-    if draft_probs is None:
-        rejected_draft = torch.zeros_like(rejected_target)
-        rejected_draft[draft_tokens[num_accepted]] = 1.0
+def score_tree(state: DecodeState, draft: Draft, keep_hidden: bool = False) -> torch.Tensor:
+    """Target logits ``[n + 1, vocab]`` for the root and every node of a tree, in one target forward.
+
+    With early-exit states, only the nodes the drafter did not expand run layers ``[0, E)``
+    here; every node then runs ``[E, L)``. The cache afterwards holds the root at slot ``P``
+    and node ``i`` at slot ``P + 1 + i`` in every layer.
+    """
+    assert draft.parents is not None
+    runner, cache, device = state.runner, state.cache, state.runner.device
+    assert isinstance(cache, StaticKVCache)
+    start = state.position
+    depths = tree_depths(draft.parents)
+    positions = torch.tensor([start, *(start + d for d in depths)], device=device)  # [n + 1]
+    allowed = tree_attention(draft.parents, device)  # [n + 1, n + 1]
+    full = TreeMask(allowed, positions)
+    if draft.exit_states is not None:
+        exit_layer = draft.exit_layer
+        expanded = draft.exit_states.shape[1] - 1  # nodes whose shallow KV is cached
+        cache.crop_to(start + 1 + expanded, range(exit_layer))
+        exit_states = draft.exit_states
+        if expanded < len(draft.tokens):
+            rest = torch.tensor([draft.tokens[expanded:]], device=device)
+            rest_mask = TreeMask(allowed[1 + expanded :], positions)
+            rest_states = runner.run_layers(
+                runner.embed(rest), 0, exit_layer, positions[1 + expanded :], cache, tree=rest_mask
+            )
+            exit_states = torch.cat([exit_states, rest_states], dim=1)
+        hidden = runner.run_layers(exit_states, exit_layer, runner.num_layers, positions, cache, tree=full)
     else:
-        rejected_draft = draft_probs[num_accepted]
-    residual = torch.clamp(rejected_target - rejected_draft, min=0)
-    total = residual.sum()
-    # total == 0 only when target == draft, where rejection has probability zero
-    recovered_probs = residual / total if total > 0 else rejected_target
-    return Acceptance(num_accepted, int(sample(recovered_probs.unsqueeze(0), generator)))
+        ids = torch.tensor([[state.last_token, *draft.tokens]], device=device)
+        hidden = runner.run_layers(runner.embed(ids), 0, runner.num_layers, positions, cache, tree=full)
+    if keep_hidden:
+        state.last_hidden = hidden
+    return runner.logits(hidden)
+
+
+def score_rows(states: list[DecodeState], drafts: list[Draft]) -> torch.Tensor:
+    """Target logits ``[m, K + 1, vocab]`` for a batch of chains; row ``b``'s first ``k_b + 1`` are its own.
+
+    When every draft carries its ``k_b + 1`` exit states of one exit layer ``E`` (a batched
+    early-exit round), only layers ``[E, L)`` run; otherwise every layer runs on each row's
+    ``[last_token, *draft]``. Shorter rows are padded (their padded outputs are never read,
+    and the slots they write lie beyond the row's text, to be overwritten).
+    """
+    runner, device = states[0].runner, states[0].runner.device
+    cache = states[0].cache
+    assert isinstance(cache, BatchedKVCache)
+    width = max(len(draft) for draft in drafts) + 1
+    base = torch.tensor([state.position for state in states], device=device)
+    positions = base[:, None] + torch.arange(width, device=device)[None]  # [m, K + 1]
+    exit_layers = {
+        d.exit_layer if d.exit_states is not None and d.exit_states.shape[1] == len(d) + 1 else -1 for d in drafts
+    }
+    if len(exit_layers) == 1 and min(exit_layers) > 0:
+        exit_layer = exit_layers.pop()
+        rows = []
+        for draft in drafts:
+            assert draft.exit_states is not None
+            states_b = draft.exit_states  # [1, k_b + 1, hidden]
+            pad = width - states_b.shape[1]
+            rows.append(torch.cat([states_b, states_b[:, -1:].expand(-1, pad, -1)], dim=1) if pad else states_b)
+        hidden = runner.run_rows(torch.cat(rows), exit_layer, runner.num_layers, positions, cache)
+    else:
+        # pad each row's [last_token, *draft] with its last token (outputs ignored)
+        padded = [[state.last_token, *draft.tokens] for state, draft in zip(states, drafts, strict=True)]
+        ids = torch.tensor([seq + [seq[-1]] * (width - len(seq)) for seq in padded], device=device)
+        hidden = runner.run_rows(runner.embed(ids), 0, runner.num_layers, positions, cache)
+    return runner.row_logits(hidden)

@@ -42,8 +42,8 @@ def add_train_adapter_parser(subparsers: Any) -> argparse.ArgumentParser:
 def cmd_train_adapter(args: argparse.Namespace) -> int:
     """Train an exit adapter for ``--model`` and save it beside the model (or in ``--out``)."""
     from ..calibration import load_calibration
-    from ..engine import default_exit_layer
-    from ..exit_adapter import exit_adapter_path
+    from ..config import default_exit_layer
+    from ..drafting.exit_adapter import exit_adapter_path
     from ..loading import load_model_and_tokenizer
     from .exit_adapter import AdapterTrainConfig, train_exit_adapter
 

@@ -3,7 +3,7 @@
 The frozen model writes its own training text: from its beginning-of-text token it samples
 continuations (at a few temperatures, so the text covers both the model's likely paths and
 its spread). On that text, the adapter between layer ``E`` and the shared norm and head
-(:class:`~selfspec.exit_adapter.ExitAdapter`) is trained to match the model's last layer::
+(:class:`~selfspec.drafting.exit_adapter.ExitAdapter`) is trained to match the model's last layer::
 
     loss = KL(softmax(head(norm(h_L))) || softmax(head(norm(adapter(h_E)))))
 
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..exit_adapter import ExitAdapter, ExitAdapterConfig
+from ..drafting.exit_adapter import ExitAdapter, ExitAdapterConfig
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ final hidden state ``h_t`` (after the final norm) and the model's next-token dis
 Head ``i`` learns to predict, from ``h_t``, the model's own distribution at position
 ``t + i + 1`` (the token ``i + 2`` steps after ``t``): soft-target cross-entropy, weighted
 ``decay ** i`` as in Medusa (Cai et al. 2024). The model never changes; the heads are saved
-in the published Medusa layout (:meth:`selfspec.medusa.MedusaHeads.save`).
+in the published Medusa layout (:meth:`selfspec.drafting.medusa.MedusaHeads.save`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import ConfigurationError
-from ..medusa import MEDUSA_SUBFOLDER, MedusaHeads
+from ..drafting.medusa import MEDUSA_SUBFOLDER, MedusaHeads
 
 #: Metadata written beside the heads.
 METADATA_FILE = "medusa_training.json"

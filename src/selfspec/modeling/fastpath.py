@@ -13,12 +13,16 @@ layers, eager attention and other families run through the model's modules inste
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+#: The environment variable that sets the fast path's default (``0`` turns it off).
+FAST_PATH_ENV = "SELFSPEC_FAST_PATH"
 
 #: model types whose decoder layers the lean path reproduces.
 FAST_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
@@ -50,6 +54,15 @@ def _linear(module: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 def _eps(norm: nn.Module) -> float:
     return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+
+
+def fast_path_default() -> bool:
+    """Whether runners use the lean path when not told: on, unless ``SELFSPEC_FAST_PATH=0``.
+
+    This is the one place the environment variable is read; ``ModelRunner(model, fast_path=...)``
+    and ``SpeculativeEngine(..., fast_path=...)`` set it explicitly.
+    """
+    return os.environ.get(FAST_PATH_ENV, "1") != "0"
 
 
 def build_fast_layers(model: Any) -> list[LayerWeights] | None:
@@ -133,7 +146,7 @@ def layer_forward(
     cache: Any,
     layer_idx: int,
 ) -> torch.Tensor:
-    """One decoder layer: ``[1, q, hidden]`` -> ``[1, q, hidden]``, writing the layer's KV."""
+    """One decoder layer: ``[m, q, hidden]`` -> ``[m, q, hidden]``, writing the layer's KV."""
     batch, q_len, _ = hidden.shape
     residual = hidden
     x = rms_norm(hidden, w.input_norm, w.input_eps)

@@ -1,32 +1,35 @@
-"""Model adapters: everything architecture-specific, behind one small interface.
+"""The model runner: everything architecture-specific, behind one small interface.
 
-The decoding loop never touches ``model.model.layers`` directly. It asks the adapter to
+The decoding loop never touches ``model.model.layers`` directly. It asks the runner to
 embed tokens, run a range of decoder layers (``run_layers(hidden, start, end, ...)``: the
 "early" forward is ``[0, E)`` and the "remainder" forward is ``[E, L)``, as in LayerSkip),
 and turn hidden states into logits through the shared final norm and LM head.
 
-The adapter builds attention masks itself, from the query positions and the number of
-positions the *called* layers hold, one mask per layer type (full or sliding-window
-attention). transformers' own mask helpers read the past length from layer 0 of the cache,
-which is wrong while the shallow layers run ahead of the deep ones in an early-exit round.
+One layer loop serves every forward: :meth:`ModelRunner.run_rows` runs layers for
+``[rows, positions]`` over a batched cache, and :meth:`ModelRunner.run_layers` is the same loop
+for one row (with token-tree attention when asked).
+
+The runner builds attention masks itself, from the query positions (slot ``j`` of a row holds
+position ``j``), one mask per layer type (full or sliding-window attention). transformers' own
+mask helpers read the past length from layer 0 of the cache, which is wrong while the shallow
+layers run ahead of the deep ones in an early-exit round.
 """
 
 from __future__ import annotations
 
 import inspect
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from .cache import StaticKVCache
-from .errors import ConfigurationError, UnsupportedArchitectureError
-from .fastpath import build_fast_layers, layer_forward
-from .tree import TreeMask
+from ..errors import ConfigurationError, UnsupportedArchitectureError
+from ..tree import TreeMask
+from .cache import BatchedKVCache, StaticKVCache
+from .fastpath import build_fast_layers, fast_path_default, layer_forward
 
-#: transformers ``model_type`` values with an adapter, and the families they cover.
+#: transformers ``model_type`` values selfspec runs, and the families they cover.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "llama": "Llama 2/3, TinyLlama, SmolLM/SmolLM2, LayerSkip checkpoints",
     "mistral": "Mistral",
@@ -43,7 +46,7 @@ SLIDING_ATTENTION = "sliding_attention"
 
 
 def check_architecture(config: Any) -> None:
-    """Raise :class:`UnsupportedArchitectureError` unless ``config`` has an adapter."""
+    """Raise :class:`UnsupportedArchitectureError` unless selfspec runs ``config``'s architecture."""
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_ARCHITECTURES:
         supported = ", ".join(f"{k} ({v})" for k, v in SUPPORTED_ARCHITECTURES.items())
@@ -57,15 +60,17 @@ def check_architecture(config: Any) -> None:
         )
 
 
-class ModelAdapter:
+class ModelRunner:
     """Drives a transformers causal LM layer by layer.
 
     Args:
         model: a loaded ``*ForCausalLM`` of a supported architecture (any dtype, device,
-            or bitsandbytes quantization: the adapter calls the model's own modules).
+            or bitsandbytes quantization: the runner calls the model's own modules).
+        fast_path: use the lean layer path (:mod:`selfspec.modeling.fastpath`) where it
+            applies; ``None`` reads the default (:func:`~selfspec.modeling.fastpath.fast_path_default`).
     """
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, *, fast_path: bool | None = None) -> None:
         config = model.config
         check_architecture(config)
         attn = getattr(config, "_attn_implementation", None) or "eager"
@@ -93,13 +98,13 @@ class ModelAdapter:
         weight = self.embed_tokens.weight
         self.device: torch.device = weight.device
         self.dtype: torch.dtype = weight.dtype
-        # the lean layer path (same maths, less overhead); SELFSPEC_FAST_PATH=0 turns it off
-        enabled = os.environ.get("SELFSPEC_FAST_PATH", "1") != "0"
+        # the lean layer path (same maths, less overhead)
+        enabled = fast_path_default() if fast_path is None else fast_path
         self.fast_layers = build_fast_layers(model) if enabled else None
 
     def __repr__(self) -> str:
         return (
-            f"ModelAdapter(model_type={self.config.model_type!r}, num_layers={self.num_layers}, "
+            f"ModelRunner(model_type={self.config.model_type!r}, num_layers={self.num_layers}, "
             f"layer_types={sorted(set(self.layer_types))}, attn={self.attn_implementation!r}, "
             f"fast_path={self.fast_layers is not None})"
         )
@@ -128,7 +133,11 @@ class ModelAdapter:
 
         Logits are cast to float32 as transformers' ``generate`` does before choosing a token.
         """
-        logits = self.lm_head(self.norm(hidden))[0]
+        return self.row_logits(hidden)[0]
+
+    def row_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[m, q, hidden]`` -> ``[m, q, vocab]`` float32 logits (final norm, LM head, softcap)."""
+        logits = self.lm_head(self.norm(hidden))
         if self.final_logit_softcapping is not None:
             cap = self.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
@@ -143,7 +152,7 @@ class ModelAdapter:
         cache: StaticKVCache,
         tree: TreeMask | None = None,
     ) -> torch.Tensor:
-        """Run decoder layers ``[start, end)`` on new positions, writing their KV to ``cache``.
+        """Run decoder layers ``[start, end)`` on one row's new positions, writing their KV to ``cache``.
 
         Args:
             hidden: ``[1, q, hidden]`` input states of the new positions.
@@ -160,13 +169,57 @@ class ModelAdapter:
         """
         if start >= end:
             return hidden
-        past = cache.lengths[start]
         position_ids = positions.unsqueeze(0)  # [1, q]
-        masks = self._masks(positions, past, hidden.dtype, tree)
+        kv_length = cache.lengths[start] + positions.shape[0]  # a chain's slot j holds position j
+        if tree is not None:
+            masks = self._tree_masks(positions, kv_length, hidden.dtype, tree)
+        else:
+            masks = self.causal_masks(position_ids, kv_length, hidden.dtype)
+        return self._forward(hidden, start, end, position_ids, masks, cache)
+
+    def run_rows(
+        self,
+        hidden: torch.Tensor,
+        start: int,
+        end: int,
+        positions: torch.Tensor,
+        cache: BatchedKVCache,
+        row_start: int = 0,
+    ) -> torch.Tensor:
+        """Run layers ``[start, end)`` for rows ``row_start .. row_start + m`` at per-row positions.
+
+        Args:
+            hidden: ``[m, q, hidden]`` input states.
+            start: first layer to run.
+            end: one past the last layer to run.
+            positions: ``[m, q]`` absolute positions (each row's own, consecutive).
+            cache: the batched cache; the new states are written at their positions.
+            row_start: the cache row of the first input row.
+
+        Returns:
+            ``[m, q, hidden]`` output states of layer ``end - 1``.
+        """
+        if start >= end:
+            return hidden
+        kv_length = int(positions.max()) + 1
+        cache.select(row_start, positions, kv_length)
+        masks = self.causal_masks(positions, kv_length, hidden.dtype)
+        return self._forward(hidden, start, end, positions, masks, cache)
+
+    def _forward(
+        self,
+        hidden: torch.Tensor,
+        start: int,
+        end: int,
+        position_ids: torch.Tensor,
+        masks: dict[str, torch.Tensor | None],
+        cache: Any,
+    ) -> torch.Tensor:
+        """The layer loop: ``[m, q, hidden]`` through layers ``[start, end)`` at ``[m, q]`` positions."""
         rotary = self._rotary(hidden, position_ids, {self.layer_types[i] for i in range(start, end)})
         if self.fast_layers is not None:
             fast = self.fast_layers
-            # [1, q, head_dim] -> [1, 1, q, head_dim], broadcast over heads
+            # [m, q, head_dim] -> [m, 1, q, head_dim], broadcast over heads
             cos_sin = {t: (cos.unsqueeze(1), sin.unsqueeze(1)) for t, (cos, sin) in rotary.items()}
             for i in range(start, end):
                 cos, sin = cos_sin[self.layer_types[i]]
@@ -192,29 +245,33 @@ class ModelAdapter:
         shared = self.rotary_emb(hidden, position_ids)
         return dict.fromkeys(layer_types, shared)
 
-    def _masks(
-        self, positions: torch.Tensor, past: int, dtype: torch.dtype, tree: TreeMask | None = None
+    def causal_masks(
+        self, positions: torch.Tensor, kv_length: int, dtype: torch.dtype
     ) -> dict[str, torch.Tensor | None]:
-        """One attention mask per layer type for queries at ``positions`` over ``past + q`` keys."""
-        query_len = positions.shape[0]
-        kv_len = past + query_len
-        if tree is not None:
-            return self._tree_masks(positions, kv_len, dtype, tree)
-        if query_len == 1 and (self.sliding_window is None or kv_len <= self.sliding_window):
+        """One ``[m, 1, q, kv]`` mask per layer type: query ``(b, i)`` sees slots ``<= positions[b, i]``.
+
+        Slot ``j`` holds position ``j``, so this is the causal rule per row, whatever the rows'
+        lengths (``kv_length`` is the largest position + 1); sliding-window layers also hide
+        slots ``<= position - window``. One row's single query over every slot needs no mask
+        (``None``).
+        """
+        windowed_kv = self.sliding_window is not None and kv_length > self.sliding_window
+        if positions.shape == (1, 1) and not windowed_kv:
             return dict.fromkeys(self.layer_types)  # one query over every cached key: no mask
-        kv_positions = torch.arange(kv_len, device=positions.device)  # [kv]
-        causal = kv_positions[None, :] <= positions[:, None]  # [q, kv]
+        slots = torch.arange(kv_length, device=positions.device)  # [kv]
+        query = positions[:, :, None]  # [m, q, 1]
+        causal = slots[None, None, :] <= query  # [m, q, kv]
         masks: dict[str, torch.Tensor | None] = {}
         for layer_type in set(self.layer_types):
+            windowed = layer_type == SLIDING_ATTENTION and windowed_kv
+            if positions.shape == (1, 1) and not windowed:
+                masks[layer_type] = None
+                continue
             allowed = causal
-            window_matters = layer_type == SLIDING_ATTENTION and kv_len > (self.sliding_window or 0)
-            if window_matters:
+            if windowed:
                 assert self.sliding_window is not None
-                allowed = allowed & (kv_positions[None, :] > positions[:, None] - self.sliding_window)
-            if query_len == 1 and not window_matters:
-                masks[layer_type] = None  # one query over every cached key: no mask needed
-            else:
-                masks[layer_type] = self._format_mask(allowed, dtype)
+                allowed = allowed & (slots[None, None, :] > query - self.sliding_window)
+            masks[layer_type] = self._format_mask(allowed[:, None], dtype)  # [m, 1, q, kv]
         return masks
 
     def _tree_masks(
@@ -232,12 +289,16 @@ class ModelAdapter:
                 assert self.sliding_window is not None
                 kv_positions = torch.cat([torch.arange(base, device=device), tree.key_positions])  # [kv]
                 layer_allowed = allowed & (kv_positions[None, :] > positions[:, None] - self.sliding_window)
-            masks[layer_type] = self._format_mask(layer_allowed, dtype)
+            masks[layer_type] = self._format_mask(layer_allowed[None, None], dtype)  # [1, 1, q, kv]
         return masks
 
     def _format_mask(self, allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        allowed = allowed[None, None]  # [1, 1, q, kv]
+        """A bool ``allowed`` mask as the attention implementation takes it (bool, or additive)."""
         if self.attn_implementation == "sdpa":
             return allowed
         additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
         return additive.masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+#: The name of :class:`ModelRunner` before it was renamed (kept importable).
+ModelAdapter = ModelRunner

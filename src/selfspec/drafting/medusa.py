@@ -18,7 +18,7 @@ and ``medusa_lm_head.safetensors`` (or the pickle ``medusa_lm_head.pt``) whose k
 
 Candidates are verified as a chain (top-1 of each head, or a sample of each head's
 processed distribution) or, with ``tree=True``, as a sparse tree of the heads' top-k
-candidates (:func:`build_candidate_tree`), in the format of :class:`~selfspec.drafters.Draft`.
+candidates (:func:`build_candidate_tree`), in the format of :class:`~selfspec.drafting.Draft`.
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .drafters import DecodeState, Draft, Drafter, draft_autoregressively
-from .errors import ConfigurationError, ModelNotFoundError, UnsafeCheckpointError
-from .sampling import SamplingParams, logits_to_probs, sample
+from ..errors import ConfigurationError, ModelNotFoundError, UnsafeCheckpointError
+from ..sampling import SamplingParams, logits_to_probs, sample
+from .base import DecodeState, Draft, Drafter, draft_autoregressively
+from .registry import register_drafter
 
 #: File names of the published layout.
 MEDUSA_CONFIG = "config.json"
@@ -264,7 +265,7 @@ def build_candidate_tree(
             at each depth, at least 1).
 
     Returns:
-        A :class:`~selfspec.drafters.Draft` with ``tokens`` in topological order and
+        A :class:`~selfspec.drafting.Draft` with ``tokens`` in topological order and
         ``parents`` (``-1`` for children of the root, ``state.last_token``).
     """
     num_heads = head_logits.shape[0]
@@ -344,7 +345,7 @@ class MedusaDrafter(Drafter):
         """``[K, vocab]`` float32 logits of every head for the tokens after ``t0``."""
         if state.last_hidden is None:
             raise ConfigurationError("MedusaDrafter needs the engine to keep state.last_hidden (needs_hidden=True)")
-        normed = state.adapter.norm(state.last_hidden)  # [1, 1, hidden]
+        normed = state.runner.norm(state.last_hidden)  # [1, 1, hidden]
         return self.heads(normed)[:, 0, 0].float()  # [K, vocab]
 
     def propose(self, state: DecodeState, max_tokens: int) -> Draft:
@@ -356,3 +357,44 @@ class MedusaDrafter(Drafter):
         if self.tree:
             return build_candidate_tree(logits, state.params, state.generator, self.tree_nodes, self.top_k)
         return draft_autoregressively(state, depth, lambda token, j: logits[j])
+
+
+def engine_medusa_heads(engine: Any) -> MedusaHeads:
+    """The heads for ``drafter="medusa"``, on the model's device and dtype, checked against it."""
+    runner, heads = engine.runner, engine.config.medusa_heads
+    if heads is None:
+        heads = find_medusa_heads(engine.name_or_path)
+        if heads is None:
+            raise ConfigurationError(
+                "drafter='medusa' needs medusa_heads= a folder of Medusa heads (config.json + "
+                "medusa_lm_head.safetensors); none are saved beside this model (in its medusa/ "
+                "subfolder). Train some with `selfspec train-medusa --model M`."
+            )
+    hidden = int(runner.config.hidden_size)
+    if isinstance(heads, MedusaHeads):
+        if heads.hidden_size != hidden or heads.vocab_size != runner.vocab_size:
+            raise ConfigurationError(
+                f"{heads!r} does not fit this model (hidden size {hidden}, vocab {runner.vocab_size})"
+            )
+        return heads.to(device=runner.device, dtype=runner.dtype)
+    return load_medusa_heads(
+        heads, hidden_size=hidden, vocab_size=runner.vocab_size, dtype=runner.dtype, device=runner.device
+    )
+
+
+def make_medusa(engine: Any, **options: Any) -> MedusaDrafter:
+    """Medusa heads (``medusa_heads=``, else those saved beside the model); a tree with ``tree_nodes``."""
+    heads = engine_medusa_heads(engine)
+    tree_nodes = engine.config.tree_nodes
+    if tree_nodes is None:
+        return MedusaDrafter(heads, **options)
+    return MedusaDrafter(heads, tree=True, tree_nodes=tree_nodes, **options)
+
+
+register_drafter(
+    "medusa",
+    make_medusa,
+    description="Medusa heads on the last hidden state (medusa_heads=)",
+    trees=True,
+    engine_options=("medusa_heads",),
+)

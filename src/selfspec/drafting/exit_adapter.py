@@ -31,8 +31,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .calibration import cache_dir
-from .errors import ConfigurationError
+from ..calibration import cache_dir
+from ..errors import ConfigurationError
+from .registry import drafters_with, names_in_words
 
 #: The folder name of an adapter saved beside its model.
 EXIT_ADAPTER_DIR = "exit_adapter"
@@ -105,7 +106,7 @@ class ExitAdapter(nn.Module):
         """Raise :class:`ConfigurationError` unless the adapter fits this model.
 
         Args:
-            adapter: the target's :class:`~selfspec.adapter.ModelAdapter`.
+            adapter: the target's :class:`~selfspec.modeling.ModelRunner`.
         """
         c = self.config
         hidden = int(getattr(adapter.config, "hidden_size", 0))
@@ -199,10 +200,6 @@ def resolve_exit_adapter(
     return load_exit_adapter(exit_adapter)
 
 
-#: Drafters that read the exit layer through the shared head, and so can use an adapter.
-ADAPTER_DRAFTERS = ("early_exit", "hybrid")
-
-
 def engine_exit_adapter(
     exit_adapter: str | os.PathLike[str] | ExitAdapter | None,
     model_adapter: Any,
@@ -219,7 +216,7 @@ def engine_exit_adapter(
 
     Args:
         exit_adapter: the engine's ``exit_adapter`` argument.
-        model_adapter: the target's :class:`~selfspec.adapter.ModelAdapter`.
+        model_adapter: the target's :class:`~selfspec.modeling.ModelRunner`.
         name_or_path: the target's folder or hub id.
         exit_layer: the engine's ``exit_layer`` argument.
         drafter: the engine's ``drafter`` argument.
@@ -231,10 +228,11 @@ def engine_exit_adapter(
     module = resolve_exit_adapter(exit_adapter, name_or_path)
     if module is None:
         return None
-    if drafter not in ADAPTER_DRAFTERS:
+    users = drafters_with("exit_adapter")  # drafters that read the exit layer through the shared head
+    if drafter not in users:
         if explicit:
             raise ConfigurationError(
-                f"exit_adapter= is used only by the {' and '.join(ADAPTER_DRAFTERS)} drafters, not {drafter!r}"
+                f"exit_adapter= is used only by the {names_in_words(users)} drafters, not {drafter!r}"
             )
         return None
     module.check_model(model_adapter)

@@ -34,10 +34,11 @@ from typing import Any
 
 import torch
 
-from .drafters import DecodeState, Draft
-from .errors import ConfigurationError
-from .sampling import logits_to_probs, sample
-from .tree import TreeMask, default_tree_width, static_tree, tree_attention, tree_children, tree_depths
+from ..errors import ConfigurationError
+from ..sampling import logits_to_probs, sample
+from ..tree import TreeMask, default_tree_width, static_tree
+from .base import DecodeState, Draft
+from .fitting import select_nodes
 
 TREE_SHAPES = ("dynamic", "static")
 
@@ -107,12 +108,12 @@ def draft_early_exit_tree(
             only (the raw states are what verification continues from).
 
     Returns:
-        A :class:`~selfspec.drafters.Draft` with ``parents`` set, ``exit_states`` of the
+        A :class:`~selfspec.drafting.Draft` with ``parents`` set, ``exit_states`` of the
         root and the first ``m`` nodes (those the drafter expanded; their shallow-layer KV is
         in the cache right after the root's), and ``draft_probs`` when sampling.
     """
-    adapter, params, cache = state.adapter, state.params, state.cache
-    device, start = adapter.device, state.position
+    runner, params, cache = state.runner, state.params, state.cache
+    device, start = runner.device, state.position
     width = min(width or default_tree_width(tree_nodes), tree_nodes)
     if plan_shape_is_dynamic(shape):
         max_depth = min(max_depth, tree_nodes)
@@ -146,11 +147,11 @@ def draft_early_exit_tree(
                 allowed[row, entries] = True
             tree = TreeMask(allowed.to(device), torch.tensor(kv_positions, device=device))
         positions = torch.full((len(frontier),), start + depth - 1, device=device)
-        hidden = adapter.run_layers(
-            adapter.embed(torch.tensor([ids], device=device)), 0, exit_layer, positions, cache, tree=tree
+        hidden = runner.run_layers(
+            runner.embed(torch.tensor([ids], device=device)), 0, exit_layer, positions, cache, tree=tree
         )
         states.append(hidden)
-        logits = adapter.logits(hidden if exit_adapter is None else exit_adapter(hidden))  # [q, vocab]
+        logits = runner.logits(hidden if exit_adapter is None else exit_adapter(hidden))  # [q, vocab]
         probs = torch.softmax(logits, dim=-1) if params.greedy else logits_to_probs(logits, params)
 
         # 2. candidate children of every expanded node
@@ -236,100 +237,3 @@ def draft_early_exit_tree(
         return draft
     keep = sorted(new_index[i] for i in rerank(nodes, root, tree_nodes))
     return select_nodes(state, draft, keep)
-
-
-def verify_tree(state: DecodeState, draft: Draft) -> torch.Tensor:
-    """Target logits ``[n + 1, vocab]`` for the root and every node, in one target forward.
-
-    With early-exit states, only the nodes the drafter did not expand run layers ``[0, E)``
-    here; every node then runs ``[E, L)``. The cache afterwards holds the root at slot ``P``
-    and node ``i`` at slot ``P + 1 + i`` in every layer.
-    """
-    assert draft.parents is not None
-    adapter, cache, device = state.adapter, state.cache, state.adapter.device
-    start = state.position
-    depths = tree_depths(draft.parents)
-    positions = torch.tensor([start, *(start + d for d in depths)], device=device)  # [n + 1]
-    allowed = tree_attention(draft.parents, device)  # [n + 1, n + 1]
-    full = TreeMask(allowed, positions)
-    if draft.exit_states is not None:
-        exit_layer = draft.exit_layer
-        expanded = draft.exit_states.shape[1] - 1  # nodes whose shallow KV is cached
-        cache.crop_to(start + 1 + expanded, range(exit_layer))
-        exit_states = draft.exit_states
-        if expanded < len(draft.tokens):
-            rest = torch.tensor([draft.tokens[expanded:]], device=device)
-            rest_mask = TreeMask(allowed[1 + expanded :], positions)
-            rest_states = adapter.run_layers(
-                adapter.embed(rest), 0, exit_layer, positions[1 + expanded :], cache, tree=rest_mask
-            )
-            exit_states = torch.cat([exit_states, rest_states], dim=1)
-        hidden = adapter.run_layers(exit_states, exit_layer, adapter.num_layers, positions, cache, tree=full)
-    else:
-        ids = torch.tensor([[state.last_token, *draft.tokens]], device=device)
-        hidden = adapter.run_layers(adapter.embed(ids), 0, adapter.num_layers, positions, cache, tree=full)
-    if state.last_hidden is not None:  # a drafter that reads the final hidden state (Medusa) keeps it
-        state.last_hidden = hidden
-    return adapter.logits(hidden)
-
-
-def keep_accepted_path(state: DecodeState, path: Sequence[int]) -> None:
-    """Compact every layer of the cache to the root and the accepted nodes (now contiguous)."""
-    start = state.position
-    state.cache.keep(start, [start, *(start + 1 + i for i in path)])
-
-
-def select_nodes(state: DecodeState, draft: Draft, keep: list[int]) -> Draft:
-    """The sub-tree of the nodes ``keep`` (increasing, closed under parents).
-
-    Exit states and shallow-layer KV of dropped expanded nodes are removed, so the result is
-    again a well-formed early-exit tree draft.
-    """
-    assert draft.parents is not None
-    parents = draft.parents
-    new_index = {old: new for new, old in enumerate(keep)}
-    exit_states = draft.exit_states
-    if exit_states is not None:
-        expanded = exit_states.shape[1] - 1
-        kept_expanded = [i for i in keep if i < expanded]
-        if len(kept_expanded) < expanded:
-            start = state.position
-            state.cache.keep(start, [start, *(start + 1 + i for i in kept_expanded)], range(draft.exit_layer))
-            rows = torch.tensor([0, *(1 + i for i in kept_expanded)], device=exit_states.device)
-            exit_states = exit_states.index_select(1, rows)
-    return Draft(
-        tokens=[draft.tokens[i] for i in keep],
-        draft_probs=None if draft.draft_probs is None else draft.draft_probs[keep],
-        exit_states=exit_states,
-        exit_layer=draft.exit_layer,
-        parents=[new_index[parents[i]] if parents[i] >= 0 else -1 for i in keep],
-    )
-
-
-def truncate_tree(state: DecodeState, draft: Draft, max_depth: int) -> Draft:
-    """Drop the nodes deeper than ``max_depth``."""
-    assert draft.parents is not None
-    depths = tree_depths(draft.parents)
-    if not depths or max(depths) <= max_depth:
-        return draft
-    return select_nodes(state, draft, [i for i, d in enumerate(depths) if d <= max_depth])
-
-
-def tree_to_chain(state: DecodeState, draft: Draft) -> Draft:
-    """The chain of first children from the root (for rounds that need a chain).
-
-    Each first child was drawn from its own ``draft_probs`` row, so the chain is a valid
-    chain draft. Its exit states are dropped (verification runs every layer) and the
-    shallow-layer KV the drafter wrote is rolled back.
-    """
-    assert draft.parents is not None
-    children = tree_children(draft.parents)
-    path: list[int] = []
-    while children[(path[-1] if path else -1) + 1]:
-        path.append(children[(path[-1] if path else -1) + 1][0])
-    if draft.exit_states is not None:
-        state.cache.crop_to(state.position, range(draft.exit_layer))
-    return Draft(
-        tokens=[draft.tokens[i] for i in path],
-        draft_probs=None if draft.draft_probs is None else draft.draft_probs[path],
-    )

@@ -1,0 +1,254 @@
+"""The drafting contract: what a drafter is given, what it returns, and how it joins a batch.
+
+A drafter proposes; it never decides (``../DESIGN.md``). Each round the loop
+(:mod:`selfspec.loop`) calls :meth:`Drafter.propose` with the generation's
+:class:`DecodeState` and a token budget, verifies the returned :class:`Draft` in one target
+forward (:mod:`selfspec.verify`), keeps an accepted prefix (:mod:`selfspec.acceptance`) and
+tells the drafter how it went (:meth:`Drafter.observe`): the two-method contract of
+transformers' candidate generators.
+
+What a :class:`Draft` must hold:
+
+* ``tokens``: the proposed token ids (at most ``max_tokens`` of them for a chain; for a tree,
+  at most ``max_tokens`` levels). An empty draft makes the round a plain decoding step.
+* ``draft_probs``: when the tokens were *sampled*, the ``[k, vocab]`` distributions they were
+  drawn from, processed like the target's (:func:`selfspec.sampling.logits_to_probs`); leave
+  it ``None`` for deterministic picks (greedy drafts, copies): the verifier then treats them
+  as one-hot, which is exact.
+* ``parents`` (optional): a token tree, see :mod:`selfspec.tree`. A drafter that drafts trees
+  sets a ``tree_nodes`` attribute (the most nodes it proposes), so the cache has room.
+* ``exit_states`` / ``exit_layer`` (optional): the target's own hidden states after its first
+  ``exit_layer`` layers, when the drafter computed them (early exit). The verifier then runs
+  only the remaining layers on them. A drafter that does not run the target leaves them unset.
+
+How a drafter reads the target's hidden features: set ``needs_hidden = True`` and the verifier
+keeps ``state.last_hidden``, the last decoder layer's output (before the final norm) at the
+position that chose ``state.last_token`` (Medusa heads read it). Per-generation memory (an
+n-gram index, a draft model's cache) lives in ``state.memory(self, factory)``, never in the
+drafter object, which is shared by every generation of an engine.
+
+Batching: a drafter whose rounds may run in a batch sets ``can_batch = True``. The scheduler
+(:mod:`selfspec.batching`) then calls :meth:`Drafter.propose_batch` with every active row;
+the default runs :meth:`Drafter.propose` row by row, which is right for drafters that only
+read the token history (their drafts are verified together in one forward). A drafter that
+runs the model (the early exit) overrides it to draft every row in the same forwards. A
+drafter with ``can_batch = False`` still works on a batching engine: its generations run
+alone, each a batch of one.
+
+Writing one: subclass :class:`Drafter`, implement ``propose``, and register a factory with
+:func:`selfspec.register_drafter` (``docs/custom_drafter.md``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+from ..constraints import TokenConstraint, apply_mask
+from ..sampling import SamplingParams, logits_to_probs, sample
+
+if TYPE_CHECKING:
+    from ..modeling.cache import BatchedKVCache, StaticKVCache
+    from ..modeling.runner import ModelRunner
+
+T = TypeVar("T")
+
+
+@dataclass
+class DecodeState:
+    """The state of one generation between rounds (one row of a batch).
+
+    The cache holds positions ``< position`` in every layer; ``last_token`` is the last
+    emitted token, not yet in the cache.
+
+    Attributes:
+        runner: the target's :class:`~selfspec.modeling.ModelRunner` (also ``state.adapter``).
+        cache: the generation's KV cache; in a batched round, the batch's cache (this row is
+            ``row`` of it).
+        position: positions the cache holds for this generation.
+        last_token: the last emitted token.
+        token_ids: prompt + emitted tokens, ``last_token`` included.
+        params: the sampling parameters (the draft must be processed the same way).
+        generator: the generation's random source.
+        constraint: a grammar constraint, or ``None``.
+        eos_token_ids: end-of-sequence tokens (drafting past one is wasted work).
+        last_hidden: ``[1, 1, hidden]`` last decoder layer's output (before the final norm) at
+            ``position - 1``, the state that chose ``last_token``; kept only for drafters with
+            ``needs_hidden``.
+        row: this generation's row in a batched cache (``0`` alone).
+    """
+
+    runner: ModelRunner
+    cache: StaticKVCache | BatchedKVCache
+    position: int
+    last_token: int
+    token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    constraint: TokenConstraint | None = None
+    eos_token_ids: frozenset[int] = frozenset()
+    last_hidden: torch.Tensor | None = None
+    row: int = 0
+    _memory: dict[int, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def adapter(self) -> ModelRunner:
+        """The model runner (the name before ``runner``)."""
+        return self.runner
+
+    def memory(self, owner: object, factory: Callable[[], T]) -> T:
+        """This generation's memory for ``owner`` (a drafter), created by ``factory`` on first use.
+
+        A drafter object is shared by every generation of its engine; what it learns about
+        one generation (an n-gram index, a draft model's KV cache) lives here.
+        """
+        key = id(owner)
+        if key not in self._memory:
+            self._memory[key] = factory()
+        value: T = self._memory[key]
+        return value
+
+
+@dataclass
+class Draft:
+    """A drafter's proposal.
+
+    Attributes:
+        tokens: ``[k]`` proposed token ids.
+        draft_probs: ``[k, vocab]`` distributions the tokens were sampled from, or ``None``
+            when greedy or deterministic (then verification is by exact match, or one-hot).
+        exit_states: ``[1, k, hidden]`` exit-layer states of positions ``P .. P + k - 1``
+            (``last_token`` and the first ``k - 1`` drafts), when the drafter ran the
+            target's own first ``exit_layer`` layers; the verifier continues from them (and
+            runs the last draft token through those layers itself). A batched drafter may
+            hand over all ``k + 1`` states (the last draft's included).
+        exit_layer: the layer those states come from.
+        parents: ``None`` for a chain; for a token tree (:mod:`selfspec.tree`), the index in
+            ``tokens`` of each node's parent, or ``-1`` when its parent is the root
+            (``last_token``). Nodes are in topological order; node ``i`` sits at position
+            ``P + depth(i)``. A tree's ``exit_states`` are ``[1, 1 + m, hidden]``: the root
+            and the first ``m`` nodes, whose shallow-layer KV follows the root's in the cache.
+        failure: set by a batched drafter when drafting this row failed; the loop raises it
+            in this row's caller only.
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None
+    exit_states: torch.Tensor | None = None
+    exit_layer: int = 0
+    parents: list[int] | None = None
+    failure: BaseException | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+class Drafter(ABC):
+    """Proposes draft tokens for one round (see the module docstring for the contract)."""
+
+    name: str = "drafter"
+    #: whether the verifier must keep ``DecodeState.last_hidden`` for this drafter
+    needs_hidden: bool = False
+    #: whether this drafter's generations may share batched rounds (see :meth:`propose_batch`)
+    can_batch: bool = False
+
+    @abstractmethod
+    def propose(self, state: DecodeState, max_tokens: int) -> Draft:
+        """Propose at most ``max_tokens`` tokens to follow ``state.last_token``."""
+
+    def propose_batch(self, states: list[DecodeState], budgets: list[int]) -> list[Draft]:
+        """Drafts for every row of a batched round (row by row unless overridden).
+
+        Args:
+            states: the rows, in cache-row order (``states[i].row == i``).
+            budgets: each row's most draft tokens (``0``: no draft).
+
+        Returns:
+            One chain :class:`Draft` per row. Either every draft carries ``k + 1`` exit states
+            of the same exit layer, or the verifier runs every layer on the tokens.
+        """
+        return [self.propose(s, budget) if budget > 0 else Draft() for s, budget in zip(states, budgets, strict=True)]
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:  # noqa: B027
+        """Learn from how many of the proposed tokens the target accepted."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class NoDrafter(Drafter):
+    """Proposes nothing: the loop becomes plain autoregressive decoding (the baseline)."""
+
+    name = "none"
+    can_batch = True
+
+    def propose(self, state: DecodeState, max_tokens: int) -> Draft:
+        """Return an empty draft."""
+        return Draft()
+
+
+def choose_token(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    constraint: TokenConstraint | None = None,
+) -> tuple[int, torch.Tensor | None]:
+    """Pick one token from ``[vocab]`` logits: argmax when greedy, else sample.
+
+    Returns:
+        The token and, when sampling, the processed distribution it was drawn from.
+    """
+    if constraint is not None:
+        logits = apply_mask(logits, constraint.allowed_tokens())
+    if params.greedy:
+        return int(logits.argmax()), None
+    probs = logits_to_probs(logits, params)
+    return int(sample(probs.unsqueeze(0), generator)[0]), probs
+
+
+def below_confidence(logits: torch.Tensor, probs: torch.Tensor | None, confidence: float) -> bool:
+    """Whether the draft distribution's top probability is below ``confidence`` (one host read)."""
+    top = probs.max() if probs is not None else torch.softmax(logits, dim=-1).max()
+    return float(top) < confidence
+
+
+def draft_autoregressively(
+    state: DecodeState,
+    max_tokens: int,
+    next_logits: Callable[[int, int], torch.Tensor],
+    confidence: float = 0.0,
+) -> Draft:
+    """The loop every model-based drafter shares: one token at a time from ``next_logits``.
+
+    Args:
+        state: the generation's state (sampling parameters, generator, constraint, eos).
+        max_tokens: the most tokens to draft.
+        next_logits: ``(token, j) -> [vocab] logits`` for the token after ``token``, which
+            sits at position ``state.position + j`` (it runs the drafter's model there).
+        confidence: stop early once the draft's top probability falls below this.
+
+    Returns:
+        The tokens and, when sampling, the distributions they were drawn from. Drafting stops
+        after an end-of-sequence token; the constraint is left as it was found.
+    """
+    token, tokens, probs = state.last_token, [], []
+    constraint = state.constraint
+    for j in range(max_tokens):
+        logits = next_logits(token, j)
+        token, token_probs = choose_token(logits, state.params, state.generator, constraint)
+        if constraint is not None:
+            constraint.advance(token)
+        tokens.append(token)
+        if token_probs is not None:
+            probs.append(token_probs)
+        if token in state.eos_token_ids:
+            break
+        if confidence > 0 and j + 1 < max_tokens and below_confidence(logits, token_probs, confidence):
+            break
+    if constraint is not None:
+        constraint.rollback(len(tokens))
+    return Draft(tokens=tokens, draft_probs=torch.stack(probs) if probs else None)
