@@ -317,3 +317,321 @@ def test_response_format_json_schema(client: Any) -> None:
         assert isinstance(json.loads(reply.choices[0].message.content)["city"], str)
     else:  # cut by max_tokens: still a prefix of the schema's JSON
         assert reply.choices[0].message.content.lstrip().startswith("{")
+
+
+# ------------------------------------------------------------------------------- hostile and careless input
+# One table for the HTTP front door: every row is a request a careless or hostile client sends,
+# the status it gets (and the field or code named), then a valid request gets the right text.
+GOOD = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+CHAT = {"model": MODEL, "messages": MESSAGES, "max_tokens": 6, "temperature": 0}
+JSON_HEADERS = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+
+
+def _raw(body: str) -> bytes:
+    return body.encode()
+
+
+HTTP_BAD_INPUT = [
+    # (id, path, body: dict | bytes, extra headers, status, param or code)
+    ("temperature<0", "completions", {**GOOD, "temperature": -1}, {}, 400, "temperature"),
+    ("temperature=true", "completions", {**GOOD, "temperature": True}, {}, 400, "temperature"),
+    (
+        "temperature=1e400",
+        "completions",
+        _raw('{"model": "selfspec-demo", "prompt": "Hi", "temperature": 1e400}'),
+        {},
+        400,
+        "temperature",
+    ),
+    (
+        "temperature=NaN",
+        "completions",
+        _raw('{"model": "selfspec-demo", "prompt": "Hi", "temperature": NaN}'),
+        {},
+        400,
+        None,
+    ),
+    ("temperature=1e308", "completions", {**GOOD, "temperature": 1e308}, {}, 200, None),  # finite: allowed
+    ("top_k=true", "completions", {**GOOD, "top_k": True}, {}, 400, "top_k"),
+    ("top_k=1.5", "completions", {**GOOD, "top_k": 1.5}, {}, 400, "top_k"),
+    ("top_k<0", "completions", {**GOOD, "top_k": -1, "temperature": 1}, {}, 400, "top_k"),
+    ("top_p=0", "completions", {**GOOD, "top_p": 0, "temperature": 1}, {}, 400, "top_p"),
+    ("top_p>1", "completions", {**GOOD, "top_p": 1.5, "temperature": 1}, {}, 400, "top_p"),
+    ("stop=5", "completions", {**GOOD, "stop": 5}, {}, 400, "stop"),
+    ("stop=['']", "completions", {**GOOD, "stop": [""]}, {}, 400, "stop"),
+    ("stop=[1]", "completions", {**GOOD, "stop": [1]}, {}, 400, "stop"),
+    ("seed=2**70", "completions", {**GOOD, "seed": 2**70}, {}, 400, "seed"),
+    ("seed<0", "completions", {**GOOD, "seed": -1}, {}, 400, "seed"),
+    ("seed=true", "completions", {**GOOD, "seed": True}, {}, 400, "seed"),
+    ("max_tokens=0", "completions", {**GOOD, "max_tokens": 0}, {}, 400, "max_tokens"),
+    ("max_tokens=true", "completions", {**GOOD, "max_tokens": True}, {}, 400, "max_tokens"),
+    ("max_tokens='5'", "completions", {**GOOD, "max_tokens": "5"}, {}, 400, "max_tokens"),
+    ("max_tokens=2.0", "completions", {**GOOD, "max_tokens": 2.0}, {}, 400, "max_tokens"),
+    ("max_tokens>window", "completions", {**GOOD, "max_tokens": 10_000}, {}, 400, "prompt"),
+    ("stream='yes'", "completions", {**GOOD, "stream": "yes"}, {}, 400, "stream"),
+    ("empty prompt", "completions", {**GOOD, "prompt": ""}, {}, 400, "prompt"),
+    ("lone surrogate prompt", "completions", {**GOOD, "prompt": "a\ud800"}, {}, 400, "prompt"),
+    (
+        "lone surrogate chat",
+        "chat/completions",
+        {**CHAT, "messages": [{"role": "user", "content": "a\udfff"}]},
+        {},
+        400,
+        "messages[0].content",
+    ),
+    ("id out of vocabulary", "completions", {**GOOD, "prompt": [10**6]}, {}, 400, "prompt"),
+    ("float ids", "completions", {**GOOD, "prompt": [1.5, 2.0]}, {}, 400, "prompt"),
+    ("bool ids", "completions", {**GOOD, "prompt": [True]}, {}, 400, "prompt"),
+    ("two prompts", "completions", {**GOOD, "prompt": ["a", "b"]}, {}, 400, "prompt"),
+    ("prompt over the window", "completions", {**GOOD, "prompt": "word " * 3000}, {}, 400, "prompt"),
+    (
+        "1 MB prompt (characters)",
+        "completions",
+        {**GOOD, "prompt": "x" * 1_000_000},
+        {},
+        400,
+        "context_length_exceeded",
+    ),
+    (
+        "1 MB chat message",
+        "chat/completions",
+        {**CHAT, "messages": [{"role": "user", "content": "x" * 10**6}]},
+        {},
+        400,
+        "context_length_exceeded",
+    ),
+    ("no messages field", "chat/completions", {"model": MODEL}, {}, 400, "messages"),
+    ("empty messages", "chat/completions", {**CHAT, "messages": []}, {}, 400, "messages"),
+    ("message not a dict", "chat/completions", {**CHAT, "messages": ["hi"]}, {}, 400, "messages.0"),
+    (
+        "unknown role",
+        "chat/completions",
+        {**CHAT, "messages": [{"role": "wizard", "content": "hi"}]},
+        {},
+        400,
+        "messages[0]",
+    ),
+    (
+        "image content",
+        "chat/completions",
+        {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        {},
+        400,
+        "messages[0]",
+    ),
+    ("unknown model", "completions", {**GOOD, "model": "gpt-nothing"}, {}, 404, "model"),
+    ("n=2", "completions", {**GOOD, "n": 2}, {}, 400, "n"),
+    ("logprobs", "completions", {**GOOD, "logprobs": 3}, {}, 400, "logprobs"),
+    (
+        "bad response_format",
+        "chat/completions",
+        {**CHAT, "response_format": {"type": "xml"}},
+        {},
+        400,
+        "response_format",
+    ),
+    ("tool_choice without tools", "chat/completions", {**CHAT, "tool_choice": "required"}, {}, 400, "tool_choice"),
+    ("not JSON", "completions", b"{not json", {}, 400, None),
+    ("invalid UTF-8", "completions", b'{"model": "selfspec-demo", "prompt": "\xff\xfe"}', {}, 400, None),
+    ("a JSON list", "completions", b"[1, 2, 3]", {}, 400, None),
+    ("100,000-deep JSON", "completions", b"[" * 100_000 + b"]" * 100_000, {}, 400, None),
+    (
+        "70-deep JSON in a field",
+        "chat/completions",
+        _raw(
+            '{"model": "selfspec-demo", "messages": [{"role": "user", "content": "hi", "x": '
+            + "[" * 70
+            + "]" * 70
+            + "}]}"
+        ),
+        {},
+        400,
+        None,
+    ),
+    (
+        "a 10,000-digit int",
+        "completions",
+        _raw('{"model": "selfspec-demo", "prompt": "Hi", "seed": ' + "9" * 10_000 + "}"),
+        {},
+        400,
+        None,
+    ),
+    ("text/plain", "completions", {**GOOD}, {"Content-Type": "text/plain"}, 415, "unsupported_media_type"),
+    (
+        "form content type",
+        "completions",
+        {**GOOD},
+        {"Content-Type": "application/x-www-form-urlencoded"},
+        415,
+        "unsupported_media_type",
+    ),
+    (
+        "foreign Host (DNS rebinding)",
+        "completions",
+        {**GOOD},
+        {"Host": "attacker.example", "Origin": "http://attacker.example"},
+        403,
+        "host_not_allowed",
+    ),
+    ("body over the limit", "completions", {**GOOD, "prompt": "x" * (3 * 2**20)}, {}, 413, "request_too_large"),
+    ("no API key", "completions", {**GOOD}, {"Authorization": ""}, 401, "invalid_api_key"),
+    ("wrong API key", "completions", {**GOOD}, {"Authorization": "Bearer nope"}, 401, "invalid_api_key"),
+]
+
+
+@pytest.fixture(scope="module")
+def good_text(demo_engine: Any) -> str:
+    return str(demo_engine.generate(PROMPT, max_new_tokens=6).text)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "headers", "status", "what"),
+    [pytest.param(*row[1:], id=row[0]) for row in HTTP_BAD_INPUT],
+)
+def test_http_bad_input_table(base_url: str, good_text: str, path, body, headers, status, what) -> None:
+    with httpx.Client(base_url=base_url, headers=JSON_HEADERS, timeout=60) as http:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        started = time.perf_counter()
+        response = http.post(f"/v1/{path}", content=content, headers=headers)
+        elapsed = time.perf_counter() - started
+        assert response.status_code == status, response.text
+        assert response.headers["x-request-id"]
+        if status != 200:
+            error = response.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["message"]
+            if what is not None:
+                assert what in (error["param"], error["code"]), error
+            assert elapsed < 5  # refused at once (the 1 MB prompt is never tokenized)
+        # the server answers the next valid call with the right text
+        reply = http.post("/v1/completions", json=GOOD)
+        assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == good_text
+
+
+def test_http_get_and_unknown_paths(base_url: str) -> None:
+    with httpx.Client(base_url=base_url, headers=JSON_HEADERS, timeout=30) as http:
+        assert http.get("/v1/completions").status_code == 405
+        missing = http.get("/v1/nothing-here")
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+        assert http.get("/health", headers={"Host": "evil.example"}).status_code == 403
+        assert http.get("/health", headers={"Host": "localhost:1234"}).status_code == 200
+        assert http.get("/health", headers={"Host": "[::1]:80"}).status_code == 200
+
+
+def test_metrics_count_refusals_and_no_500(base_url: str) -> None:
+    text = httpx.get(f"{base_url}/metrics").text
+    assert 'status="500"' not in text
+    assert 'endpoint="/v1/completions",status="413"' in text or "413" not in text
+
+
+def test_internal_errors_get_a_request_id_and_no_exception_text(demo_engine: Any, caplog: Any) -> None:
+    """A fault inside the server: a generic 500 naming the request id, one traceback in the log."""
+    from fastapi.testclient import TestClient
+
+    from selfspec.server import create_app
+
+    app = create_app(demo_engine, model_id=MODEL)
+    server = app.state.selfspec
+
+    def broken(body: Any) -> Any:
+        raise RuntimeError("secret internal detail")
+
+    server.prepare_completion = broken
+    with TestClient(app, base_url="http://127.0.0.1") as http, caplog.at_level("ERROR", logger="selfspec.server"):
+        response = http.post("/v1/completions", json=GOOD)
+        assert response.status_code == 500
+        error = response.json()["error"]
+        request_id = response.headers["x-request-id"]
+        assert request_id in error["message"] and "secret" not in response.text
+        assert error["type"] == "server_error" and error["code"] == "internal_error"
+        tracebacks = [r for r in caplog.records if r.exc_info and "secret internal detail" in str(r.exc_info[1])]
+        assert len(tracebacks) == 1 and request_id in tracebacks[0].getMessage()
+        del server.prepare_completion  # the engine and the server are fine
+        assert http.post("/v1/completions", json=GOOD).json()["choices"][0]["text"]
+        assert 'status="500"} 1' in http.get("/metrics").text
+
+
+def test_queue_full_is_429_with_retry_after(demo_engine: Any, good_text: str) -> None:
+    from selfspec.server.limits import ServerLimits
+
+    limits = ServerLimits(max_concurrent=1, max_queue=0, retry_after=3)
+    with serve_in_background(demo_engine, model_id=MODEL, limits=limits) as root:
+        long = {**GOOD, "max_tokens": 1500, "stream": True}
+        with httpx.Client(base_url=root, timeout=60) as http:
+            with http.stream("POST", "/v1/completions", json=long) as stream:
+                assert stream.status_code == 200
+                lines = stream.iter_lines()  # (a dropped iterator would close the connection)
+                next(lines)  # the generation holds the only slot
+                busy = http.post("/v1/completions", json=GOOD)
+                assert busy.status_code == 429 and busy.headers["retry-after"] == "3"
+                assert busy.json()["error"]["code"] == "server_busy"
+                assert http.get("/health").status_code == 200  # only generations are limited
+            deadline = time.monotonic() + 30  # the slot is freed when the stream is closed
+            while (reply := http.post("/v1/completions", json=GOOD)).status_code == 429:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert reply.json()["choices"][0]["text"] == good_text
+
+
+def test_cors_is_off_unless_asked(demo_engine: Any, base_url: str) -> None:
+    from selfspec.server.limits import ServerLimits
+
+    preflight = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST"}
+    off = httpx.options(f"{base_url}/v1/completions", headers=preflight)
+    assert "access-control-allow-origin" not in off.headers
+    limits = ServerLimits(cors_origins=("http://app.example",))
+    with serve_in_background(demo_engine, model_id=MODEL, limits=limits) as root:
+        on = httpx.options(f"{root}/v1/completions", headers=preflight)
+        assert on.status_code == 200 and on.headers["access-control-allow-origin"] == "http://app.example"
+        other = httpx.options(f"{root}/v1/completions", headers={**preflight, "Origin": "http://evil.example"})
+        assert other.headers.get("access-control-allow-origin") != "http://evil.example"
+
+
+def test_slow_and_broken_clients_on_a_real_server(demo_engine: Any, good_text: str) -> None:
+    """Against uvicorn on loopback: incomplete headers, a body that never ends, a client that drops mid-upload."""
+    import socket
+
+    from selfspec.server.limits import ServerLimits
+
+    limits = ServerLimits(header_timeout=1.0, body_timeout=1.0, keep_alive_timeout=1.0)
+    with serve_in_background(demo_engine, model_id=MODEL, limits=limits) as root:
+        port = int(root.rsplit(":", 1)[1])
+        # 1. incomplete headers: the connection is closed after header_timeout
+        slow = socket.create_connection(("127.0.0.1", port))
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        slow.settimeout(10)
+        started = time.monotonic()
+        assert slow.recv(100) == b"" and 0.8 < time.monotonic() - started < 5
+        slow.close()
+        # 2. a body that stops arriving: 408 after body_timeout
+        stalled = socket.create_connection(("127.0.0.1", port))
+        stalled.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 1000\r\n\r\n{"model"'
+        )
+        stalled.settimeout(10)
+        assert stalled.recv(100).startswith(b"HTTP/1.1 408")
+        stalled.close()
+        # 3. a client that drops mid-upload: no 500, counted under its own label
+        dropped = socket.create_connection(("127.0.0.1", port))
+        dropped.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 1000\r\n\r\n{"model"'
+        )
+        time.sleep(0.2)
+        dropped.close()
+        # 4. a declared 5 GB body is refused before a byte of it is read
+        huge = socket.create_connection(("127.0.0.1", port))
+        huge.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 5000000000\r\n\r\n"
+        )
+        huge.settimeout(10)
+        assert huge.recv(100).startswith(b"HTTP/1.1 413")
+        huge.close()
+        deadline = time.monotonic() + 10
+        while 'status="499"} 1' not in (metrics := httpx.get(f"{root}/metrics").text):
+            assert time.monotonic() < deadline, metrics
+            time.sleep(0.05)
+        assert 'status="500"' not in metrics
+        reply = httpx.post(f"{root}/v1/completions", json=GOOD, timeout=60)
+        assert reply.json()["choices"][0]["text"] == good_text
