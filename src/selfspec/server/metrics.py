@@ -2,19 +2,26 @@
 
 Counters sum each finished generation's stats (``selfspec_<field>_total``); the ratio fields
 (``mean_accepted_length``, ``acceptance_rate``, ``tokens_per_second``) are gauges computed
-over every generation so far, the way one would compute them for one long generation. Written
-by hand in the text exposition format (version 0.0.4): no client library is needed.
+over every generation so far, the way one would compute them for one long generation. The
+exposition is written by ``prometheus_client`` (the standard client library), from one custom
+collector per server that reads these counters under their lock.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, exposition, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from ..outputs import GenerationOutput
 
-#: The ``Content-Type`` of the exposition format.
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+#: The ``Content-Type`` of the exposition format ``generate_latest`` writes (text format 0.0.4).
+CONTENT_TYPE: str = getattr(exposition, "CONTENT_TYPE_PLAIN_0_0_4", "text/plain; version=0.0.4; charset=utf-8")
 
 
 class Metrics:
@@ -76,77 +83,78 @@ class Metrics:
             self.generations["error"] += 1
 
     def render(self) -> str:
-        """The metrics in Prometheus' text exposition format."""
+        """The metrics in Prometheus' text exposition format (written by ``prometheus_client``)."""
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Collector(self))
+        return generate_latest(registry).decode("utf-8")
+
+    def families(self) -> Iterator[Any]:
+        """The metric families, read under the lock (one consistent snapshot)."""
         with self._lock:
             steps = self.verify_steps
-            lines: list[str] = []
 
-            def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
-                lines.append(f"# HELP selfspec_{name} {help_text}")
-                lines.append(f"# TYPE selfspec_{name} {kind}")
-                lines.extend(f"selfspec_{name}{labels} {_number(value)}" for labels, value in samples)
+            def counter(name: str, help_text: str, value: float) -> CounterMetricFamily:
+                return CounterMetricFamily(f"selfspec_{name}", help_text, value=value)
 
-            metric(
-                "requests_total",
-                "counter",
-                "HTTP requests answered, by endpoint and status code.",
-                [(f'{{endpoint="{e}",status="{s}"}}', n) for (e, s), n in sorted(self.requests.items())],
+            requests = CounterMetricFamily(
+                "selfspec_requests", "HTTP requests answered, by endpoint and status code.",
+                labels=["endpoint", "status"],
             )
-            metric(
-                "requests_running",
-                "gauge",
-                "Generations in progress (running or waiting for the engine).",
-                [("", self.running)],
-            )
-            metric(
-                "generations_total",
-                "counter",
+            for (endpoint, status), count in sorted(self.requests.items()):
+                requests.add_metric([endpoint, str(status)], count)
+            generations = CounterMetricFamily(
+                "selfspec_generations",
                 "Generations finished, by finish reason (cancelled: the client went away).",
-                [(f'{{finish_reason="{r}"}}', n) for r, n in sorted(self.generations.items())],
+                labels=["finish_reason"],
             )
-            metric("prompt_tokens_total", "counter", "Prompt tokens processed.", [("", self.prompt_tokens)])
-            metric("completion_tokens_total", "counter", "New tokens generated.", [("", self.completion_tokens)])
-            metric(
-                "target_forwards_total",
-                "counter",
-                "Forward passes of the full target model (prefills included).",
-                [("", self.target_forwards)],
-            )
-            metric("num_drafted_total", "counter", "Draft tokens proposed.", [("", self.num_drafted)])
-            metric("num_accepted_total", "counter", "Draft tokens the target accepted.", [("", self.num_accepted)])
-            metric(
-                "accepted_length_histogram_total",
-                "counter",
+            for reason, count in sorted(self.generations.items()):
+                generations.add_metric([str(reason)], count)
+            histogram = CounterMetricFamily(
+                "selfspec_accepted_length_histogram",
                 "Verify steps that accepted this many draft tokens.",
-                [(f'{{accepted="{i}"}}', n) for i, n in enumerate(self.accepted_length_histogram)],
+                labels=["accepted"],
             )
-            metric("draft_seconds_total", "counter", "Wall time spent drafting.", [("", self.draft_seconds)])
-            metric(
-                "verify_seconds_total",
-                "counter",
-                "Wall time spent in target forwards (prefills included).",
-                [("", self.verify_seconds)],
-            )
-            metric(
-                "mean_accepted_length",
-                "gauge",
-                "Tokens emitted per verify step after the prefill, over all generations (tau).",
-                [("", self.decoded_tokens / steps if steps > 0 else 0.0)],
-            )
-            metric(
-                "acceptance_rate",
-                "gauge",
-                "num_accepted / num_drafted over all generations.",
-                [("", self.num_accepted / self.num_drafted if self.num_drafted else 0.0)],
-            )
-            metric(
-                "tokens_per_second",
-                "gauge",
-                "New tokens per second of generation time, over all generations.",
-                [("", self.completion_tokens / self.generation_seconds if self.generation_seconds else 0.0)],
-            )
-        return "\n".join(lines) + "\n"
+            for length, count in enumerate(self.accepted_length_histogram):
+                histogram.add_metric([str(length)], count)
+            families = [
+                requests,
+                GaugeMetricFamily(
+                    "selfspec_requests_running", "Generations in progress (running or waiting for the engine).",
+                    value=self.running,
+                ),
+                generations,
+                counter("prompt_tokens", "Prompt tokens processed.", self.prompt_tokens),
+                counter("completion_tokens", "New tokens generated.", self.completion_tokens),
+                counter("target_forwards", "Forward passes of the full target model (prefills included).",
+                        self.target_forwards),
+                counter("num_drafted", "Draft tokens proposed.", self.num_drafted),
+                counter("num_accepted", "Draft tokens the target accepted.", self.num_accepted),
+                histogram,
+                counter("draft_seconds", "Wall time spent drafting.", self.draft_seconds),
+                counter("verify_seconds", "Wall time spent in target forwards (prefills included).",
+                        self.verify_seconds),
+                GaugeMetricFamily(
+                    "selfspec_mean_accepted_length",
+                    "Tokens emitted per verify step after the prefill, over all generations (tau).",
+                    value=self.decoded_tokens / steps if steps > 0 else 0.0,
+                ),
+                GaugeMetricFamily(
+                    "selfspec_acceptance_rate", "num_accepted / num_drafted over all generations.",
+                    value=self.num_accepted / self.num_drafted if self.num_drafted else 0.0,
+                ),
+                GaugeMetricFamily(
+                    "selfspec_tokens_per_second", "New tokens per second of generation time, over all generations.",
+                    value=self.completion_tokens / self.generation_seconds if self.generation_seconds else 0.0,
+                ),
+            ]
+        yield from families
 
 
-def _number(value: float) -> str:
-    return str(value) if isinstance(value, int) else repr(float(value))
+class _Collector(Collector):
+    """Hands ``prometheus_client`` the families of one :class:`Metrics`."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Any]:
+        return self.metrics.families()
