@@ -124,7 +124,7 @@ def _device(value: str) -> str:
 def _max_new_tokens(value: str) -> int:
     from .validation import check_max_new_tokens
 
-    return check_max_new_tokens(_int(value), context_window=0)
+    return check_max_new_tokens(_int(value))
 
 
 def _temperature(value: str) -> float:

@@ -17,6 +17,7 @@ from .drafting.medusa import MedusaHeads
 from .drafting.registry import drafters_using, drafters_with, names_in_words
 from .errors import ConfigurationError
 from .modeling.runner import ModelRunner
+from .validation import check_num_draft_tokens, check_tree_nodes
 
 #: Draft length used when ``num_draft_tokens="auto"`` finds no calibration.
 DEFAULT_NUM_DRAFT_TOKENS = 4
@@ -35,17 +36,12 @@ def check_arguments(exit_layer: Any, num_draft_tokens: Any, drafter: Any, tree_n
     """Reject malformed engine arguments (before any weights are loaded)."""
     if exit_layer != "auto" and (isinstance(exit_layer, bool) or not isinstance(exit_layer, int)):
         raise ConfigurationError(f"exit_layer must be 'auto' or an int, got {exit_layer!r}")
-    if num_draft_tokens != "auto" and (
-        isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1
-    ):
-        raise ConfigurationError(f"num_draft_tokens must be 'auto' or an int >= 1, got {num_draft_tokens!r}")
+    check_num_draft_tokens(num_draft_tokens)  # 'auto' or an int in [1, MAX_DRAFT_TOKENS]
     if not isinstance(drafter, Drafter):
         if not isinstance(drafter, str):
             raise ConfigurationError(f"unknown drafter {drafter!r}; choose one of {', '.join(list_drafters())}")
         drafter_spec(drafter)  # raises on an unknown name
-    if tree_nodes is not None and tree_nodes != "auto":
-        if isinstance(tree_nodes, bool) or not isinstance(tree_nodes, int) or tree_nodes < 1:
-            raise ConfigurationError(f"tree_nodes must be None, 'auto' or an int >= 1, got {tree_nodes!r}")
+    check_tree_nodes(tree_nodes)  # None, 'auto' or an int in [1, MAX_TREE_NODES]
 
 
 def wants_calibration(exit_layer: Any, num_draft_tokens: Any, drafter: Any, tree_nodes: Any) -> bool:

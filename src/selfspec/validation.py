@@ -119,8 +119,11 @@ def check_seed(value: Any) -> int | None:
     return seed
 
 
-def check_max_new_tokens(value: Any, context_window: int | None = None) -> int:
-    """An int ``>= 1`` (and at most ``2**20`` when the model declares no context window)."""
+def check_max_new_tokens(value: Any, context_window: int | None = -1) -> int:
+    """An int ``>= 1``, and at most ``2**20`` when ``context_window`` is ``None`` (the model declares none).
+
+    The default ``-1`` means "the window is not known here": only the type and sign are checked.
+    """
     number = as_integer(value)
     if number is None or number < 1:
         raise SamplingError(f"max_new_tokens must be an int >= 1, got {_kind(value)} {value!r}")
