@@ -1,11 +1,12 @@
 """Fail when any module under ``src/selfspec`` imports, directly or not, a module that imports it back.
 
 Every import statement counts: at module level, inside functions (lazy imports) and under
-``if TYPE_CHECKING:``. The script reads the source with :mod:`ast` (nothing is imported), builds
-the graph of ``selfspec`` modules, and prints each cycle it finds (one per strongly connected
+``if TYPE_CHECKING:``; with ``--module-level`` only the imports that run when a module is
+imported count (top level, outside ``if TYPE_CHECKING:``). The script reads the source with
+:mod:`ast` (nothing is imported), builds the graph of ``selfspec`` modules, and prints each cycle it finds (one per strongly connected
 component). Exit status 0 means no cycle.
 
-Usage: ``python scripts/check_import_cycles.py [src/selfspec]``
+Usage: ``python scripts/check_import_cycles.py [--module-level] [src/selfspec]``
 """
 
 from __future__ import annotations
@@ -25,12 +26,30 @@ def module_name(path: Path, root: Path) -> str:
     return ".".join(parts)
 
 
-def imported_modules(path: Path, name: str, modules: set[str]) -> set[str]:
+def _statements(tree: ast.Module, module_level: bool) -> list[ast.stmt]:
+    """Every import statement, or (``module_level``) those that run on import."""
+    if not module_level:
+        return [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
+    found: list[ast.stmt] = []
+    pending: list[ast.stmt] = list(tree.body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            pending += node.orelse
+        elif isinstance(node, (ast.If, ast.Try, ast.With)):
+            pending += [*node.body, *getattr(node, "orelse", []), *getattr(node, "finalbody", [])]
+            pending += [stmt for handler in getattr(node, "handlers", []) for stmt in handler.body]
+    return found
+
+
+def imported_modules(path: Path, name: str, modules: set[str], module_level: bool = False) -> set[str]:
     """The ``selfspec`` modules one file imports (``from .x import y`` counts ``.x`` and ``.x.y`` if a module)."""
     is_package = path.name == "__init__.py"
     package = name if is_package else name.rpartition(".")[0]
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+    for node in _statements(ast.parse(path.read_text(encoding="utf-8"), str(path)), module_level):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -51,11 +70,11 @@ def imported_modules(path: Path, name: str, modules: set[str]) -> set[str]:
     return found
 
 
-def import_graph(root: Path) -> dict[str, set[str]]:
+def import_graph(root: Path, module_level: bool = False) -> dict[str, set[str]]:
     """Module -> the ``selfspec`` modules it imports."""
     files = {module_name(path, root): path for path in sorted(root.rglob("*.py"))}
     modules = set(files)
-    return {name: imported_modules(path, name, modules) for name, path in files.items()}
+    return {name: imported_modules(path, name, modules, module_level) for name, path in files.items()}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -96,12 +115,15 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def main(argv: list[str]) -> int:
     """Print every import cycle under the package folder; return 1 if there is one."""
-    root = Path(argv[1] if len(argv) > 1 else Path(__file__).resolve().parents[1] / "src" / PACKAGE)
-    found = cycles(import_graph(root))
+    module_level = "--module-level" in argv
+    paths = [arg for arg in argv[1:] if not arg.startswith("--")]
+    root = Path(paths[0]) if paths else Path(__file__).resolve().parents[1] / "src" / PACKAGE
+    graph = import_graph(root, module_level)
+    found = cycles(graph)
     for component in found:
         sys.stderr.write("import cycle: " + " <-> ".join(component) + "\n")
     if not found:
-        sys.stdout.write(f"no import cycles among the {len(import_graph(root))} modules under {root}\n")
+        sys.stdout.write(f"no import cycles among the {len(graph)} modules under {root}\n")
     return 1 if found else 0
 
 

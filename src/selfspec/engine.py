@@ -1,12 +1,8 @@
-"""The speculative decoding engine: builds the parts and exposes generate / stream.
+"""The speculative decoding engine: builds the parts (``../DESIGN.md``) and exposes generate / stream.
 
-The parts (``../DESIGN.md``): a :class:`~selfspec.modeling.ModelRunner` runs the target's
-layers, a drafter from the registry (:mod:`selfspec.drafting`) proposes, the loop
-(:mod:`selfspec.loop`) runs each round's numbered steps (draft, score, accept, commit) with
-the verifier (:mod:`selfspec.verify`) and the acceptance maths (:mod:`selfspec.acceptance`),
-and with ``batching=True`` a scheduler (:mod:`selfspec.batching`) runs rounds for many calls
-at once. Settings are validated and resolved in :mod:`selfspec.config`; a call's state and
-stream live in :mod:`selfspec.generation`.
+Parts: the model runner (:mod:`selfspec.modeling`), a registered drafter (:mod:`selfspec.drafting`),
+the loop's numbered steps (:mod:`selfspec.loop`), the batching scheduler (:mod:`selfspec.batching`),
+validated settings (:mod:`selfspec.config`) and a call's state and stream (:mod:`selfspec.generation`).
 """
 
 from __future__ import annotations
@@ -34,10 +30,8 @@ from .modeling.runner import ModelRunner
 from .outputs import FinishReason, GenerationOutput
 
 #: The :class:`EngineConfig` fields an engine exposes as its own attributes.
-_SETTINGS = frozenset(
-    ("exit_layer", "num_draft_tokens", "adaptive", "draft_confidence", "tree_nodes", "calibration", "exit_adapter")
-)
-_SETTINGS = _SETTINGS | {"batching", "draft_model", "medusa_heads"}
+_SETTINGS = frozenset("exit_layer num_draft_tokens adaptive draft_confidence tree_nodes calibration".split())
+_SETTINGS |= frozenset("exit_adapter batching draft_model medusa_heads".split())
 
 
 class SpeculativeEngine:
@@ -219,20 +213,20 @@ class SpeculativeEngine:
             num_draft_tokens: see :class:`SpeculativeEngine`.
             drafter: see :class:`SpeculativeEngine`.
             draft_confidence: see :class:`SpeculativeEngine`.
+            exit_adapter: see :class:`SpeculativeEngine`.
+            tree_nodes: see :class:`SpeculativeEngine`.
+            batching: see :class:`SpeculativeEngine`.
             trust_remote_code: allow checkpoints that ship their own Python code.
             allow_pickle: allow ``.bin`` (pickle) weights when no safetensors exist.
             gguf_file: the name of a ``.gguf`` file inside the folder ``name_or_path`` (a
                 ``.gguf`` path works without it); needs ``pip install 'selfspec[gguf]'``.
             draft_model: with ``drafter="draft_model"``: a loaded model, or a name or folder
                 loaded like the target (same quantization, dtype and device).
-            exit_adapter: see :class:`SpeculativeEngine`.
-            tree_nodes: see :class:`SpeculativeEngine`.
             calibrate: when ``exit_layer`` or ``num_draft_tokens`` is ``"auto"`` and the
                 model has no saved calibration, measure one now (a few seconds, with a
                 progress bar) and save it beside the model or in the user cache.
             medusa_heads: with ``drafter="medusa"``: see :class:`SpeculativeEngine` (a
                 ``medusa_lm_head.pt`` pickle loads only with ``allow_pickle=True``).
-            batching: see :class:`SpeculativeEngine`.
 
         Raises:
             ModelNotFoundError: no such folder or hub model (an ``OSError``).
@@ -403,5 +397,5 @@ def _options(
     seed: int | None, constraint: TokenConstraint | None, truncate_prompt: bool,
 ) -> dict[str, Any]:  # fmt: skip
     """A call's keyword options, passed on from a text entry point to its token-id twin."""
-    return {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
-            "stop": stop, "seed": seed, "constraint": constraint, "truncate_prompt": truncate_prompt}  # fmt: skip
+    return dict(zip(GenerationRequest.OPTIONS, (max_new_tokens, temperature, top_k, top_p, stop, seed, constraint,
+                                                truncate_prompt), strict=True))  # fmt: skip

@@ -27,17 +27,18 @@ import queue
 import threading
 from collections.abc import Generator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
+from ..adaptive import DraftController
+from ..config import EngineConfig
+from ..drafting.base import Drafter
 from ..generation import Generation
 from ..loop import Row, run_round, start_row
 from ..modeling.cache import BatchedKVCache
+from ..modeling.runner import ModelRunner
 from ..outputs import FinishReason
-
-if TYPE_CHECKING:
-    from ..engine import SpeculativeEngine
 
 #: Rows decoded together at most; further requests wait until a row frees up.
 DEFAULT_MAX_BATCH_SIZE = 32
@@ -52,6 +53,17 @@ def rope_depends_on_batch(config: Any) -> bool:
     nested = [v for v in params.values() if isinstance(v, dict)] if isinstance(params, dict) else []
     kinds = {p.get("rope_type", p.get("type")) for p in [params, *nested] if isinstance(p, dict)}
     return bool(kinds & set(BATCH_DEPENDENT_ROPE))
+
+
+class EngineParts(Protocol):
+    """What the scheduler reads of its engine (a :class:`~selfspec.SpeculativeEngine`)."""
+
+    runner: ModelRunner
+    drafter: Drafter
+    controller: DraftController
+    eos_token_ids: frozenset[int]
+    config: EngineConfig
+    _lock: threading.RLock
 
 
 @dataclass
@@ -83,7 +95,7 @@ class BatchScheduler:
         max_batch_size: the most rows decoded together.
     """
 
-    def __init__(self, engine: SpeculativeEngine, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE) -> None:
+    def __init__(self, engine: EngineParts, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE) -> None:
         self.engine = engine
         self.runner = engine.runner
         self.max_batch_size = max_batch_size
@@ -209,7 +221,7 @@ class BatchScheduler:
         # a round lasts as long as its longest draft, and padding costs compute in a batch:
         # greedy rows (whose text never depends on the draft length) draft at most the
         # calibrated length; sampled rows keep their solo lengths, so that a seed gives the solo text
-        cap = engine.num_draft_tokens if len(rows) > 1 else None
+        cap = engine.config.num_draft_tokens if len(rows) > 1 else None
         with engine._lock, torch.inference_mode():
             results = run_round(engine.drafter, rows, cap)
         self.rounds_run += 1
