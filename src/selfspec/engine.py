@@ -17,6 +17,7 @@ import torch
 from .adaptive import DraftController
 from .batching import BatchScheduler
 from .calibration import load_calibration
+from .calibration.plan import UNCALIBRATED_PLAN, Plan, plan_of
 from .config import EngineConfig, check_arguments, eos_token_ids, wants_calibration
 from .constraints import TokenConstraint
 from .drafting import Drafter, drafter_spec
@@ -162,6 +163,13 @@ class SpeculativeEngine:
         return drafter
 
     @property
+    def plan(self) -> Plan | None:
+        """What ``drafter="auto"`` runs and why (:class:`~selfspec.calibration.Plan`), else ``None``."""
+        if self.config.drafter_name != "auto":
+            return None
+        return plan_of(self.config.calibration) or UNCALIBRATED_PLAN
+
+    @property
     def adapter(self) -> ModelRunner:
         """The model runner (its name before ``runner``)."""
         return self.runner
@@ -275,7 +283,7 @@ class SpeculativeEngine:
     def __repr__(self) -> str:
         return (
             f"SpeculativeEngine(model={self.name_or_path or type(self.model).__name__!r}, "
-            f"drafter={self.drafter!r}, "
+            f"drafter={self.drafter!r}, {f'plan={self.plan.summary()!r}, ' if self.plan else ''}"
             f"exit_layer={self.exit_layer}, "
             f"num_draft_tokens={self.num_draft_tokens}{' (adaptive)' if self.adaptive else ''}, "
             f"{f'tree_nodes={self.tree_nodes}, ' if self.tree_nodes else ''}"
