@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import time
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -51,6 +53,27 @@ def expected(model):
         ({"stop": [""], "max_new_tokens": 4}, SamplingError, "must not be empty"),
         ({"seed": "abc", "max_new_tokens": 4}, SamplingError, "seed"),
         ({"max_new_tokens": 400}, InvalidPromptError, "exceeds the context window of 256"),
+        # issue 18: bool is not a number, numbers are finite, ints are integral, seeds fit 64 bits
+        ({"max_new_tokens": True}, SamplingError, "max_new_tokens must be an int >= 1, got bool"),
+        ({"temperature": True}, SamplingError, "temperature must be >= 0 and finite"),
+        ({"temperature": float("inf")}, SamplingError, "temperature must be >= 0 and finite"),
+        ({"temperature": "0.5"}, SamplingError, "temperature"),
+        ({"top_k": True, "temperature": 1.0}, SamplingError, "top_k must be an integer >= 0 .*got bool"),
+        ({"top_k": 2.0, "temperature": 1.0}, SamplingError, "top_k must be an integer"),
+        ({"top_p": True, "temperature": 1.0}, SamplingError, "top_p"),
+        ({"top_p": float("nan"), "temperature": 1.0}, SamplingError, "top_p"),
+        ({"stop": 5}, SamplingError, "stop must be a str or a list of non-empty str, got int"),
+        ({"stop": [1]}, SamplingError, "stop strings must be str"),
+        ({"stop": b"x"}, SamplingError, "stop must be a str"),
+        ({"stop": "a\ud800"}, SamplingError, "lone surrogate"),
+        (
+            {"seed": 2**70, "temperature": 1.0, "max_new_tokens": 4},
+            SamplingError,
+            r"seed must be None or an int in \[0, 2\*\*64 - 1\]",
+        ),
+        ({"seed": -1, "temperature": 1.0, "max_new_tokens": 4}, SamplingError, "seed"),
+        ({"seed": True, "temperature": 1.0, "max_new_tokens": 4}, SamplingError, "seed"),
+        ({"seed": 1.0, "temperature": 1.0, "max_new_tokens": 4}, SamplingError, "seed"),
     ],
 )
 def test_bad_generation_arguments(engine, expected, kwargs, error, match) -> None:
@@ -59,6 +82,114 @@ def test_bad_generation_arguments(engine, expected, kwargs, error, match) -> Non
     assert issubclass(error, ValueError)
     # the engine answers the next call correctly
     assert engine.generate_ids(PROMPT, max_new_tokens=12).token_ids == expected
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_new_tokens": np.int64(12)},
+        {"max_new_tokens": torch.tensor(12)},
+        {"max_new_tokens": 12, "seed": 2**64 - 1},
+        {"max_new_tokens": 12, "seed": np.uint64(7)},
+        {"max_new_tokens": 12, "temperature": np.float32(0.0), "top_k": np.int32(3)},
+        {"max_new_tokens": 12, "temperature": 0, "top_p": np.float64(0.5)},
+    ],
+    ids=str,
+)
+def test_numpy_and_torch_numbers_are_numbers(engine, expected, kwargs) -> None:
+    assert engine.generate_ids(PROMPT, **kwargs).token_ids == expected
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        np.array(PROMPT),
+        np.array([PROMPT], dtype=np.int32),
+        torch.tensor(PROMPT, dtype=torch.int32),
+        [np.int64(t) for t in PROMPT],
+        [torch.tensor(t) for t in PROMPT],
+        tuple(PROMPT),
+    ],
+    ids=["numpy-1d", "numpy-[1,n]-int32", "torch-int32", "numpy-ints", "0-d-tensors", "tuple"],
+)
+def test_numpy_and_torch_integer_ids_are_accepted(engine, expected, prompt) -> None:
+    assert engine.generate_ids(prompt, max_new_tokens=12).token_ids == expected
+
+
+@pytest.mark.parametrize(
+    ("prompt", "match"),
+    [
+        ([5.0, 6.0, 7.0], "token ids must be ints, got float 5.0 at position 0"),
+        ([5, 6, True], "token ids must be ints, got bool"),
+        (torch.tensor([5.0, 6.0]), "prompt_ids must hold integers, got dtype torch.float32"),
+        (np.array([5.5, 6.0]), "prompt_ids must hold integers, got dtype float64"),
+        (torch.tensor([True, False]), "prompt_ids must hold integers"),
+        ("hello", "prompt_ids must be token ids"),
+        (b"hello", "prompt_ids must be token ids"),
+        ([5, "6"], "token ids must be ints, got str"),
+        (torch.zeros(2, 3, dtype=torch.long), "1-D"),
+        (12, "prompt_ids must be a list of ints"),
+    ],
+    ids=str,
+)
+def test_bad_prompt_ids(engine, expected, prompt, match) -> None:
+    with pytest.raises(InvalidPromptError, match=match):
+        engine.generate_ids(prompt, max_new_tokens=12)
+    assert engine.generate_ids(PROMPT, max_new_tokens=12).token_ids == expected
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"tree_nodes": 10**8}, r"tree_nodes must be None, 'auto' or an int >= 1 and <= 1024"),
+        ({"tree_nodes": True}, "tree_nodes"),
+        ({"tree_nodes": 2.0}, "tree_nodes"),
+        ({"num_draft_tokens": 10**6}, "num_draft_tokens must be 'auto' or an int >= 1 and <= 128"),
+        ({"num_draft_tokens": np.int64(0)}, "num_draft_tokens"),
+    ],
+    ids=str,
+)
+def test_size_options_have_upper_bounds(model, expected, kwargs, match) -> None:
+    started = time.perf_counter()
+    with pytest.raises(ConfigurationError, match=match):
+        SpeculativeEngine(model, exit_layer=2, **kwargs)
+    assert time.perf_counter() - started < 5  # refused at construction, nothing allocated
+    assert SpeculativeEngine(model, exit_layer=2, num_draft_tokens=3).generate_ids(
+        PROMPT, max_new_tokens=12
+    ).token_ids == (expected)
+
+
+@pytest.fixture(scope="module")
+def text_engine():
+    from tiny_tokenizer import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    return SpeculativeEngine(make_model("llama", vocab_size=len(tokenizer)), tokenizer)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "match"),
+    [
+        (b"Hello", r"the prompt is bytes; decode to str first"),
+        (bytearray(b"Hello"), "decode to str first"),
+        ([b"Hello"], "chat message 0 is bytes.*decode to str first"),
+        ([{"role": "user", "content": b"Hello"}], "content of chat message 0 is bytes; decode to str first"),
+        ("a\ud800", "lone surrogate"),
+        ([{"role": "user", "content": "a\udfff"}], "content of chat message 0 contains a lone surrogate"),
+        (["Hello"], "each chat message must be a dict"),
+        ([{"content": "no role"}], "role"),
+        ("", "empty"),
+        ([], "non-empty"),
+    ],
+    ids=str,
+)
+def test_bad_text_prompts(text_engine, prompt, match) -> None:
+    expected = text_engine.generate("Hello", max_new_tokens=6).text
+    with pytest.raises(InvalidPromptError, match=match):
+        text_engine.generate(prompt, max_new_tokens=6)
+    with pytest.raises(InvalidPromptError, match=match):
+        text_engine.stream(prompt, max_new_tokens=6)
+    assert text_engine.generate("Hello", max_new_tokens=6).text == expected
 
 
 @pytest.mark.parametrize("prompt", [[], torch.tensor([], dtype=torch.long)])
