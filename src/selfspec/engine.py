@@ -234,7 +234,7 @@ class SpeculativeEngine:
         from .loading import load_model_and_tokenizer
 
         check_arguments(exit_layer, num_draft_tokens, drafter, tree_nodes)
-        loading = {
+        loading: dict[str, Any] = {
             "quantization": quantization,
             "dtype": dtype,
             "device": device,

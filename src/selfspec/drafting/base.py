@@ -52,7 +52,6 @@ from ..constraints import TokenConstraint, apply_mask
 from ..sampling import SamplingParams, logits_to_probs, sample
 
 if TYPE_CHECKING:
-    from ..modeling.cache import BatchedKVCache, StaticKVCache
     from ..modeling.runner import ModelRunner
 
 T = TypeVar("T")
@@ -83,7 +82,7 @@ class DecodeState:
     """
 
     runner: ModelRunner
-    cache: StaticKVCache | BatchedKVCache
+    cache: Any  # a StaticKVCache; in a batched round the batch's BatchedKVCache
     position: int
     last_token: int
     token_ids: list[int]

@@ -109,7 +109,7 @@ class EarlyExitDrafter(Drafter):
         only layers ``[E, L)``, for every row in one forward.
         """
         runner = states[0].runner
-        cache: BatchedKVCache = states[0].cache  # type: ignore[assignment]
+        cache: BatchedKVCache = states[0].cache
         device = runner.device
         drafts = [Draft(tokens=list(k) if k is not None else []) for k in known]
         probs: list[list[torch.Tensor]] = [[] for _ in states]

@@ -33,7 +33,7 @@ def fit_tree(state: DecodeState, draft: Draft, max_depth: int) -> Draft:
     assert draft.parents is not None
     check_tree(draft.tokens, draft.parents)
     draft = truncate_tree(state, draft, max_depth)
-    room = state.cache.max_length - state.position - 1  # type: ignore[union-attr]
+    room = state.cache.max_length - state.position - 1
     if len(draft) > room:  # a topological prefix is a tree: keep what the cache holds
         draft = select_nodes(state, draft, list(range(room)))
     if state.constraint is not None:
