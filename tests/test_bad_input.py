@@ -395,3 +395,36 @@ def test_out_of_memory_is_reported_and_the_engine_stays_usable(tmp_path) -> None
     assert "REPORTED: out of memory after 0 new tokens" in result.stdout
     assert "max_new_tokens 4194288" in result.stdout and "quantization" in result.stdout
     assert "USABLE" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("config_text", "error", "match"),
+    [
+        ('{"model_type": "llama", ', ConfigurationError, r"config.json is not valid JSON"),
+        ("[1, 2]", ConfigurationError, "must hold a JSON object"),
+        (
+            '{"model_type": "wizardlm9000", "hidden_size": 8}',
+            UnsupportedArchitectureError,
+            "'wizardlm9000' is not supported.*llama",
+        ),
+        ('{"hidden_size": 8}', UnsupportedArchitectureError, "model_type None is not supported"),
+    ],
+    ids=["malformed", "not-an-object", "unknown-model_type", "no-model_type"],
+)
+def test_honest_config_errors(tmp_path, model, expected, config_text, error, match) -> None:
+    (tmp_path / "config.json").write_text(config_text)
+    with pytest.raises(error, match=match) as raised:
+        SpeculativeEngine.from_pretrained(tmp_path)
+    assert "not a local folder" not in str(raised.value)
+    assert SpeculativeEngine(model, exit_layer=2, num_draft_tokens=3).generate_ids(
+        PROMPT, max_new_tokens=12
+    ).token_ids == (expected)
+
+
+def test_pt_only_checkpoint_is_named_as_such(tmp_path) -> None:
+    model = make_model("llama", dtype=torch.float32)
+    model.config.save_pretrained(tmp_path)
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    with pytest.raises(UnsafeCheckpointError, match=r"only pickle weights \(model.pt\)") as raised:
+        SpeculativeEngine.from_pretrained(tmp_path)
+    assert "*.bin" not in str(raised.value)

@@ -246,6 +246,7 @@ def load_config(path_or_id: str, *, trust_remote_code: bool, gguf_file: str | No
     if gguf_file is not None:
         require_gguf()
         extra["gguf_file"] = gguf_file
+    local_config = _read_local_config(path_or_id) if gguf_file is None else None  # issue 18: honest errors
     try:
         config = AutoConfig.from_pretrained(path_or_id, trust_remote_code=trust_remote_code, **extra)
     except OSError as exc:
@@ -268,8 +269,31 @@ def load_config(path_or_id: str, *, trust_remote_code: bool, gguf_file: str | No
                 f"model {path_or_id!r} needs its own Python code from the hub; selfspec refuses "
                 "to run remote code unless you pass trust_remote_code=True"
             ) from exc
+        if local_config is not None:  # an unknown or missing model_type: not an architecture we run
+            supported = ", ".join(f"{k} ({v})" for k, v in SUPPORTED_ARCHITECTURES.items())
+            model_type = local_config.get("model_type")
+            raise UnsupportedArchitectureError(
+                f"{path_or_id}: model_type {model_type!r} is not supported by selfspec (transformers: "
+                f"{str(exc).splitlines()[0]}); supported architectures: {supported}"
+            ) from exc
         raise
     return config
+
+
+def _read_local_config(path_or_id: str) -> dict[str, Any] | None:
+    """A local folder's config.json as a dict (``None`` for hub ids); a malformed file is a clear error."""
+    import json
+
+    path = Path(path_or_id) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ConfigurationError(f"{path} is not valid JSON ({exc}); fix or replace the file") from None
+    if not isinstance(data, dict):
+        raise ConfigurationError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
 
 
 def check_weights(path: str, *, allow_pickle: bool) -> bool:
@@ -279,11 +303,13 @@ def check_weights(path: str, *, allow_pickle: bool) -> bool:
         return False
     if any(folder.glob("*.safetensors")):
         return False
-    if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
+    pickles = sorted(p.name for p in [*folder.glob("*.bin"), *folder.glob("*.pt")])
+    if pickles:
         if allow_pickle:
             return True
+        shown = ", ".join(pickles[:3]) + (", ..." if len(pickles) > 3 else "")
         raise UnsafeCheckpointError(
-            f"{path} holds only pickle weights (*.bin); they can run arbitrary code when loaded. "
+            f"{path} holds only pickle weights ({shown}); they can run arbitrary code when loaded. "
             "Convert them to safetensors, or pass allow_pickle=True if you trust the files."
         )
     raise ModelNotFoundError(f"{path} has a config.json but no weights (*.safetensors)")
