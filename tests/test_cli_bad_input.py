@@ -146,3 +146,155 @@ def test_non_utf8_bytes_in_output(capsys, demo_engine) -> None:
             "東京 🙂",
         )
         assert code == 0 and out == expected + "\n"
+
+
+# ------------------------------------------------------------------------------- argument errors (issue 18)
+# Each bad argument is one ``selfspec: error: ...`` line, exit status 2, and no model is loaded.
+ARGUMENT_ERRORS = [
+    pytest.param(
+        ["generate", "--exit-layer", "abc", PROMPT], "argument --exit-layer: exit_layer must be", id="exit-layer=abc"
+    ),
+    pytest.param(
+        ["generate", "--exit-layer", "0", PROMPT], "exit_layer must be 'auto' or an int >= 1", id="exit-layer=0"
+    ),
+    pytest.param(
+        ["generate", "--num-draft-tokens", "many", PROMPT], "num_draft_tokens must be", id="draft-tokens=many"
+    ),
+    pytest.param(["generate", "--num-draft-tokens", "100000", PROMPT], "<= 128", id="draft-tokens=1e5"),
+    pytest.param(
+        ["generate", "--tree-nodes", "100000000", PROMPT], "tree_nodes must be .* <= 1024", id="tree-nodes=1e8"
+    ),
+    pytest.param(
+        ["generate", "--tree-nodes", "lots", PROMPT],
+        "tree_nodes must be an int, 'auto' or 'none'",
+        id="tree-nodes=lots",
+    ),
+    pytest.param(
+        ["generate", "--temperature", "inf", PROMPT], "temperature must be >= 0 and finite", id="temperature=inf"
+    ),
+    pytest.param(
+        ["generate", "--temperature", "nan", PROMPT], "temperature must be >= 0 and finite", id="temperature=nan"
+    ),
+    pytest.param(["generate", "--temperature", "hot", PROMPT], "expected a number, got 'hot'", id="temperature=hot"),
+    pytest.param(["generate", "--top-k", "1.5", PROMPT], "argument --top-k: expected an int", id="top-k=1.5"),
+    pytest.param(["generate", "--top-p", "nan", PROMPT], r"top_p must be in \(0, 1\]", id="top-p=nan"),
+    pytest.param(
+        ["generate", "--seed", str(2**70), PROMPT],
+        r"seed must be None or an int in \[0, 2\*\*64 - 1\]",
+        id="seed=2**70",
+    ),
+    pytest.param(["generate", "--seed", "-1", PROMPT], "seed must be", id="seed=-1"),
+    pytest.param(
+        ["generate", "--max-new-tokens", "lots", PROMPT],
+        "argument --max-new-tokens: expected an int",
+        id="max-new-tokens=lots",
+    ),
+    pytest.param(
+        ["generate", "--drafter", "magic", PROMPT], "argument --drafter: invalid choice: 'magic'", id="drafter=magic"
+    ),
+    pytest.param(
+        ["generate", "--temprature", "0.5", PROMPT], "unrecognized arguments: --temprature", id="misspelt-option"
+    ),
+    pytest.param(["generate"], "the following arguments are required: prompt", id="no-prompt"),
+    pytest.param([], "the following arguments are required: command", id="no-command"),
+    pytest.param(
+        ["serve", "-m", "selfspec-demo", "--port", "99999"],
+        r"a TCP port is in \[1, 65535\], got 99999",
+        id="serve-port=99999",
+    ),
+    pytest.param(["serve", "-m", "selfspec-demo", "--port", "http"], "expected a port number", id="serve-port=http"),
+    pytest.param(
+        ["serve", "-m", "selfspec-demo", "--max-body-size", "2XB"], "expected a size such as", id="serve-body-size=2XB"
+    ),
+    pytest.param(
+        ["serve", "-m", "selfspec-demo", "--max-concurrent", "0"], "must be an int >= 1", id="serve-max-concurrent=0"
+    ),
+    pytest.param(["serve", "-m", "selfspec-demo", "--max-queue", "-1"], "must be an int >= 0", id="serve-max-queue=-1"),
+    pytest.param(
+        ["serve", "-m", "selfspec-demo", "--header-timeout", "0"],
+        "finite number of seconds > 0",
+        id="serve-header-timeout=0",
+    ),
+    pytest.param(
+        ["serve", "-m", "selfspec-demo", "--body-timeout", "inf"],
+        "finite number of seconds > 0",
+        id="serve-body-timeout=inf",
+    ),
+    pytest.param(
+        ["serve", "-m", "selfspec-demo", "--threads", "0"],
+        "argument --threads: must be an int >= 1",
+        id="serve-threads=0",
+    ),
+    pytest.param(["demo", "--threads", "-2"], "must be an int >= 1", id="demo-threads=-2"),
+]
+if not torch.cuda.is_available():
+    ARGUMENT_ERRORS.append(
+        pytest.param(
+            ["generate", "--device", "cuda", PROMPT], "sees no CUDA GPU; use --device cpu or auto", id="device=cuda"
+        )
+    )
+
+
+@pytest.mark.parametrize(("argv", "match"), ARGUMENT_ERRORS)
+def test_argument_errors_are_one_line_before_loading(capsys, monkeypatch, reference, argv, match) -> None:
+    import selfspec.engine
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(selfspec.engine.SpeculativeEngine, "from_pretrained", no_loading)
+        code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err  # one line: no usage block, no traceback
+    assert lines[0].startswith("selfspec: error: ") and re.search(match, lines[0]), err
+    assert_next_call_is_fine(capsys, reference)
+
+
+def test_version(capsys) -> None:
+    from selfspec import __version__
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"selfspec {__version__}"
+
+
+def test_generate_and_chat_default_to_the_demo_model(capsys, monkeypatch, reference) -> None:
+    import io
+
+    code = main(["generate", "--max-new-tokens", "8", PROMPT])  # no --model
+    out, _ = capsys.readouterr()
+    assert code == 0 and out == reference + "\n"
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello\n\n"))
+    assert main(["chat", "--max-new-tokens", "4"]) == 0
+    out, _ = capsys.readouterr()
+    assert "Chatting with selfspec-demo" in out
+
+
+@pytest.mark.parametrize(
+    ("config_text", "match"),
+    [
+        ('{"model_type": "llama", ', "config.json is not valid JSON"),
+        ('{"model_type": "wizardlm9000"}', "'wizardlm9000' is not supported by selfspec.*supported architectures"),
+    ],
+    ids=["malformed-config", "unknown-model_type"],
+)
+def test_honest_config_errors(capsys, tmp_path, reference, config_text, match) -> None:
+    (tmp_path / "config.json").write_text(config_text)
+    code, _, err = run(capsys, "-m", str(tmp_path), PROMPT)
+    assert code == 2 and re.search(match, err) and "not a local folder" not in err
+    assert_next_call_is_fine(capsys, reference)
+
+
+def test_pt_only_checkpoint(capsys, tmp_path, reference) -> None:
+    folder = _demo_files(tmp_path, weights=False)
+    from safetensors.torch import load_file
+
+    torch.save(load_file(demo_model_path() / "model.safetensors"), folder / "model.pt")
+    code, _, err = run(capsys, "-m", str(folder), PROMPT)
+    assert code == 2 and "only pickle weights (model.pt)" in err and "*.bin" not in err
+    # transformers reads pickle weights only as pytorch_model.bin: allowed, a model.pt is still not loadable
+    code, _, err = run(capsys, "-m", str(folder), "--allow-pickle", PROMPT)
+    assert code == 2 and "no file named" in err
+    assert_next_call_is_fine(capsys, reference)
