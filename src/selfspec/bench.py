@@ -24,6 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .bench_prompts import CATEGORY_ALIASES, PROMPT_SETS, STOCK_PROMPT_SETS
+from .drafting import list_drafters
 from .drafting.medusa import find_medusa_heads
 from .engine import SpeculativeEngine
 from .errors import ConfigurationError
@@ -304,6 +305,22 @@ def build_methods(
         ]
     methods += medusa_methods
     methods += _tree_methods(model, tokenizer, exit_layer, num_draft_tokens, tree_nodes, temperatures, fixed)
+    methods += _registered_methods(model, tokenizer, num_draft_tokens)
+    return methods
+
+
+def _registered_methods(model: Any, tokenizer: Any, num_draft_tokens: int) -> list[Method]:
+    """A greedy ``selfspec_<name>`` row for every registered drafter without a family above (a user's, a new one)."""
+    methods = []
+    for name in list_drafters():
+        if name in METHOD_FAMILIES or name == "none":
+            continue
+        try:
+            engine = SpeculativeEngine(model, tokenizer, drafter=name, num_draft_tokens=num_draft_tokens)
+        except ConfigurationError:
+            continue  # it needs arguments the benchmark does not have (a model or heads of its own)
+        about = f"registered drafter {name!r}, {num_draft_tokens} drafts"
+        methods.append(_selfspec_method(f"selfspec_{name}", engine, "hf_greedy", about))
     return methods
 
 
@@ -356,7 +373,9 @@ def family_of(name: str) -> str:
         ("selfspec_E*_k*_t*", "tree"),
         ("selfspec_E*_k*", "early_exit"),
     ]
-    return next((family for pattern, family in rules if fnmatch.fnmatchcase(name, pattern)), "other")
+    family = next((family for pattern, family in rules if fnmatch.fnmatchcase(name, pattern)), "other")
+    registered = name.removeprefix("selfspec_")
+    return registered if family == "other" and registered in list_drafters() else family
 
 
 def filter_methods(methods: list[Method], chosen: Sequence[str] | None) -> list[Method]:
