@@ -61,6 +61,7 @@ def check_methods(methods: Sequence[str] | None) -> list[str] | None:
     for name in chosen:
         if (
             name not in METHOD_FAMILIES
+            and name not in list_drafters()
             and not any(ch in name for ch in "*?[")
             and not name.startswith(("selfspec_", "hf_"))
         ):
@@ -389,7 +390,8 @@ def filter_methods(methods: list[Method], chosen: Sequence[str] | None) -> list[
         or any(fnmatch.fnmatchcase(m.name, c) for c in chosen if c not in METHOD_FAMILIES)
     ]
     for pattern in chosen:
-        if pattern not in METHOD_FAMILIES and not any(fnmatch.fnmatchcase(m.name, pattern) for m in methods):
+        known = pattern in METHOD_FAMILIES or pattern in list_drafters()
+        if not known and not any(fnmatch.fnmatchcase(m.name, pattern) for m in methods):
             raise ConfigurationError(
                 f"no benchmark method matches {pattern!r}; this model has: {', '.join(m.name for m in methods)}"
             )
