@@ -29,13 +29,17 @@ from collections.abc import AsyncGenerator, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-try:
-    import openai
-except ImportError as _error:  # pragma: no cover - a dependency of both adapters
-    raise ImportError(f"endpoint mode needs the openai client: pip install openai ({_error})") from _error
-
 from .errors import InvalidPromptError, ModelNotFoundError, SamplingError
 from .tools import ContentDelta, InvalidToolCall, StreamEvent, ToolCall, ToolCallChunk, new_call_id
+
+
+def _openai() -> Any:
+    """The ``openai`` client library, imported on first use (it takes a while to import)."""
+    try:
+        import openai
+    except ImportError as error:  # pragma: no cover - a dependency of both adapters
+        raise ImportError(f"endpoint mode needs the openai client: pip install openai ({error})") from error
+    return openai
 
 #: Environment variables read, in this order, when no ``api_key`` is given.
 API_KEY_ENV_VARS = ("SELFSPEC_API_KEY", "OPENAI_API_KEY")
@@ -333,6 +337,7 @@ def translate_error(error: Exception, base_url: str) -> Exception:
     messages :class:`InvalidPromptError`, any other 400 a ``ValueError``; a 404 for the
     model becomes :class:`ModelNotFoundError`. The server's message is kept.
     """
+    openai = _openai()
     if not isinstance(error, openai.APIStatusError):
         return error
     body = error.body if isinstance(error.body, Mapping) else {}
@@ -384,12 +389,12 @@ class EndpointClient:
         """The ``openai.OpenAI`` client (created on first use, shared by threads)."""
         with self._lock:
             if self._sync is None:
-                self._sync = openai.OpenAI(**self._options())
+                self._sync = _openai().OpenAI(**self._options())
             return self._sync
 
     def _async_client(self) -> Any:
         # one per call: an httpx async client belongs to the event loop that first used it
-        return openai.AsyncOpenAI(**self._options())
+        return _openai().AsyncOpenAI(**self._options())
 
     @staticmethod
     def _resource(client: Any, body: Mapping[str, Any]) -> Any:
@@ -399,7 +404,7 @@ class EndpointClient:
         """Send a non-streamed request."""
         try:
             reply = self._resource(self.sync_client, body).create(**body)
-        except openai.APIStatusError as error:
+        except _openai().APIStatusError as error:
             _reraise(error, self.base_url)
         return read_response(reply)
 
@@ -411,13 +416,13 @@ class EndpointClient:
         """
         try:
             chunks = self._resource(self.sync_client, {**body, "stream": True}).create(**{**body, "stream": True})
-        except openai.APIStatusError as error:
+        except _openai().APIStatusError as error:
             _reraise(error, self.base_url)
         reader = _StreamReader()
         try:
             for chunk in chunks:
                 yield from reader.feed(chunk)
-        except openai.APIStatusError as error:
+        except _openai().APIStatusError as error:
             _reraise(error, self.base_url)
         finally:
             chunks.close()
@@ -428,7 +433,7 @@ class EndpointClient:
         async with self._async_client() as client:
             try:
                 reply = await self._resource(client, body).create(**body)
-            except openai.APIStatusError as error:
+            except _openai().APIStatusError as error:
                 _reraise(error, self.base_url)
         return read_response(reply)
 
@@ -437,14 +442,14 @@ class EndpointClient:
         async with self._async_client() as client:
             try:
                 chunks = await self._resource(client, body).create(**{**body, "stream": True})
-            except openai.APIStatusError as error:
+            except _openai().APIStatusError as error:
                 _reraise(error, self.base_url)
             reader = _StreamReader()
             try:
                 async for chunk in chunks:
                     for event in reader.feed(chunk):
                         yield event
-            except openai.APIStatusError as error:
+            except _openai().APIStatusError as error:
                 _reraise(error, self.base_url)
             finally:
                 await chunks.close()

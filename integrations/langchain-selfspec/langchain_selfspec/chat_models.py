@@ -98,13 +98,16 @@ class ChatSpeculative(BaseChatModel):
     token-identical; sampling follows the same distribution), sooner.
 
     Setup:
-        Install ``langchain-selfspec`` (it brings ``selfspec``). The examples use
-        ``"selfspec-demo"``, the small chat and tool-calling model bundled with ``selfspec``;
-        everything runs offline on a CPU.
+        From a clone of the selfspec repository (neither package is on PyPI), at its root:
+        the CPU build of torch first where there is no GPU, then the core, then this package.
+        The examples use ``"selfspec-demo"``, the small chat and tool-calling model bundled
+        with ``selfspec``; everything runs offline on a CPU.
 
         .. code-block:: bash
 
-            pip install -U langchain-selfspec
+            pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+            pip install -e ".[grammar]"
+            pip install -e integrations/langchain-selfspec
 
     Key init args — completion params:
         temperature: float
@@ -128,7 +131,7 @@ class ChatSpeculative(BaseChatModel):
             saved calibration, else a default).
         drafter: str
             ``"early_exit"`` (self-speculation, the default), another of
-            ``selfspec.engine.DRAFTERS`` (``"prompt_lookup"``, ``"hybrid"``, ...), or
+            a name from ``selfspec.list_drafters()`` (``"prompt_lookup"``, ``"hybrid"``, ...), or
             ``"none"`` (plain decoding).
         draft_model, medusa_heads, draft_confidence, exit_adapter, tree_nodes, batching, calibrate,
         dtype, device, trust_remote_code, allow_pickle:
@@ -273,7 +276,7 @@ class ChatSpeculative(BaseChatModel):
 
     drafter: str = "early_exit"
     """How drafts are made: ``"early_exit"`` (self-speculation), another of
-    ``selfspec.engine.DRAFTERS``, or ``"none"`` (plain decoding, the baseline)."""
+    a name from ``selfspec.list_drafters()``, or ``"none"`` (plain decoding, the baseline)."""
 
     draft_confidence: float | None = None
     """With ``num_draft_tokens="auto"``, stop drafting when the draft's top probability falls below

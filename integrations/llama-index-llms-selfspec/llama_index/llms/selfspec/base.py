@@ -102,8 +102,10 @@ class SpeculativeLLM(FunctionCallingLLM):
     :class:`selfspec.GenerationStats`.
 
     Examples:
-        ``pip install -e integrations/llama-index-llms-selfspec`` (from a selfspec checkout);
-        this runs offline on the demo model bundled with selfspec:
+        Install from a selfspec clone, at its root (see the package README: CPU torch first
+        where there is no GPU, then ``pip install -e ".[grammar]"``, then ``pip install -e
+        integrations/llama-index-llms-selfspec``); this runs offline on the demo model bundled
+        with selfspec:
 
         ```python
         from llama_index.core import Document, Settings, VectorStoreIndex
@@ -145,7 +147,7 @@ class SpeculativeLLM(FunctionCallingLLM):
     drafter: str = Field(
         default="early_exit",
         description="How drafts are made: 'early_exit' (self-speculation), 'prompt_lookup', 'hybrid', "
-        "'layer_skip', 'draft_model', 'medusa' or 'none' (plain decoding); see selfspec.engine.DRAFTERS.",
+        "'layer_skip', 'draft_model', 'medusa' or 'none' (plain decoding); see selfspec.list_drafters().",
     )
     draft_confidence: float | None = Field(
         default=None,
