@@ -183,7 +183,7 @@ def check_num_draft_tokens(value: Any) -> int | str:
 # ----------------------------------------------------------------------------- prompts
 def check_text(text: str, what: str = "the prompt", *, error: type[ValueError] = InvalidPromptError) -> str:
     r"""Refuse text that cannot be encoded as UTF-8 (lone surrogates such as ``"\ud800"``)."""
-    match = _SURROGATE.search(text)
+    match = None if text.isascii() else _SURROGATE.search(text)  # isascii: a fast C scan
     if match is not None:
         raise error(
             f"{what} contains a lone surrogate {match.group()!r} at character {match.start()}, which is not "
