@@ -49,15 +49,9 @@ class SpeculativeEngine:
             saved calibration, else ``num_layers // 4``.
         num_draft_tokens: tokens drafted per round, ``>= 1``; ``"auto"`` uses the saved
             calibration, else 4.
-        drafter: the name of a registered drafter (:func:`selfspec.list_drafters`):
-            ``"early_exit"`` (default), ``"prompt_lookup"`` (copy n-grams from the prompt and
-            output), ``"hybrid"`` (lookup when a match exists, else early exit),
-            ``"layer_skip"`` (a subset of the layers: calibrated, else
-            :func:`~selfspec.drafting.default_skip_layers`), ``"draft_model"`` (a separate
-            small model, see ``draft_model``), ``"medusa"`` (Medusa heads on the last
-            hidden state, see ``medusa_heads``), ``"none"`` (plain decoding), any name added
-            with :func:`selfspec.register_drafter`, or a :class:`~selfspec.drafting.Drafter`
-            instance.
+        drafter: the name of a registered drafter (:func:`selfspec.list_drafters`; default
+            ``"early_exit"``, ``"none"`` is plain decoding; ``docs/drafters.md``), or a
+            :class:`~selfspec.drafting.Drafter` instance.
         draft_confidence: with ``num_draft_tokens="auto"``, the early exit stops drafting
             when its top probability falls below this (default 0.3); ignored for a fixed
             draft length. With ``"auto"`` the draft length also adapts to recent
@@ -376,11 +370,9 @@ class SpeculativeEngine:
         )
 
     def _rounds(self, run: Generation) -> Generator[list[int], None, FinishReason]:
-        """Decode, yielding the tokens each round emits; return the finish reason.
+        """Decode (alone, or in the batching scheduler when it can batch), yielding each round's tokens.
 
-        All state lives in ``run``: calls from several threads each get the text they would
-        get alone. With ``batching=True`` the rounds run in the engine's
-        :class:`~selfspec.batching.BatchScheduler` instead, when the generation can batch.
+        All state lives in ``run``: calls from several threads each get the text they would get alone.
         """
         if self._batcher is not None and self._batcher.accepts(run):
             return (yield from self._batcher.rounds(run))
