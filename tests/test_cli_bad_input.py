@@ -199,7 +199,7 @@ ARGUMENT_ERRORS = [
     pytest.param([], "the following arguments are required: command", id="no-command"),
     pytest.param(
         ["serve", "-m", "selfspec-demo", "--port", "99999"],
-        r"a TCP port is in \[1, 65535\], got 99999",
+        r"a TCP port is in \[0, 65535\] \(0: any free port\), got 99999",
         id="serve-port=99999",
     ),
     pytest.param(["serve", "-m", "selfspec-demo", "--port", "http"], "expected a port number", id="serve-port=http"),

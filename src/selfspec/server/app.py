@@ -45,6 +45,7 @@ from .limits import (
     parse_json,
     text_chars,
     uvicorn_config,
+    uvicorn_settings,
 )
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import (
@@ -703,7 +704,7 @@ def serve(
             host,
         )
     app = create_app(engine, model_id=model_id, api_key=api_key, limits=limits, bound_host=host)
-    uvicorn.Server(uvicorn_config(app, host, port, limits, log_level)).run()
+    uvicorn.run(app, host=host, port=port, log_level=log_level, **uvicorn_settings(limits))
 
 
 @contextmanager

@@ -32,13 +32,13 @@ def byte_size(value: str) -> int:
 
 
 def port(value: str) -> int:
-    """A TCP port in ``[1, 65535]``."""
+    """A TCP port in ``[0, 65535]`` (0: any free port)."""
     try:
         number = int(value)
     except ValueError:
-        raise ValueError(f"expected a port number in [1, 65535], got {value!r}") from None
-    if not 1 <= number <= 65535:
-        raise ValueError(f"a TCP port is in [1, 65535], got {number}")
+        raise ValueError(f"expected a port number in [0, 65535], got {value!r}") from None
+    if not 0 <= number <= 65535:
+        raise ValueError(f"a TCP port is in [0, 65535] (0: any free port), got {number}")
     return number
 
 

@@ -443,19 +443,23 @@ async def _send_error(send: Callable[[Message], Awaitable[None]], error: APIErro
 
 
 # ------------------------------------------------------------------------------- uvicorn
+def uvicorn_settings(limits: ServerLimits) -> dict[str, Any]:
+    """Keyword arguments of ``uvicorn.run`` and ``uvicorn.Config`` for ``limits``.
+
+    The limits' keep-alive timeout and head size, on h11 with a deadline for request heads.
+    """
+    return {
+        "http": header_timeout_protocol(limits.header_timeout),
+        "timeout_keep_alive": max(1, math.ceil(limits.keep_alive_timeout)),
+        "h11_max_incomplete_event_size": limits.max_header_bytes,
+    }
+
+
 def uvicorn_config(app: ASGIApp, host: str, port: int, limits: ServerLimits, log_level: str = "info") -> Any:
-    """A ``uvicorn.Config`` with the limits' timeouts and head size, on h11 with a header deadline."""
+    """A ``uvicorn.Config`` with :func:`uvicorn_settings`."""
     import uvicorn
 
-    return uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        log_level=log_level,
-        http=header_timeout_protocol(limits.header_timeout),
-        timeout_keep_alive=max(1, math.ceil(limits.keep_alive_timeout)),
-        h11_max_incomplete_event_size=limits.max_header_bytes,
-    )
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, **uvicorn_settings(limits))
 
 
 _protocols: dict[float, type] = {}
