@@ -17,6 +17,7 @@ Where each part lives:
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from operator import itemgetter
 from typing import Any, Literal
@@ -29,6 +30,7 @@ from langchain_core.messages import (
     AIMessage,
     AIMessageChunk,
     BaseMessage,
+    BaseMessageChunk,
     ChatMessage,
     HumanMessage,
     SystemMessage,
@@ -767,11 +769,30 @@ def _cut_off_check(parser: Runnable[Any, Any], what: str) -> Runnable[Any, Any]:
             llm_output=content if isinstance(content, str) else None,
         )
 
+    def whole(message: Any) -> Any:
+        try:
+            result = parser.invoke(message)
+        except OutputParserException as error:
+            cut = cut_off(message, error)
+            if cut is None:
+                raise
+            raise cut from error
+        cut = cut_off(message, None)
+        if cut is not None:
+            raise cut
+        return result
+
     def transform(chunks: Iterator[Any]) -> Iterator[Any]:
+        first = next(chunks, None)
+        if first is None:
+            return
+        if not isinstance(first, BaseMessageChunk):  # invoke: one whole message
+            yield whole(first)
+            return
         seen: list[Any] = []
 
         def tee() -> Iterator[Any]:
-            for chunk in chunks:
+            for chunk in itertools.chain([first], chunks):
                 seen.append(chunk)
                 yield chunk
 
@@ -788,9 +809,17 @@ def _cut_off_check(parser: Runnable[Any, Any], what: str) -> Runnable[Any, Any]:
             raise cut
 
     async def atransform(chunks: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        first = await anext(chunks, None)
+        if first is None:
+            return
+        if not isinstance(first, BaseMessageChunk):  # ainvoke: one whole message
+            yield whole(first)
+            return
         seen: list[Any] = []
 
         async def tee() -> AsyncIterator[Any]:
+            seen.append(first)
+            yield first
             async for chunk in chunks:
                 seen.append(chunk)
                 yield chunk

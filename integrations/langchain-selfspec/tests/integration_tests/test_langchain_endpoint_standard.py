@@ -72,20 +72,20 @@ class TestChatSpeculativeEndpointStandard(ChatModelIntegrationTests):
         return None  # one server serves one model id
 
     # -- the demo model's limits: the same marks and reasons as local mode ------------------
-    @pytest.mark.xfail(reason=WRONG_NUMBER, strict=False)
+    @pytest.mark.xfail(reason=WRONG_NUMBER, strict=True)
     @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
     def test_tool_calling(self, model: BaseChatModel) -> None:
         super().test_tool_calling(model)
 
-    @pytest.mark.xfail(reason=WRONG_NUMBER, strict=False)
+    @pytest.mark.xfail(reason=WRONG_NUMBER, strict=True)
     async def test_tool_calling_async(self, model: BaseChatModel) -> None:
         await super().test_tool_calling_async(model)
 
-    @pytest.mark.xfail(reason=JSON_MODE_KEYS, strict=False)
+    @pytest.mark.xfail(reason=JSON_MODE_KEYS, strict=True)
     def test_json_mode(self, model: BaseChatModel) -> None:
         super().test_json_mode(model)
 
-    @pytest.mark.xfail(reason=UNICODE_NAME, strict=False)
+    @pytest.mark.xfail(reason=UNICODE_NAME, strict=True)
     def test_unicode_tool_call_integration(
         self, model: BaseChatModel, *, tool_choice: str | None = None, force_tool_call: bool = True
     ) -> None:

@@ -66,19 +66,19 @@ class TestChatSpeculativeStandard(ChatModelIntegrationTests):
         return str(demo_model_path())
 
     # -- the demo model's limits (see the module docstring) -----------------------------------
-    @pytest.mark.xfail(reason=WRONG_NUMBER, strict=False)
+    @pytest.mark.xfail(reason=WRONG_NUMBER, strict=True)
     @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
     def test_tool_calling(self, model: BaseChatModel) -> None:
         super().test_tool_calling(model)
 
-    @pytest.mark.xfail(reason=WRONG_NUMBER, strict=False)
+    @pytest.mark.xfail(reason=WRONG_NUMBER, strict=True)
     async def test_tool_calling_async(self, model: BaseChatModel) -> None:
         await super().test_tool_calling_async(model)
 
     @pytest.mark.xfail(
         reason="demo model limitation: in free JSON mode it does not reliably write the requested "
         "'setup' and 'punchline' keys (json_mode constrains the output to a JSON object, not to keys)",
-        strict=False,
+        strict=True,
     )
     def test_json_mode(self, model: BaseChatModel) -> None:
         super().test_json_mode(model)
@@ -86,7 +86,7 @@ class TestChatSpeculativeStandard(ChatModelIntegrationTests):
     @pytest.mark.xfail(
         reason="demo model limitation: it does not copy the Chinese/Japanese company name into "
         "customer_name and its description string runs past max_tokens",
-        strict=False,
+        strict=True,
     )
     def test_unicode_tool_call_integration(
         self, model: BaseChatModel, *, tool_choice: str | None = None, force_tool_call: bool = True
