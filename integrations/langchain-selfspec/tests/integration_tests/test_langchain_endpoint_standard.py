@@ -21,10 +21,6 @@ WRONG_NUMBER = (
     "demo model limitation: asked for magic_function(3), it copies another number into the "
     "(well-formed, grammar-constrained) call"
 )
-JSON_MODE_KEYS = (
-    "demo model limitation: in free JSON mode it does not reliably write the requested "
-    "'setup' and 'punchline' keys (json_mode constrains the output to a JSON object, not to keys)"
-)
 UNICODE_NAME = (
     "demo model limitation: it does not copy the Chinese/Japanese company name into "
     "customer_name and its description string runs past max_tokens"
@@ -80,10 +76,6 @@ class TestChatSpeculativeEndpointStandard(ChatModelIntegrationTests):
     @pytest.mark.xfail(reason=WRONG_NUMBER, strict=True)
     async def test_tool_calling_async(self, model: BaseChatModel) -> None:
         await super().test_tool_calling_async(model)
-
-    @pytest.mark.xfail(reason=JSON_MODE_KEYS, strict=True)
-    def test_json_mode(self, model: BaseChatModel) -> None:
-        super().test_json_mode(model)
 
     @pytest.mark.xfail(reason=UNICODE_NAME, strict=True)
     def test_unicode_tool_call_integration(

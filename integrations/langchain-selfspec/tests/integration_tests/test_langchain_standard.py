@@ -4,8 +4,8 @@ Tool calling, tool choice, structured output and JSON mode are on; images, audio
 Anthropic-style inputs are off (the model reads text only). No test is changed: where the
 8.5M-parameter demo model cannot do what a test asks, the test is marked ``xfail`` the way the
 suite documents (decorate, call ``super()``), with a reason naming that limitation of the
-model. The marks are not strict: a better model turns them into XPASS. ``docs/langchain.md``
-lists them.
+model. The marks are strict: a fix (or a better model) turns them into failures, so no mark
+outlives the limit it names. ``docs/langchain.md`` lists them.
 """
 
 from __future__ import annotations
@@ -74,14 +74,6 @@ class TestChatSpeculativeStandard(ChatModelIntegrationTests):
     @pytest.mark.xfail(reason=WRONG_NUMBER, strict=True)
     async def test_tool_calling_async(self, model: BaseChatModel) -> None:
         await super().test_tool_calling_async(model)
-
-    @pytest.mark.xfail(
-        reason="demo model limitation: in free JSON mode it does not reliably write the requested "
-        "'setup' and 'punchline' keys (json_mode constrains the output to a JSON object, not to keys)",
-        strict=True,
-    )
-    def test_json_mode(self, model: BaseChatModel) -> None:
-        super().test_json_mode(model)
 
     @pytest.mark.xfail(
         reason="demo model limitation: it does not copy the Chinese/Japanese company name into "
