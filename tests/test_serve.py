@@ -518,9 +518,16 @@ def test_http_get_and_unknown_paths(base_url: str) -> None:
 
 
 def test_metrics_count_refusals_and_no_500(base_url: str) -> None:
-    text = httpx.get(f"{base_url}/metrics").text
-    assert 'status="500"' not in text
-    assert 'endpoint="/v1/completions",status="413"' in text or "413" not in text
+    def count(status: int) -> float:
+        text = httpx.get(f"{base_url}/metrics").text
+        assert 'status="500"' not in text  # not one of the bad requests above was a 500
+        prefix = f'selfspec_requests_total{{endpoint="/v1/completions",status="{status}"}} '
+        return sum(float(line[len(prefix) :]) for line in text.splitlines() if line.startswith(prefix))
+
+    before = count(415), count(413)
+    httpx.post(f"{base_url}/v1/completions", content=b"{}", headers={"Content-Type": "text/plain"})
+    httpx.post(f"{base_url}/v1/completions", json={"prompt": "x" * (3 * 2**20)})
+    assert (count(415), count(413)) == (before[0] + 1, before[1] + 1)
 
 
 def test_internal_errors_get_a_request_id_and_no_exception_text(demo_engine: Any, caplog: Any) -> None:
