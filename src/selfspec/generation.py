@@ -17,10 +17,11 @@ import torch
 
 from .adaptive import DraftController
 from .constraints import TokenConstraint
-from .errors import ConfigurationError, GenerationMemoryError, InvalidPromptError, SamplingError
+from .errors import ConfigurationError, GenerationMemoryError, InvalidPromptError
 from .outputs import FinishReason, GenerationOutput, GenerationStats
 from .sampling import SamplingParams
 from .stopping import IncrementalDetokenizer, StopStringMatcher, normalize_stop
+from .validation import check_max_new_tokens, check_prompt, check_prompt_ids, check_seed
 
 #: A prompt: text, or a list of chat messages.
 Prompt = str | Sequence[dict[str, Any]]
@@ -65,10 +66,8 @@ class GenerationRequest:
             InvalidPromptError: an empty or malformed prompt.
             SamplingError: a bad ``max_new_tokens``.
         """
-        ids = _prompt_list(self.prompt_ids, vocab_size)
-        max_new_tokens = self.max_new_tokens
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise SamplingError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        ids = check_prompt_ids(self.prompt_ids, vocab_size)  # numpy/torch ints accepted, floats refused
+        self.max_new_tokens = check_max_new_tokens(self.max_new_tokens)
         return ids
 
     def fit_window(self, ids: list[int], context_window: int | None) -> list[int]:
@@ -77,7 +76,7 @@ class GenerationRequest:
         Raises:
             InvalidPromptError: the prompt plus ``max_new_tokens`` does not fit.
         """
-        max_new_tokens = self.max_new_tokens
+        max_new_tokens = check_max_new_tokens(self.max_new_tokens, context_window)  # bounded without a window
         if context_window is not None and len(ids) + max_new_tokens > context_window:
             keep = context_window - max_new_tokens
             if self.truncate_prompt and keep >= 1:
@@ -95,9 +94,7 @@ class GenerationRequest:
 
     def generator(self, device: torch.device) -> torch.Generator:
         """The call's random source, seeded with ``seed`` (or a random seed)."""
-        seed = self.seed
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise SamplingError(f"seed must be an int or None, got {seed!r}")
+        seed = check_seed(self.seed)  # an int in [0, 2**64 - 1] or None
         generator = torch.Generator(device=device)
         generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
         return generator
@@ -105,6 +102,7 @@ class GenerationRequest:
 
 def encode_prompt(tokenizer: Any, prompt: Prompt, tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Token ids of a prompt (see :meth:`SpeculativeEngine.encode_prompt`)."""
+    check_prompt(prompt)  # bytes ("decode to str first"), lone surrogates, non-dict messages
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidPromptError("the prompt is empty; pass some text")
@@ -118,23 +116,6 @@ def encode_prompt(tokenizer: Any, prompt: Prompt, tools: list[dict[str, Any]] | 
         raise InvalidPromptError("this tokenizer has no chat template; pass a plain string prompt")
     text = tokenizer.apply_chat_template(list(prompt), tools=tools, add_generation_prompt=True, tokenize=False)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def _prompt_list(prompt_ids: Sequence[int] | torch.Tensor, vocab_size: int) -> list[int]:
-    if isinstance(prompt_ids, torch.Tensor):
-        if prompt_ids.dim() == 2 and prompt_ids.shape[0] == 1:
-            prompt_ids = prompt_ids[0]
-        if prompt_ids.dim() != 1:
-            raise InvalidPromptError(f"prompt_ids must be 1-D (or [1, n]); got shape {tuple(prompt_ids.shape)}")
-        ids = [int(i) for i in prompt_ids.tolist()]
-    else:
-        ids = list(prompt_ids)
-    if not ids:
-        raise InvalidPromptError("the prompt is empty: pass at least one token")
-    for token in ids:
-        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
-            raise InvalidPromptError(f"token id {token!r} is not in the vocabulary [0, {vocab_size})")
-    return ids
 
 
 def is_out_of_memory(error: BaseException) -> bool:
