@@ -14,11 +14,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .cli import add_serve_parser, cmd_serve
+from .settings import ServerLimits
 
 if TYPE_CHECKING:
     from .app import create_app, serve, serve_in_background
 
-__all__ = ["add_serve_parser", "cmd_serve", "create_app", "serve", "serve_in_background"]
+__all__ = ["ServerLimits", "add_serve_parser", "cmd_serve", "create_app", "serve", "serve_in_background"]
 
 
 def __getattr__(name: str) -> Any:

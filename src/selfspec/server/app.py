@@ -550,7 +550,9 @@ def create_app(
             ``localhost``, ``127.0.0.1``, ``[::1]`` and ``limits.allowed_hosts``.
 
     Returns:
-        A FastAPI app; run it with any ASGI server (see :func:`serve`).
+        A FastAPI app; run it with any ASGI server (see :func:`serve`). Under uvicorn, pass
+        :func:`~selfspec.server.limits.uvicorn_settings` (``limits``) to ``uvicorn.run`` for the
+        header deadline and keep-alive limits that the app itself cannot apply.
 
     Example:
         >>> from selfspec.server import create_app
