@@ -2,11 +2,13 @@
 
 Local mode and endpoint mode (``selfspec serve`` on loopback), greedy, ``max_tokens=512``, with
 honest capability flags: tool calling, tool choice, structured output, JSON mode, usage and
-streaming all on; images, audio, PDF and Anthropic-style inputs off (the model reads text). The
-only mark is a strict ``xfail`` on ``test_agent_loop``, where the model's own choice is the cause:
-offered a tool with ``tool_choice`` left to it, the 135M model answers in text (it writes the
-tool's JSON schema back in a code block) instead of calling the tool. A strict mark fails the
-day a change makes it call the tool, so the mark cannot outlive the limit it names.
+streaming all on; images, audio, PDF and Anthropic-style inputs off (the model reads text). Two
+strict ``xfail`` marks name what the model itself does: ``test_agent_loop`` (offered a tool with
+``tool_choice`` left to it, the 135M model answers in text instead of calling the tool) and
+``test_structured_output_optional_param`` (one of its four prompts sends greedy decoding into a
+loop inside a JSON string; the mark only accepts the clear ``OutputParserException`` naming
+``max_tokens``). A strict mark fails the day a change fixes what it names, so no mark outlives
+its reason.
 
 SmolLM2's chat template renders neither tools nor past tool calls; the request planner
 (``selfspec.requests``) writes them into the messages, Llama 3.1 style, so that the model reads
@@ -18,8 +20,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from langchain_core.exceptions import OutputParserException
 from langchain_core.language_models import BaseChatModel
 from langchain_tests.integration_tests import ChatModelIntegrationTests
+from langchain_tests.unit_tests import ChatModelUnitTests
 
 from langchain_selfspec import ChatSpeculative
 
@@ -61,6 +65,11 @@ AGENT_LOOP = (
     "SmolLM2-135M limitation: offered get_weather with tool_choice left to the model, it answers in "
     "text instead of calling the tool"
 )
+OPTIONAL_PARAM_LOOP = (
+    "SmolLM2-135M limitation (greedy): asked 'Give me the setup to a joke about cats, no punchline.', it "
+    "loops inside the punchline string ('Please provide a joke about cats, no joke is possible.' again and "
+    "again) until max_tokens; the adapter reports it as an OutputParserException naming max_tokens"
+)
 _SERVER: dict[str, str] = {}
 
 
@@ -93,6 +102,10 @@ class _SmolLM2Flags(ChatModelIntegrationTests):
     def test_agent_loop(self, model: BaseChatModel) -> None:
         super().test_agent_loop(model)
 
+    @pytest.mark.xfail(reason=OPTIONAL_PARAM_LOOP, strict=True, raises=OutputParserException)
+    def test_structured_output_optional_param(self, model: BaseChatModel) -> None:
+        super().test_structured_output_optional_param(model)
+
 
 class TestChatSpeculativeSmolLM2(_SmolLM2Flags):
     @pytest.fixture(scope="class", autouse=True)
@@ -120,3 +133,57 @@ class TestChatSpeculativeSmolLM2Endpoint(_SmolLM2Flags):
     @property
     def model_override_value(self) -> str | None:
         return None  # one server serves one model id
+
+
+class TestChatSpeculativeSmolLM2Unit(ChatModelUnitTests):
+    """The standard unit tests with the SmolLM2 model (no weights load; the suite sets max_tokens)."""
+
+    @property
+    def chat_model_class(self) -> type[ChatSpeculative]:
+        return ChatSpeculative
+
+    @property
+    def chat_model_params(self) -> dict[str, Any]:
+        return {"model": smollm2_path(), **SMOLLM2_ENGINE}
+
+    @property
+    def has_tool_calling(self) -> bool:
+        return True
+
+    @property
+    def has_tool_choice(self) -> bool:
+        return True
+
+    @property
+    def has_structured_output(self) -> bool:
+        return True
+
+    @property
+    def supports_json_mode(self) -> bool:
+        return True
+
+    @property
+    def returns_usage_metadata(self) -> bool:
+        return True
+
+
+DOCUMENTS = [
+    "Elizabeth Bennet lives at Longbourn, in Hertfordshire, with her parents and her four sisters.",
+    "Mr. Darcy is the master of Pemberley, a great estate in Derbyshire.",
+    "Mr. Collins, a clergyman and the cousin of Mr. Bennet, is to inherit Longbourn.",
+]
+
+
+def test_rag_answer_comes_from_the_context(smollm2_engine: Any) -> None:
+    from langchain_core.output_parsers import StrOutputParser
+    from langchain_core.prompts import ChatPromptTemplate
+
+    llm = ChatSpeculative(model=smollm2_path(), max_tokens=48, **SMOLLM2_ENGINE)
+    prompt = ChatPromptTemplate.from_messages(
+        [("system", "Answer from the context.\n\nContext:\n{context}"), ("human", "{question}")]
+    )
+    chain = prompt | llm | StrOutputParser()
+    inputs = {"context": "\n".join(DOCUMENTS), "question": "Where does Elizabeth Bennet live?"}
+    answer = chain.invoke(inputs)
+    assert "Longbourn" in answer, answer
+    assert "".join(chain.stream(inputs)) == answer

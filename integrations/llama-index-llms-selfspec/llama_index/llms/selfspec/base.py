@@ -302,7 +302,8 @@ class SpeculativeLLM(FunctionCallingLLM):
         """Context window, output budget and capabilities (reads the config, not the weights).
 
         In endpoint mode a model whose config is not on this machine counts as
-        LlamaIndex's default window unless ``context_window`` is given.
+        LlamaIndex's default window unless ``context_window`` is given; a local ``.gguf`` file
+        is read by loading its engine.
         """
         window = self.context_window
         if window is None and self.base_url is not None:
@@ -310,6 +311,8 @@ class SpeculativeLLM(FunctionCallingLLM):
                 window = _config_context_window(self.model, self.trust_remote_code)
             except (OSError, ValueError):
                 window = DEFAULT_CONTEXT_WINDOW
+        if window is None and str(self.model).endswith(".gguf"):
+            window = self.engine.context_window or DEFAULT_CONTEXT_WINDOW  # a GGUF file: its engine knows
         window = window or _config_context_window(self.model, self.trust_remote_code)
         return LLMMetadata(
             context_window=window,
