@@ -587,7 +587,7 @@ class SpeculativeLLM(FunctionCallingLLM):
         output = await agenerate(stream)  # cancelling the caller stops the engine within a round
         return _final_response(kind, _local_answer(plans[0], self.model, output))
 
-    def _stream(self, kind: _Kind, prompt: _Prompt, kwargs: dict[str, Any]) -> Iterator[Any]:
+    def _stream(self, kind: _Kind, prompt: _Prompt, kwargs: dict[str, Any]) -> Generator[Any, None, None]:
         options = self._options(kwargs)
         if self.base_url is not None:
             events = _endpoint_events(self.endpoint().stream(self._body(prompt, options, stream=True)), options)
@@ -805,7 +805,7 @@ class _ResponseBuilder:
         self.pending: str | None = None
         self.calls: dict[int, dict[str, Any]] = {}  # index -> {"id", "name", "arguments" so far}
 
-    def responses(self, events: Iterator[StreamEvent | _Answer]) -> Iterator[Any]:
+    def responses(self, events: Iterator[StreamEvent | _Answer]) -> Generator[Any, None, None]:
         """The responses of a sync stream (closing this closes ``events``)."""
         try:
             for event in events:
