@@ -195,7 +195,7 @@ class CompletionRequest(_SamplingRequest):
 
     @property
     def token_limit(self) -> int | None:
-        """``max_tokens`` (OpenAI's completions default is 16; here: the rest of the context)."""
+        """``max_tokens`` (OpenAI's completions default is 16; here: ``selfspec.requests.DEFAULT_MAX_TOKENS``)."""
         return self.max_tokens
 
 
