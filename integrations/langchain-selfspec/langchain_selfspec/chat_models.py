@@ -261,6 +261,10 @@ class ChatSpeculative(BaseChatModel):
     model: str = "selfspec-demo"
     """The model: a hub id, a local folder, or ``"selfspec-demo"`` (bundled with selfspec)."""
 
+    gguf_file: str | None = None
+    """The name of a ``.gguf`` file inside the folder (or hub repository) ``model``; a ``model``
+    that is itself a path ending in ``.gguf`` needs none."""
+
     quantization: Literal["4bit", "8bit"] | None = None
     """``None`` (full precision), ``"4bit"`` (bitsandbytes NF4) or ``"8bit"``."""
 

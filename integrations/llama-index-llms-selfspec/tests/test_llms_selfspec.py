@@ -74,6 +74,7 @@ def test_engine_arguments_follow_the_fields(monkeypatch):
                 "trust_remote_code": False,
                 "allow_pickle": False,
                 "calibrate": True,
+                "gguf_file": None,
                 "draft_model": None,
                 "exit_adapter": None,
                 "medusa_heads": None,

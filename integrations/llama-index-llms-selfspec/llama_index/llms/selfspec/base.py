@@ -134,6 +134,11 @@ class SpeculativeLLM(FunctionCallingLLM):
         default="selfspec-demo",
         description="A hub id, a local folder, or 'selfspec-demo' (the small model bundled with selfspec).",
     )
+    gguf_file: str | None = Field(
+        default=None,
+        description="The name of a .gguf file inside the folder (or hub repository) model; a model that is "
+        "itself a path ending in .gguf needs none.",
+    )
     quantization: str | None = Field(default=None, description="None, '4bit' (bitsandbytes NF4) or '8bit'.")
     exit_layer: int | str = Field(
         default="auto",
@@ -311,7 +316,7 @@ class SpeculativeLLM(FunctionCallingLLM):
                 window = _config_context_window(self.model, self.trust_remote_code)
             except (OSError, ValueError):
                 window = DEFAULT_CONTEXT_WINDOW
-        if window is None and str(self.model).endswith(".gguf"):
+        if window is None and (str(self.model).endswith(".gguf") or self.gguf_file is not None):
             window = self.engine.context_window or DEFAULT_CONTEXT_WINDOW  # a GGUF file: its engine knows
         window = window or _config_context_window(self.model, self.trust_remote_code)
         return LLMMetadata(
