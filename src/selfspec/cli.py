@@ -1,6 +1,7 @@
 """The ``selfspec`` command line: ``generate``, ``chat``, ``calibrate``, ``bench``, ``demo``, ``serve``, ...
 
-``train-medusa`` trains Medusa heads (:mod:`selfspec.training.medusa`).
+``train-medusa`` trains Medusa heads (:mod:`selfspec.training.medusa`), ``train-eagle`` an EAGLE-style
+head (:mod:`selfspec.training.eagle`).
 """
 
 from __future__ import annotations
@@ -542,8 +543,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
 
     from .training.adapter_cli import add_train_adapter_parser
+    from .training.eagle_cli import add_train_eagle_parser
 
     add_train_adapter_parser(sub)
+    add_train_eagle_parser(sub)
 
     medusa = sub.add_parser("train-medusa", help="train Medusa heads for a model by self-distillation")
     medusa.add_argument("--model", "-m", required=True, help=f"hub id, local folder, or {DEMO_MODEL!r}")

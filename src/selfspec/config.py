@@ -67,6 +67,7 @@ class EngineConfig:
         draft_model: the separate draft model (``drafter="draft_model"``).
         draft_tokenizer: its tokenizer, checked against the target's.
         medusa_heads: Medusa heads or their folder (``drafter="medusa"``).
+        eagle_head: an EAGLE head, its folder or ``"auto"`` (``drafter="eagle"``; ``None``: auto).
         drafter_options: keyword options passed to the drafter's factory.
         batching: whether concurrent calls are decoded together.
         fast_path: whether the lean layer path is used where it applies.
@@ -83,6 +84,7 @@ class EngineConfig:
     draft_model: Any = None
     draft_tokenizer: Any = None
     medusa_heads: str | os.PathLike[str] | MedusaHeads | None = None
+    eagle_head: Any = None
     drafter_options: dict[str, Any] = field(default_factory=dict)
     batching: bool = False
     fast_path: bool = True
@@ -107,6 +109,7 @@ class EngineConfig:
         draft_tokenizer: Any = None,
         exit_adapter: str | os.PathLike[str] | ExitAdapter | None = None,
         medusa_heads: str | os.PathLike[str] | MedusaHeads | None = None,
+        eagle_head: Any = None,
         tree_nodes: int | str | None = None,
         drafter_options: dict[str, Any] | None = None,
         batching: bool = False,
@@ -125,7 +128,7 @@ class EngineConfig:
             raise ConfigurationError(f"draft_confidence must be in [0, 1), got {draft_confidence!r}")
         confidence = DEFAULT_DRAFT_CONFIDENCE if draft_confidence is None else draft_confidence
         check_arguments("auto", "auto", drafter)
-        _check_drafter_options(drafter, draft_model=draft_model, medusa_heads=medusa_heads)
+        _check_drafter_options(drafter, draft_model=draft_model, medusa_heads=medusa_heads, eagle_head=eagle_head)
         if drafter_options is not None and not isinstance(drafter_options, dict):
             raise ConfigurationError(f"drafter_options must be a dict or None, got {drafter_options!r}")
         if not isinstance(batching, bool):
@@ -142,6 +145,7 @@ class EngineConfig:
             draft_model=draft_model,
             draft_tokenizer=draft_tokenizer,
             medusa_heads=medusa_heads,
+            eagle_head=eagle_head,
             drafter_options=dict(drafter_options or {}),
             batching=batching,
             fast_path=runner.fast_layers is not None,

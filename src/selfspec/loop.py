@@ -81,7 +81,7 @@ def start_row(
     if isinstance(cache, BatchedKVCache):
         hidden, logits = prefill_row(runner, cache, row, run.prompt_ids)
     else:
-        hidden, logits = prefill(runner, cache, run.prompt_ids)
+        hidden, logits = prefill(runner, cache, run.prompt_ids, keep_all=drafter.needs_committed_hidden)
     first, _ = choose_token(logits, run.params, run.generator, run.constraint)
     run.stats.target_forwards += 1
     run.stats.verify_seconds += time.perf_counter() - started
@@ -97,7 +97,8 @@ def start_row(
         generator=run.generator,
         constraint=run.constraint,
         eos_token_ids=eos_token_ids,
-        last_hidden=hidden if drafter.needs_hidden else None,
+        last_hidden=hidden[:, -1:] if drafter.needs_hidden else None,
+        pending_hidden=hidden if drafter.needs_committed_hidden else None,
         row=row,
     )
     return Row(state, run)
@@ -189,7 +190,15 @@ def commit(
     else:
         kept, depth = num_accepted, len(draft)
     if state.last_hidden is not None and state.last_hidden.shape[1] > 1:  # the verifier kept every row
+        if drafter.needs_committed_hidden:  # hand every committed position's state to the drafter
+            rows = [0, *(i + 1 for i in acceptance.path)] if isinstance(acceptance, TreeAcceptance) else None
+            committed = state.last_hidden[:, rows] if rows is not None else state.last_hidden[:, : kept + 1]
+            pending = state.pending_hidden
+            state.pending_hidden = committed if pending is None else torch.cat([pending, committed], dim=1)
         state.last_hidden = state.last_hidden[:, kept : kept + 1]
+    elif drafter.needs_committed_hidden and state.last_hidden is not None:  # an empty draft: one position
+        pending = state.pending_hidden
+        state.pending_hidden = state.last_hidden if pending is None else torch.cat([pending, state.last_hidden], dim=1)
     # roll every layer back to the accepted text: last_token + accepted drafts
     state.cache.crop_to(state.position + num_accepted + 1)
     state.position += num_accepted + 1

@@ -20,16 +20,20 @@ from .modeling.runner import ModelRunner
 from .tree import TreeMask, tree_attention, tree_depths
 
 
-def prefill(runner: ModelRunner, cache: StaticKVCache, prompt_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def prefill(
+    runner: ModelRunner, cache: StaticKVCache, prompt_ids: list[int], keep_all: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the prompt through every layer into ``cache``.
 
     Returns:
-        The last position's ``[1, 1, hidden]`` output state and its ``[vocab]`` logits.
+        The last position's ``[1, 1, hidden]`` output state (every position's with ``keep_all``)
+        and the last position's ``[vocab]`` logits.
     """
     ids = torch.tensor([prompt_ids], device=runner.device)
     positions = torch.arange(len(prompt_ids), device=runner.device)
-    hidden = runner.run_layers(runner.embed(ids), 0, runner.num_layers, positions, cache)[:, -1:]
-    return hidden, runner.logits(hidden)[0]
+    hidden = runner.run_layers(runner.embed(ids), 0, runner.num_layers, positions, cache)
+    last = hidden[:, -1:]
+    return (hidden if keep_all else last), runner.logits(last)[0]
 
 
 def prefill_row(

@@ -15,6 +15,7 @@ from .hybrid import HybridDrafter, graft  # isort: skip
 from .layer_skip import LayerSkipDrafter, contiguous_runs, default_skip_layers  # isort: skip
 from .draft_model import DraftModelDrafter  # isort: skip
 from .medusa import MedusaDrafter, MedusaHeads  # isort: skip
+from .eagle import EagleDrafter  # isort: skip
 
 
 def _make_none(engine: object, **options: object) -> NoDrafter:
@@ -30,6 +31,7 @@ __all__ = [
     "DraftModelDrafter",
     "Drafter",
     "DrafterSpec",
+    "EagleDrafter",
     "EarlyExitDrafter",
     "HybridDrafter",
     "LayerSkipDrafter",

@@ -23,7 +23,10 @@ What a :class:`Draft` must hold:
 
 How a drafter reads the target's hidden features: set ``needs_hidden = True`` and the verifier
 keeps ``state.last_hidden``, the last decoder layer's output (before the final norm) at the
-position that chose ``state.last_token`` (Medusa heads read it). Per-generation memory (an
+position that chose ``state.last_token`` (Medusa heads read it). A drafter that also sets
+``needs_committed_hidden = True`` gets those states for every position the text commits, in
+``state.pending_hidden`` (a feature head such as EAGLE feeds them to its own cache and sets the
+field back to ``None``). Per-generation memory (an
 n-gram index, a draft model's cache) lives in ``state.memory(self, factory)``, never in the
 drafter object, which is shared by every generation of an engine.
 
@@ -78,6 +81,10 @@ class DecodeState:
         last_hidden: ``[1, 1, hidden]`` last decoder layer's output (before the final norm) at
             ``position - 1``, the state that chose ``last_token``; kept only for drafters with
             ``needs_hidden``.
+        pending_hidden: ``[1, m, hidden]`` the same states at the ``m`` positions committed since
+            the drafter last took them (the prompt after the prefill, then each round's
+            ``last_token`` and accepted drafts), ending at ``position - 1``; kept only for
+            drafters with ``needs_committed_hidden``, which reset it to ``None`` once read.
         row: this generation's row in a batched cache (``0`` alone).
     """
 
@@ -91,6 +98,7 @@ class DecodeState:
     constraint: TokenConstraint | None = None
     eos_token_ids: frozenset[int] = frozenset()
     last_hidden: torch.Tensor | None = None
+    pending_hidden: torch.Tensor | None = None
     row: int = 0
     _memory: dict[int, Any] = field(default_factory=dict, repr=False)
 
@@ -152,6 +160,8 @@ class Drafter(ABC):
     name: str = "drafter"
     #: whether the verifier must keep ``DecodeState.last_hidden`` for this drafter
     needs_hidden: bool = False
+    #: whether the loop must also hand over every committed position's state (``DecodeState.pending_hidden``)
+    needs_committed_hidden: bool = False
     #: whether this drafter's generations may share batched rounds (see :meth:`propose_batch`)
     can_batch: bool = False
 
