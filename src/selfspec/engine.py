@@ -31,7 +31,7 @@ from .outputs import FinishReason, GenerationOutput
 
 #: The :class:`EngineConfig` fields an engine exposes as its own attributes.
 _SETTINGS = frozenset("exit_layer num_draft_tokens adaptive draft_confidence tree_nodes calibration".split())
-_SETTINGS |= frozenset("exit_adapter batching draft_model medusa_heads".split())
+_SETTINGS |= frozenset("exit_adapter batching draft_model medusa_heads eagle_head".split())
 
 
 class SpeculativeEngine:
@@ -72,6 +72,10 @@ class SpeculativeEngine:
             layout (``config.json`` + ``medusa_lm_head.safetensors``) or loaded
             :class:`~selfspec.drafting.MedusaHeads`; ``None`` uses the heads saved beside the
             model (the demo model ships some; ``selfspec train-medusa`` trains them).
+        eagle_head: with ``drafter="eagle"`` (or ``"eagle_hybrid"``), an EAGLE-style head
+            (``selfspec train-eagle``): its folder, a loaded :class:`~selfspec.eagle.EagleHead`,
+            or ``"auto"``/``None`` (the head saved beside the model, in the user cache, or
+            shipped with selfspec for the model; ``docs/eagle.md``).
         tree_nodes: ``None`` (default) drafts a chain; an int ``N >= 1`` makes the early-exit
             drafter (also inside ``"hybrid"``) draft a token tree of at most ``N`` nodes and at
             most ``num_draft_tokens`` levels, verified in one forward
@@ -109,6 +113,7 @@ class SpeculativeEngine:
         draft_tokenizer: Any = None,
         exit_adapter: str | os.PathLike[str] | ExitAdapter | None = None,
         medusa_heads: str | os.PathLike[str] | MedusaHeads | None = None,
+        eagle_head: Any = None,
         tree_nodes: int | str | None = None,
         batching: bool = False,
         drafter_options: dict[str, Any] | None = None,
@@ -128,6 +133,7 @@ class SpeculativeEngine:
             "draft_tokenizer": draft_tokenizer,
             "exit_adapter": exit_adapter,
             "medusa_heads": medusa_heads,
+            "eagle_head": eagle_head,
             "tree_nodes": tree_nodes,
             "batching": batching,
             "drafter_options": drafter_options,
@@ -189,6 +195,7 @@ class SpeculativeEngine:
         draft_model: Any = None,
         exit_adapter: str | os.PathLike[str] | ExitAdapter | None = None,
         medusa_heads: str | os.PathLike[str] | MedusaHeads | None = None,
+        eagle_head: Any = None,
         tree_nodes: int | str | None = None,
         batching: bool = False,
     ) -> SpeculativeEngine:
@@ -219,6 +226,7 @@ class SpeculativeEngine:
                 progress bar) and save it beside the model or in the user cache.
             medusa_heads: with ``drafter="medusa"``: see :class:`SpeculativeEngine` (a
                 ``medusa_lm_head.pt`` pickle loads only with ``allow_pickle=True``).
+            eagle_head: with ``drafter="eagle"``: see :class:`SpeculativeEngine`.
 
         Raises:
             ModelNotFoundError: no such folder or hub model (an ``OSError``).
@@ -253,6 +261,7 @@ class SpeculativeEngine:
             draft_tokenizer=draft_tokenizer,
             exit_adapter=exit_adapter,
             medusa_heads=medusa_heads,
+            eagle_head=eagle_head,
             tree_nodes=tree_nodes,
             batching=batching,
         )
