@@ -119,25 +119,15 @@ class SpeculativeEngine:
         drafter_options: dict[str, Any] | None = None,
         fast_path: bool | None = None,
     ) -> None:
+        arguments = dict(locals())  # every argument but the model's own parts is a setting (see configure)
+        for name in ("self", "model", "tokenizer", "calibration", "fast_path"):
+            del arguments[name]
+        self._arguments: dict[str, Any] = arguments
         self.model = model
         self.tokenizer = tokenizer
         self.runner = ModelRunner(model, fast_path=fast_path)
         model.eval()
         self.name_or_path: str = str(getattr(model.config, "_name_or_path", "") or "")
-        self._arguments: dict[str, Any] = {
-            "exit_layer": exit_layer,
-            "num_draft_tokens": num_draft_tokens,
-            "drafter": drafter,
-            "draft_confidence": draft_confidence,
-            "draft_model": draft_model,
-            "draft_tokenizer": draft_tokenizer,
-            "exit_adapter": exit_adapter,
-            "medusa_heads": medusa_heads,
-            "eagle_head": eagle_head,
-            "tree_nodes": tree_nodes,
-            "batching": batching,
-            "drafter_options": drafter_options,
-        }
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self._lock = threading.RLock()
         self.configure(calibration if calibration is not None else (load_calibration(self.name_or_path) or {}))
