@@ -317,6 +317,10 @@ class ChatSpeculative(BaseChatModel):
     """With ``drafter="medusa"``: a folder of Medusa heads in the published layout (``None``: the
     heads saved beside the model, e.g. the demo model's)."""
 
+    eagle_head: str | None = None
+    """With ``drafter="eagle"`` (or ``"eagle_hybrid"``): an EAGLE-style head folder (``selfspec
+    train-eagle``), or ``None``/``"auto"`` for the head saved beside the model."""
+
     temperature: float = 0.0
     """Sampling temperature: 0 for greedy decoding, > 0 samples."""
 

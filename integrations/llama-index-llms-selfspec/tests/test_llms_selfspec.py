@@ -78,6 +78,7 @@ def test_engine_arguments_follow_the_fields(monkeypatch):
                 "draft_model": None,
                 "exit_adapter": None,
                 "medusa_heads": None,
+                "eagle_head": None,
                 "tree_nodes": None,
                 "batching": False,
             },

@@ -195,6 +195,11 @@ class SpeculativeLLM(FunctionCallingLLM):
         description="With drafter='medusa': a folder of Medusa heads in the published layout "
         "(None: the heads saved beside the model, e.g. the demo model's).",
     )
+    eagle_head: str | None = Field(
+        default=None,
+        description="With drafter='eagle' (or 'eagle_hybrid'): an EAGLE-style head folder (selfspec "
+        "train-eagle), or None/'auto' for the head saved beside the model.",
+    )
     temperature: float = Field(default=0.0, ge=0.0, description="0 for greedy decoding; > 0 samples.")
     max_new_tokens: int = Field(
         default=DEFAULT_MAX_TOKENS,
