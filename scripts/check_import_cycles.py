@@ -3,8 +3,8 @@
 Every import statement counts: at module level, inside functions (lazy imports) and under
 ``if TYPE_CHECKING:``; with ``--module-level`` only the imports that run when a module is
 imported count (top level, outside ``if TYPE_CHECKING:``). The script reads the source with
-:mod:`ast` (nothing is imported), builds the graph of ``selfspec`` modules, and prints each cycle it finds (one per strongly connected
-component). Exit status 0 means no cycle.
+:mod:`ast` (nothing is imported), builds the graph of ``selfspec`` modules, and prints each cycle
+it finds (one per strongly connected component). Exit status 0 means no cycle.
 
 Usage: ``python scripts/check_import_cycles.py [--module-level] [src/selfspec]``
 """
