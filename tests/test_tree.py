@@ -374,7 +374,7 @@ def test_bad_tree_nodes_are_refused(bad) -> None:
 
 @pytest.mark.parametrize("drafter", ["prompt_lookup", "layer_skip", "none"])
 def test_tree_nodes_with_a_drafter_that_drafts_no_trees_is_refused(drafter: str) -> None:
-    with pytest.raises(ConfigurationError, match="early_exit, hybrid and medusa drafters"):
+    with pytest.raises(ConfigurationError, match="early_exit, hybrid, medusa, eagle and eagle_hybrid drafters"):
         SpeculativeEngine(make_model("llama"), drafter=drafter, tree_nodes=4)
     # "auto" quietly means a chain for them
     assert SpeculativeEngine(make_model("llama"), drafter=drafter, tree_nodes="auto").tree_nodes is None
