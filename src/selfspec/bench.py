@@ -659,8 +659,10 @@ def method_colours(names: Sequence[str]) -> dict[str, Any]:
     """One distinct colour per method (tab20, then tab20b and tab20c for longer lists)."""
     import matplotlib
 
-    palette = [*matplotlib.colormaps["tab20"].colors, *matplotlib.colormaps["tab20b"].colors]
-    palette += list(matplotlib.colormaps["tab20c"].colors)
+    palette: list[Any] = []
+    for name in ("tab20", "tab20b", "tab20c"):
+        cmap = matplotlib.colormaps[name]
+        palette += [cmap(i) for i in range(cmap.N)]
     if len(names) > len(palette):  # more methods than listed colours: sample a continuous map
         cmap = matplotlib.colormaps["turbo"]
         return {n: cmap(i / max(1, len(names) - 1)) for i, n in enumerate(names)}

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from .calibration.plan import plan_settings
 from .drafting import Drafter, drafter_spec, list_drafters
 from .drafting.exit_adapter import ExitAdapter, engine_exit_adapter
 from .drafting.medusa import MedusaHeads
@@ -133,10 +134,11 @@ class EngineConfig:
             raise ConfigurationError(f"drafter_options must be a dict or None, got {drafter_options!r}")
         if not isinstance(batching, bool):
             raise ConfigurationError(f"batching must be True or False, got {batching!r}")
+        planned = plan_settings(calibration) if drafter == "auto" else calibration  # drafter="auto": the plan's E, k
         return cls(
             drafter=drafter,
-            exit_layer=_resolve_exit_layer(exit_layer, runner.num_layers, calibration),
-            num_draft_tokens=_resolve_num_draft_tokens(num_draft_tokens, calibration),
+            exit_layer=_resolve_exit_layer(exit_layer, runner.num_layers, planned),
+            num_draft_tokens=_resolve_num_draft_tokens(num_draft_tokens, planned),
             adaptive=adaptive,
             draft_confidence=confidence if adaptive else 0.0,
             tree_nodes=_resolve_tree_nodes(tree_nodes, drafter, calibration),

@@ -17,6 +17,7 @@ import torch
 from .adaptive import DraftController
 from .batching import BatchScheduler
 from .calibration import load_calibration
+from .calibration.plan import UNCALIBRATED_PLAN, Plan, plan_of
 from .config import EngineConfig, check_arguments, eos_token_ids, wants_calibration
 from .constraints import TokenConstraint
 from .drafting import Drafter, drafter_spec
@@ -136,7 +137,9 @@ class SpeculativeEngine:
         """(Re)build the settings, the drafter, the controller and the scheduler from ``calibration``."""
         self.config = EngineConfig.resolve(self.runner, self.name_or_path, calibration, **self._arguments)
         self.drafter = self._make_drafter()
-        self.controller = DraftController(self.config.num_draft_tokens, adaptive=self.config.adaptive)
+        self.controller = DraftController(
+            self.config.num_draft_tokens, adaptive=self.config.adaptive, costs=self.config.calibration.get("costs")
+        )
         self._batcher = BatchScheduler(self) if self.config.batching else None
 
     def _make_drafter(self) -> Drafter:
@@ -148,6 +151,13 @@ class SpeculativeEngine:
         if not isinstance(drafter, Drafter):
             raise ConfigurationError(f"the factory of drafter {chosen!r} returned {drafter!r}, not a Drafter")
         return drafter
+
+    @property
+    def plan(self) -> Plan | None:
+        """What ``drafter="auto"`` runs and why (:class:`~selfspec.calibration.Plan`), else ``None``."""
+        if self.config.drafter_name != "auto":
+            return None
+        return plan_of(self.config.calibration) or UNCALIBRATED_PLAN
 
     @property
     def adapter(self) -> ModelRunner:
@@ -266,7 +276,7 @@ class SpeculativeEngine:
     def __repr__(self) -> str:
         return (
             f"SpeculativeEngine(model={self.name_or_path or type(self.model).__name__!r}, "
-            f"drafter={self.drafter!r}, "
+            f"drafter={self.drafter!r}, {f'plan={self.plan.summary()!r}, ' if self.plan else ''}"
             f"exit_layer={self.exit_layer}, "
             f"num_draft_tokens={self.num_draft_tokens}{' (adaptive)' if self.adaptive else ''}, "
             f"{f'tree_nodes={self.tree_nodes}, ' if self.tree_nodes else ''}"

@@ -1,0 +1,62 @@
+"""Calibration: measure, store, and the online guard (issue 15 item 5: one package).
+
+- :mod:`.store`: where ``selfspec.json`` lives, its version and the machine it was measured on;
+- :mod:`.measure`: :func:`calibrate`, which measures every candidate method and picks the plan;
+- :mod:`.plan`: :class:`Plan` and the ``drafter="auto"`` that runs it;
+- :mod:`.guard`: the online :class:`DraftController` (draft length, pause when slower).
+
+``selfspec.calibrate`` and ``selfspec.adaptive`` re-export their old names from here.
+"""
+
+from .store import (  # isort: skip  (first: drafting imports cache_dir from here)
+    CALIBRATION_FILE,
+    CALIBRATION_VERSION,
+    cache_dir,
+    calibration_path,
+    load_calibration,
+    machine_fingerprint,
+    save_calibration,
+)
+from .guard import CostModel, DraftController  # isort: skip
+from .plan import PLAIN_MARGIN, PLAN_METHODS, Plan, plan_of  # isort: skip  (registers drafter="auto")
+from .measure import (  # isort: skip
+    DEFAULT_CALIBRATION_PROMPTS,
+    TREE_CANDIDATES,
+    CalibrationResult,
+    calibrate,
+    choose,
+    choose_plan,
+    choose_tree_nodes,
+    expected_speedup,
+    measure_agreement,
+    measure_costs,
+    replay,
+)
+
+
+__all__ = [
+    "CALIBRATION_FILE",
+    "CALIBRATION_VERSION",
+    "DEFAULT_CALIBRATION_PROMPTS",
+    "PLAIN_MARGIN",
+    "PLAN_METHODS",
+    "TREE_CANDIDATES",
+    "CalibrationResult",
+    "CostModel",
+    "DraftController",
+    "Plan",
+    "cache_dir",
+    "calibrate",
+    "calibration_path",
+    "choose",
+    "choose_plan",
+    "choose_tree_nodes",
+    "expected_speedup",
+    "load_calibration",
+    "machine_fingerprint",
+    "measure_agreement",
+    "measure_costs",
+    "plan_of",
+    "replay",
+    "save_calibration",
+]
