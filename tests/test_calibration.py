@@ -1,0 +1,86 @@
+"""Calibration and drafter='auto': the plan, the saved file's version and machine, the online guard."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from tiny_models import make_model, reference_greedy
+
+from selfspec import SpeculativeEngine
+from selfspec.calibration import CALIBRATION_VERSION, CostModel, DraftController, load_calibration, save_calibration
+from selfspec.calibration.measure import Continuations, choose_plan, replay
+
+
+def test_plan_is_plain_when_no_draft_is_ever_accepted() -> None:
+    data = Continuations([list(range(40))], [8])  # nothing repeats: lookup has nothing to copy
+    misses = {1: [[False] * 32], 2: [[False] * 32]}
+    plan, candidates, _ = choose_plan(data, misses, {1: 0.2, 2: 0.3}, {1: 1.1, 2: 1.2, 3: 1.3})
+    assert plan.method == "none" and "no method beats plain" in plan.reason
+    assert candidates["none"] == 1.0 and all(v <= 1.0 for v in candidates.values())
+
+
+def test_plan_copies_where_the_text_repeats_and_drafts_where_the_exit_agrees() -> None:
+    span = list(range(10, 30))
+    data = Continuations([[*span, 1, *span]], [21])  # the answer copies the prompt
+    plan, _, _ = choose_plan(data, {1: [[False] * 20]}, {1: 0.2}, {1: 1.05, 2: 1.1, 3: 1.15, 4: 1.2})
+    assert plan.method == "prompt_lookup" and plan.predicted_speedup > 1.5
+    fresh = Continuations([list(range(60))], [10])
+    plan, _, (layer, _, speed) = choose_plan(fresh, {2: [[True] * 50]}, {2: 0.1}, {1: 1.05, 2: 1.1, 3: 1.15})
+    assert plan.method in ("early_exit", "hybrid") and plan.exit_layer == layer == 2 and speed > 1.5
+
+
+def test_replay_of_plain_decoding_costs_one_step_per_token() -> None:
+    data = Continuations([list(range(30))], [10])
+    result = replay(data, CostModel(0.0, {1: 1.1}), 2)
+    assert result.tokens == 20 and result.speedup == 1.0
+
+
+def test_old_or_foreign_calibration_is_measured_again(tmp_path) -> None:
+    save_calibration(tmp_path, {"exit_layer": 2})
+    assert load_calibration(tmp_path)["version"] == CALIBRATION_VERSION
+    data = json.loads((tmp_path / "selfspec.json").read_text())
+    (tmp_path / "selfspec.json").write_text(json.dumps({**data, "machine": "another machine"}))
+    assert load_calibration(tmp_path) is None
+    (tmp_path / "selfspec.json").write_text(json.dumps({**data, "version": 1}))
+    assert load_calibration(tmp_path) is None
+    (tmp_path / "selfspec.json").write_text("{not json")
+    assert load_calibration(tmp_path) is None
+
+
+def test_guard_pauses_sampling_where_drafts_do_not_pay() -> None:
+    model = make_model("llama", agreeing=False)
+    costs = {"draft": 1.5, "verify": {"1": 1.1, "2": 1.2, "3": 1.3, "4": 1.4}}  # a draft costs more than it saves
+    engine = SpeculativeEngine(model, exit_layer=2, calibration={"costs": costs})  # adaptive early exit
+    prompt = list(range(10, 30))
+    out = engine.generate_ids(prompt, max_new_tokens=120, temperature=1.0, seed=3)
+    rounds = out.stats.target_forwards - 1
+    assert out.stats.num_drafted < rounds  # most rounds decoded plainly after the guard fired
+    again = engine.generate_ids(prompt, max_new_tokens=120, temperature=1.0, seed=3)
+    assert again.token_ids == out.token_ids  # decisions from acceptance, not timing: reproducible
+
+
+def test_guard_pauses_double_and_reset() -> None:
+    controller = DraftController(4, adaptive=True, timed=False, costs=CostModel(0.5, {4: 1.5}))
+    pauses = []
+    for _ in range(3):
+        while controller.budget() > 0:
+            controller.record(4, 0, 1, seconds=0.0)
+        pauses.append(controller.fallback_left)
+        while controller.budget() == 0:
+            controller.record(0, 0, 1, seconds=0.0)
+    assert pauses == [32, 64, 128]
+
+
+def test_auto_drafter_is_exact_and_shows_its_plan(tmp_path) -> None:
+    model = make_model("llama", agreeing=True)
+    engine = SpeculativeEngine(model, drafter="auto")
+    assert engine.plan is not None and not engine.plan.calibrated and "plan=" in repr(engine)
+    from selfspec.calibration import calibrate
+
+    result = calibrate(engine, save=False, progress=False, max_new_tokens=12, max_draft_tokens=3)
+    engine.configure(result.to_json())
+    assert engine.plan is not None and engine.plan.calibrated and engine.plan.method == result.plan.method
+    prompt = list(range(10, 30))
+    assert engine.generate_ids(prompt, max_new_tokens=24).token_ids == reference_greedy(model, prompt, 24)
+    torch.manual_seed(0)
