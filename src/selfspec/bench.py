@@ -192,6 +192,8 @@ def build_methods(
     node budget its candidate tree (``selfspec_medusa_tree_N``) too.
     """
     model, tokenizer = auto_engine.model, auto_engine.tokenizer
+    # drafter="auto": the plan calibrated on this model and machine (from_pretrained measured it)
+    planned = SpeculativeEngine(model, tokenizer, drafter="auto", calibration=auto_engine.calibration)
     plain = SpeculativeEngine(model, tokenizer, drafter="none")
     fixed = SpeculativeEngine(model, tokenizer, exit_layer=exit_layer, num_draft_tokens=num_draft_tokens)
     hybrid = SpeculativeEngine(model, tokenizer, drafter="hybrid", exit_layer="auto", num_draft_tokens="auto")
@@ -224,9 +226,9 @@ def build_methods(
         ),
         _selfspec_method(
             "selfspec_auto",
-            auto_engine,
+            planned,
             "hf_greedy",
-            f"early exit, calibrated (E={auto_engine.exit_layer}, k={auto_engine.num_draft_tokens}), adaptive",
+            f"drafter='auto': {planned.plan.summary() if planned.plan else 'plan'}",
         ),
         _selfspec_method("selfspec_prompt_lookup", lookup, "hf_greedy", "prompt lookup alone; adaptive length"),
         _selfspec_method("selfspec_hybrid", hybrid, "hf_greedy", "prompt lookup or early exit per round; adaptive"),
@@ -302,7 +304,7 @@ def build_methods(
                 top_k=0,
                 top_p=1.0,
             ),
-            _selfspec_method(f"selfspec_auto_t{t}", auto_engine, base, f"selfspec auto, sampling T={t}", t),
+            _selfspec_method(f"selfspec_auto_t{t}", planned, base, f"drafter='auto', sampling T={t}", t),
         ]
     methods += medusa_methods
     methods += _tree_methods(model, tokenizer, exit_layer, num_draft_tokens, tree_nodes, temperatures, fixed)
