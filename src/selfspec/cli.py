@@ -366,6 +366,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         f"chosen: exit_layer={result.exit_layer}, num_draft_tokens={result.num_draft_tokens}, "
         f"expected speedup {result.expected_speedup:.2f}x"
     )
+    print(f"drafter='auto' plan: {result.plan.summary()}")
     if result.layer_skip:
         print(
             f"layer skip: layers {result.layer_skip['layer_skip_layers']}, agreement "
