@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..errors import ConfigurationError
 from ..drafting.medusa import MEDUSA_SUBFOLDER, MedusaHeads
+from ..errors import ConfigurationError
 
 #: Metadata written beside the heads.
 METADATA_FILE = "medusa_training.json"
