@@ -403,7 +403,7 @@ def test_a_malformed_tree_is_a_clear_error_and_the_engine_stays_usable() -> None
     assert engine.generate_ids(GREEDY_PROMPT, max_new_tokens=8).token_ids == reference_greedy(model, GREEDY_PROMPT, 8)
 
 
-def test_cli_tree_nodes_option() -> None:
+def test_cli_tree_nodes_option(capsys) -> None:
     import argparse
 
     from selfspec.cli import add_engine_arguments, engine_kwargs
@@ -414,8 +414,11 @@ def test_cli_tree_nodes_option() -> None:
     assert engine_kwargs(parser.parse_args(["--tree-nodes", "6"]))["tree_nodes"] == 6
     assert engine_kwargs(parser.parse_args(["--tree-nodes", "auto"]))["tree_nodes"] == "auto"
     assert engine_kwargs(parser.parse_args(["--tree-nodes", "None"]))["tree_nodes"] is None
-    with pytest.raises(ConfigurationError, match="--tree-nodes"):
-        engine_kwargs(parser.parse_args(["--tree-nodes", "many"]))
+    # a malformed value is an argument error (exit status 2) at parse time, before any model loads
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args(["--tree-nodes", "many"])
+    assert exited.value.code == 2
+    assert "--tree-nodes" in capsys.readouterr().err
 
 
 def test_calibration_races_trees_and_auto_uses_the_choice(tmp_path) -> None:
