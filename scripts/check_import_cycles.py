@@ -1,8 +1,9 @@
 """Fail when any module under ``src/selfspec`` imports, directly or not, a module that imports it back.
 
-Every import statement counts: at module level, inside functions (lazy imports) and under
-``if TYPE_CHECKING:``; with ``--module-level`` only the imports that run when a module is
-imported count (top level, outside ``if TYPE_CHECKING:``). The script reads the source with
+Every import that runs counts: at module level and inside functions (lazy imports). Imports under
+``if TYPE_CHECKING:`` do not: with ``from __future__ import annotations`` they never execute and
+only name types for the type checker. With ``--module-level`` only the imports that run when a
+module is imported count (lazy ones are left out too). The script reads the source with
 :mod:`ast` (nothing is imported), builds the graph of ``selfspec`` modules, and prints each cycle
 it finds (one per strongly connected component). Exit status 0 means no cycle.
 
@@ -27,20 +28,20 @@ def module_name(path: Path, root: Path) -> str:
 
 
 def _statements(tree: ast.Module, module_level: bool) -> list[ast.stmt]:
-    """Every import statement, or (``module_level``) those that run on import."""
-    if not module_level:
-        return [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
+    """Every import statement that can run, or (``module_level``) those that run on import."""
     found: list[ast.stmt] = []
-    pending: list[ast.stmt] = list(tree.body)
+    pending: list[ast.AST] = list(tree.body)
     while pending:
         node = pending.pop()
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             found.append(node)
         elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            pending += node.orelse
-        elif isinstance(node, (ast.If, ast.Try, ast.With)):
-            pending += [*node.body, *getattr(node, "orelse", []), *getattr(node, "finalbody", [])]
-            pending += [stmt for handler in getattr(node, "handlers", []) for stmt in handler.body]
+            pending += node.orelse  # annotation-only imports never run
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and module_level:
+            if isinstance(node, ast.ClassDef):
+                pending += node.body  # a class body runs on import; a function body does not
+        else:
+            pending += list(ast.iter_child_nodes(node))
     return found
 
 

@@ -462,7 +462,7 @@ def head_folder_for(name_or_path: str) -> Path:
     ``<model folder>/eagle_head/`` for a local model folder, else the user cache
     (``$SELFSPEC_CACHE`` or ``~/.cache/selfspec``) ``/eagle/<model name>/`` for hub ids and GGUF files.
     """
-    from .calibration import cache_dir
+    from .paths import cache_dir
 
     path = Path(name_or_path).expanduser()
     if path.is_dir() and (path / "config.json").is_file():

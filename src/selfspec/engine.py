@@ -16,7 +16,7 @@ import torch
 
 from .adaptive import DraftController
 from .batching import BatchScheduler
-from .calibration import load_calibration
+from .calibration import calibrate_on_first_load, load_calibration
 from .calibration.plan import UNCALIBRATED_PLAN, Plan, plan_of
 from .config import EngineConfig, check_arguments, eos_token_ids, wants_calibration
 from .constraints import TokenConstraint
@@ -267,10 +267,7 @@ class SpeculativeEngine:
         )
         auto = wants_calibration(exit_layer, num_draft_tokens, drafter, tree_nodes)
         if calibrate and auto and not engine.calibration:
-            from .calibrate import calibrate as run_calibration  # first load: measure, save, use
-
-            measured = run_calibration(engine, max_new_tokens=32, max_draft_tokens=6, trees=tree_nodes == "auto")
-            engine.configure(measured.to_json())
+            calibrate_on_first_load(engine, trees=tree_nodes == "auto")
         return engine
 
     def __repr__(self) -> str:

@@ -136,7 +136,7 @@ def dequantized_folder(folder: str, gguf_file: str) -> Path:
     ``<cache>/gguf/<file stem>-<key>/``, the key a hash of the file's absolute path, size and
     modification time (of ``repo/file`` for a hub repository), so an edited file gets a new copy.
     """
-    from .calibration import cache_dir
+    from .paths import cache_dir
 
     local = Path(folder) / gguf_file
     if local.is_file():

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ModelNotFoundError
+from .paths import cache_dir
 
 
 @dataclass(frozen=True)
@@ -72,8 +73,7 @@ DEFAULT_REAL_MODEL = "smollm2-135m-instruct"
 
 def models_dir() -> Path:
     """Where fetched checkpoints live: ``$SELFSPEC_CACHE/models`` or ``~/.cache/selfspec/models``."""
-    root = os.environ.get("SELFSPEC_CACHE")
-    return (Path(root) if root else Path.home() / ".cache" / "selfspec") / "models"
+    return cache_dir() / "models"
 
 
 def sha256_of(path: str | os.PathLike[str]) -> str:

@@ -8,7 +8,7 @@
 ``selfspec.calibrate`` and ``selfspec.adaptive`` re-export their old names from here.
 """
 
-from .store import (  # isort: skip  (first: drafting imports cache_dir from here)
+from .store import (  # isort: skip
     CALIBRATION_FILE,
     CALIBRATION_VERSION,
     cache_dir,
@@ -24,6 +24,7 @@ from .measure import (  # isort: skip
     TREE_CANDIDATES,
     CalibrationResult,
     calibrate,
+    calibrate_on_first_load,
     choose,
     choose_plan,
     choose_tree_nodes,
@@ -47,6 +48,7 @@ __all__ = [
     "Plan",
     "cache_dir",
     "calibrate",
+    "calibrate_on_first_load",
     "calibration_path",
     "choose",
     "choose_plan",

@@ -221,9 +221,9 @@ def generate_continuations(
     engine: SpeculativeEngine, prompt_ids: Sequence[list[int]], max_new_tokens: int
 ) -> Continuations:
     """Plain greedy continuations of each prompt (what any lossless method must reproduce)."""
-    from ..engine import SpeculativeEngine
+    engine_class = type(engine)  # sibling engines of the caller's class: no import back to selfspec.engine
 
-    plain = SpeculativeEngine(engine.model, engine.tokenizer, drafter="none", calibration={})
+    plain = engine_class(engine.model, engine.tokenizer, drafter="none", calibration={})
     sequences = [ids + plain.generate_ids(ids, max_new_tokens=max_new_tokens).token_ids for ids in prompt_ids]
     return Continuations(sequences, [len(ids) for ids in prompt_ids])
 
@@ -494,10 +494,10 @@ def search_skip_layers(
     Returns:
         ``(layers, agreement, num_draft_tokens, expected speedup)``.
     """
-    from ..engine import SpeculativeEngine
+    engine_class = type(engine)  # sibling engines of the caller's class: no import back to selfspec.engine
 
     adapter = engine.adapter
-    plain = SpeculativeEngine(engine.model, engine.tokenizer, drafter="none")
+    plain = engine_class(engine.model, engine.tokenizer, drafter="none")
     sequences, targets = [], []
     with torch.inference_mode():
         for ids in prompt_ids:
@@ -553,11 +553,11 @@ def measure_tree_speed(
 
     Interleaved: each pass runs every variant on every prompt, in a rotated order.
     """
-    from ..engine import SpeculativeEngine
+    engine_class = type(engine)  # sibling engines of the caller's class: no import back to selfspec.engine
 
     variants = [("chain", None), *((str(n), n) for n in candidates)]
     engines = {
-        name: SpeculativeEngine(
+        name: engine_class(
             engine.model,
             engine.tokenizer,
             exit_layer=exit_layer,
@@ -806,3 +806,13 @@ def calibrate(
     if save and engine.name_or_path:
         save_calibration(engine.name_or_path, result.to_json())
     return result
+
+
+def calibrate_on_first_load(engine: SpeculativeEngine, *, trees: bool = False) -> None:
+    """The loader's first-load step: measure a model without a saved calibration, save it, use it.
+
+    A few seconds with a progress bar (shorter continuations than :func:`calibrate`'s default);
+    ``engine`` is reconfigured in place from what was measured.
+    """
+    measured = calibrate(engine, max_new_tokens=32, max_draft_tokens=6, trees=trees)
+    engine.configure(measured.to_json())

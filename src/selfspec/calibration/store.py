@@ -18,17 +18,13 @@ import platform
 from pathlib import Path
 from typing import Any
 
+from ..paths import cache_dir
+
 logger = logging.getLogger(__name__)
 
 CALIBRATION_FILE = "selfspec.json"
 #: Version of the calibration format and measurement; older files are measured again.
 CALIBRATION_VERSION = 2
-
-
-def cache_dir() -> Path:
-    """The user cache folder: ``$SELFSPEC_CACHE``, else ``~/.cache/selfspec``."""
-    root = os.environ.get("SELFSPEC_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "selfspec"
 
 
 def machine_fingerprint() -> str:

@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..calibration import cache_dir
 from ..errors import ConfigurationError
+from ..paths import cache_dir
 from .registry import drafters_with, names_in_words
 
 #: The folder name of an adapter saved beside its model.

@@ -73,7 +73,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     Returns:
         The ``serve`` parser (its ``func`` default is :func:`cmd_serve`).
     """
-    from ..cli import add_engine_arguments, checked_type, positive_int
+    from ..cli_args import add_engine_arguments, checked_type, positive_int
     from .settings import ServerLimits
 
     defaults = ServerLimits()
@@ -153,7 +153,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Load the model and serve it until interrupted."""
-    from ..cli import engine_kwargs
+    from ..cli_args import engine_kwargs
 
     try:
         from .app import serve

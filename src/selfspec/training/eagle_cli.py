@@ -47,10 +47,10 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
     """Train a head for ``--model`` and save it beside the model (or in the user cache, or ``--out``)."""
     import shutil
 
-    from ..calibration import cache_dir
     from ..eagle import _model_key, head_folder_for
     from ..errors import ConfigurationError
     from ..loading import load_model_and_tokenizer
+    from ..paths import cache_dir
     from .eagle import EagleTrainConfig, save_trained_head, train_eagle_head
     from .eagle_prompts import prompt_mix, read_prompt_file
 
