@@ -116,7 +116,7 @@ def test_bench_runs_every_method_and_checks_greedy_identity(model_dir, tmp_path)
                 "--repeats",
                 "1",
                 "--categories",
-                "qa",
+                "code",
                 "rag",
                 "--temperatures",
                 "1.0",

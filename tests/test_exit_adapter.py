@@ -180,7 +180,7 @@ def test_bad_adapters_are_clear_errors_and_the_engine_stays_usable(tmp_path) -> 
         SpeculativeEngine(model, exit_adapter=random_adapter(make_model("llama", num_hidden_layers=8), 7))
     with pytest.raises(ConfigurationError, match="trained for exit layer 2, not 3"):
         SpeculativeEngine(model, exit_layer=3, exit_adapter=random_adapter(model, 2))
-    with pytest.raises(ConfigurationError, match="only by the early_exit and hybrid drafters"):
+    with pytest.raises(ConfigurationError, match="only by the early_exit, hybrid and auto drafters"):
         SpeculativeEngine(model, drafter="prompt_lookup", exit_adapter=random_adapter(model, 2))
     with pytest.raises(ConfigurationError, match="exit_adapter must be None"):
         SpeculativeEngine(model, exit_adapter=42)  # type: ignore[arg-type]

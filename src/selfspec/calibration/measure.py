@@ -738,8 +738,10 @@ def calibrate(
     draft_lengths = list(range(1, max_draft_tokens + 1))
     if prompts is None:
         prompts = default_prompts(engine)
-    prompt_ids = [_prompt_ids(engine, p) for p in prompts]
     window = engine.context_window or 10**9
+    # a prompt longer than a small model's window keeps its end, leaving room for a continuation
+    longest = window - max(2, min(max_new_tokens, window // 4)) - 1
+    prompt_ids = [ids[-longest:] for ids in (_prompt_ids(engine, p) for p in prompts)]
     max_new_tokens = max(2, min(max_new_tokens, window - max(len(p) for p in prompt_ids) - 1))
     exit_adapter = engine.config.exit_adapter
 
