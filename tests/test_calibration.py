@@ -84,3 +84,89 @@ def test_auto_drafter_is_exact_and_shows_its_plan(tmp_path) -> None:
     prompt = list(range(10, 30))
     assert engine.generate_ids(prompt, max_new_tokens=24).token_ids == reference_greedy(model, prompt, 24)
     torch.manual_seed(0)
+
+
+# ----------------------------------------------------------------------------- EAGLE heads as a candidate
+
+
+def _speed(candidates: dict[str, float], prefix: str) -> float:
+    (speed,) = [v for k, v in candidates.items() if k.startswith(prefix)]
+    return speed
+
+
+def _eagle_figures(folder: str, accepted: list[int], draft_cost: float = 0.05) -> dict:
+    return {"head": folder, "num_draft_tokens": 3, "draft_cost": draft_cost, "accepted_per_round": accepted}
+
+
+def test_calibration_measures_a_fitting_eagle_head_and_the_plan_considers_it(tmp_path) -> None:
+    from selfspec.calibration import calibrate
+    from selfspec.eagle import EagleHead
+
+    model = make_model("llama", agreeing=True)
+    torch.manual_seed(0)
+    folder = str(EagleHead(model).save(tmp_path / "head"))  # a random head (its layer a copy of the last)
+    engine = SpeculativeEngine(model, drafter="auto")
+    result = calibrate(
+        engine, save=False, progress=False, max_new_tokens=12, max_draft_tokens=3, eagle_head=folder
+    )
+    eagle = result.eagle
+    assert eagle["head"] == folder and eagle["draft_cost"] > 0 and eagle["num_draft_tokens"] == 3
+    assert eagle["accepted_per_round"] and all(0 <= n <= 3 for n in eagle["accepted_per_round"])
+    assert any(name.startswith("eagle(k=") for name in result.candidates)
+    assert any(name.startswith("eagle_hybrid(k=") for name in result.candidates)
+    saved = result.to_json()
+    assert saved["eagle"]["head"] == folder
+    if result.plan.method.startswith("eagle"):  # its cost model is the head's
+        assert saved["costs"]["draft"] == eagle["draft_cost"]
+    skipped = calibrate(engine, save=False, progress=False, max_new_tokens=8, max_draft_tokens=2, eagle_head=False)
+    assert skipped.eagle == {} and not any(name.startswith("eagle") for name in skipped.candidates)
+
+
+def test_plan_picks_the_eagle_head_when_it_is_better_and_never_when_it_loses(tmp_path) -> None:
+    data = Continuations([list(range(60))], [10])  # nothing to copy
+    misses = {1: [[False] * 50]}
+    verify = {1: 1.05, 2: 1.1, 3: 1.15}
+    good = _eagle_figures("h", [3] * 30)
+    plan, candidates, _ = choose_plan(data, misses, {1: 0.2}, verify, eagle=good)
+    assert plan.method == "eagle" and plan.eagle_head == "h" and plan.predicted_speedup > 2.0
+    assert round(candidates["eagle(k=3)"], 3) == plan.predicted_speedup
+    bad = _eagle_figures("h", [0] * 30, draft_cost=0.3)  # never accepted: plain decoding
+    plan, candidates, _ = choose_plan(data, misses, {1: 0.2}, verify, eagle=bad)
+    assert plan.method == "none" and _speed(candidates, "eagle(") < 1.0
+    # where the text repeats, copies beside the head's chains beat the head alone
+    span = list(range(10, 30))
+    copying = Continuations([[*span, 1, *span, *range(40, 60)]], [21])
+    half = _eagle_figures("h", [1, 2] * 15)
+    plan, candidates, _ = choose_plan(copying, {1: [[False] * 40]}, {1: 0.2}, verify, eagle=half)
+    assert _speed(candidates, "eagle_hybrid(") > _speed(candidates, "eagle(")
+    # forced: only the head (and plain decoding) may be chosen
+    plan, _, _ = choose_plan(copying, {1: [[False] * 40]}, {1: 0.2}, verify, eagle=half, methods=("eagle",))
+    assert plan.method in ("eagle", "none")
+
+
+def test_auto_runs_a_planned_eagle_head_exactly(tmp_path, caplog) -> None:
+    from selfspec.calibration import Plan
+    from selfspec.drafting.eagle import EagleDrafter
+    from selfspec.eagle import EagleHead
+
+    model = make_model("llama", agreeing=True)
+    torch.manual_seed(0)
+    folder = str(EagleHead(model).save(tmp_path / "head"))
+    prompt = list(range(10, 30))
+    expected = reference_greedy(model, prompt, 24)
+    for method in ("eagle", "eagle_hybrid"):
+        plan = Plan(method, num_draft_tokens=3, eagle_head=folder, predicted_speedup=1.5)
+        costs = {"draft": 0.1, "verify": {"1": 1.05, "2": 1.1, "3": 1.15}}
+        engine = SpeculativeEngine(model, drafter="auto", calibration={"plan": plan.to_json(), "costs": costs})
+        assert isinstance(engine.drafter, EagleDrafter) and (engine.drafter.lookup is not None) == (
+            method == "eagle_hybrid"
+        )
+        assert "EAGLE head" in repr(engine)
+        assert engine.generate_ids(prompt, max_new_tokens=24).token_ids == expected
+        sampled = engine.generate_ids(prompt, max_new_tokens=16, temperature=1.0, seed=1)
+        assert sampled.token_ids == engine.generate_ids(prompt, max_new_tokens=16, temperature=1.0, seed=1).token_ids
+    gone = Plan("eagle", num_draft_tokens=3, eagle_head=str(tmp_path / "no-such-head"))
+    with caplog.at_level("WARNING"):
+        engine = SpeculativeEngine(model, drafter="auto", calibration={"plan": gone.to_json()})
+    assert "not usable" in caplog.text and engine.drafter.name == "prompt_lookup"
+    assert engine.generate_ids(prompt, max_new_tokens=24).token_ids == expected

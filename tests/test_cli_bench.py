@@ -145,6 +145,19 @@ def test_bench_runs_every_method_and_checks_greedy_identity(model_dir, tmp_path)
     assert greedy and all(m["identical_to_greedy"] is True for m in greedy)
     assert methods["selfspec_plain"]["tau"] == 1.0
     assert (tmp_path / "b.png").stat().st_size > 1000 and "| method |" in (tmp_path / "b.md").read_text()
+    # sampling is compared with selfspec's own plain loop at the same temperature, not only transformers
+    assert methods["selfspec_plain_t1.0"]["baseline"] == "hf_sample_t1.0"
+    auto_t = methods["selfspec_auto_t1.0"]
+    assert auto_t["vs_plain"] > 0 and len(auto_t["per_category"]["rag"]["vs_plain_per_repeat"]) == 1
+    assert methods["selfspec_auto"]["vs_plain"] > 0 and "vs_plain" not in methods["selfspec_plain"]
+    # the per-phase profile: draft + verify + overhead is the whole time per token
+    prof = methods["selfspec_auto"]["profile"]
+    parts = prof["draft_ms_per_token"] + prof["verify_ms_per_token"] + prof["overhead_ms_per_token"]
+    assert prof["verify_ms_per_token"] > 0 and abs(parts - prof["total_ms_per_token"]) < 0.01
+    assert 0 < methods["selfspec_plain"]["profile"]["target_forwards_per_token"] <= 1.0
+    assert methods["hf_greedy"]["profile"] is None
+    markdown = (tmp_path / "b.md").read_text()
+    assert "## Where the time goes" in markdown and "## Against selfspec's own plain loop" in markdown
 
 
 def test_demo_command_on_a_local_model(model_dir, capsys) -> None:

@@ -38,7 +38,7 @@ DEFAULT_BENCH_TREE_NODES = (8,)
 #: ``--methods`` choices: method family -> what it runs. The baselines (transformers' greedy
 #: ``generate``, and its sampling at each temperature a chosen method samples at) always run.
 METHOD_FAMILIES: dict[str, str] = {
-    "plain": "selfspec_plain: selfspec's loop without drafts",
+    "plain": "selfspec_plain (+ _tT): selfspec's loop without drafts, greedy and at each temperature",
     "auto": "selfspec_auto (+ _tT): the calibrated plan, greedy and at each temperature",
     "early_exit": "selfspec_E<e>_k<k>: early exit at a fixed layer and draft length",
     "prompt_lookup": "selfspec_prompt_lookup: n-gram lookup in the prompt and output",
@@ -104,6 +104,9 @@ class Run:
     tau: float | None = None
     acceptance_rate: float | None = None
     peak_memory_mb: float | None = None
+    draft_seconds: float | None = None
+    verify_seconds: float | None = None
+    target_forwards: int | None = None
 
 
 @dataclass
@@ -304,6 +307,7 @@ def build_methods(
                 top_k=0,
                 top_p=1.0,
             ),
+            _selfspec_method(f"selfspec_plain_t{t}", plain, base, f"selfspec loop without drafts, sampling T={t}", t),
             _selfspec_method(f"selfspec_auto_t{t}", planned, base, f"drafter='auto', sampling T={t}", t),
         ]
     methods += medusa_methods
@@ -363,6 +367,7 @@ def family_of(name: str) -> str:
         return "baseline"
     rules = [
         ("selfspec_plain", "plain"),
+        ("selfspec_plain_t*", "plain"),
         ("hf_early_exit_*", "hf_early_exit"),
         ("hf_prompt_lookup_*", "hf_prompt_lookup"),
         ("selfspec_auto*", "auto"),
@@ -530,6 +535,9 @@ def run_benchmark(
                         tau=stats.mean_accepted_length if stats is not None else None,
                         acceptance_rate=stats.acceptance_rate if stats is not None else None,
                         peak_memory_mb=torch.cuda.max_memory_allocated() / 2**20 if on_cuda else None,
+                        draft_seconds=stats.draft_seconds if stats is not None else None,
+                        verify_seconds=stats.verify_seconds if stats is not None else None,
+                        target_forwards=stats.target_forwards if stats is not None else None,
                     )
                 )
                 bar.update()
@@ -544,8 +552,46 @@ def _rate(runs: list[Run]) -> float:
     return sum(r.new_tokens for r in runs) / seconds if seconds else 0.0
 
 
+def profile(runs: list[Run]) -> dict[str, float] | None:
+    """Where the time goes, in milliseconds per generated token.
+
+    Draft, verify (target forwards, the prefill included), overhead (the rest: acceptance,
+    cache, bookkeeping), and target forwards per token. ``None`` for methods without
+    selfspec's statistics (transformers).
+    """
+    timed = [r for r in runs if r.draft_seconds is not None and r.verify_seconds is not None]
+    tokens = sum(r.new_tokens for r in timed)
+    if not timed or not tokens:
+        return None
+    total = sum(r.seconds for r in timed)
+    draft = sum(r.draft_seconds or 0.0 for r in timed)
+    verify = sum(r.verify_seconds or 0.0 for r in timed)
+    return {
+        "total_ms_per_token": round(1000 * total / tokens, 3),
+        "draft_ms_per_token": round(1000 * draft / tokens, 3),
+        "verify_ms_per_token": round(1000 * verify / tokens, 3),
+        "overhead_ms_per_token": round(1000 * (total - draft - verify) / tokens, 3),
+        "target_forwards_per_token": round(sum(r.target_forwards or 0 for r in timed) / tokens, 3),
+    }
+
+
+def plain_reference(name: str, baseline: str) -> str | None:
+    """The selfspec plain loop a selfspec method is compared with (same temperature), if any."""
+    if not name.startswith("selfspec_") or name.startswith("selfspec_plain"):
+        return None
+    if baseline == "hf_greedy":
+        return "selfspec_plain"
+    if baseline.startswith("hf_sample_t"):
+        return "selfspec_plain_t" + baseline.removeprefix("hf_sample_t")
+    return None
+
+
 def summarise(runs: list[Run], methods: list[Method]) -> dict[str, dict[str, Any]]:
-    """Per method: tokens/s (overall and per repeat), speedup, tau, acceptance, exactness."""
+    """Per method: tokens/s (overall and per repeat), speedup, tau, acceptance, exactness, profile.
+
+    Selfspec methods are also compared with selfspec's own plain loop at the same temperature
+    (``vs_plain``, overall and per category, with the per-repeat range), where it ran.
+    """
     by_method: dict[str, list[Run]] = {}
     for run in runs:
         by_method.setdefault(run.method, []).append(run)
@@ -573,6 +619,15 @@ def summarise(runs: list[Run], methods: list[Method]) -> dict[str, dict[str, Any
                 "speedup_per_repeat": per_repeat_speedup,
                 "tau": round(statistics.mean(taus), 3) if taus else None,
             }
+            plain_name = plain_reference(method.name, method.baseline)
+            plain_c = [r for r in by_method.get(plain_name or "", []) if r.category == cat]
+            if plain_c:
+                per_category[cat]["vs_plain"] = round(_rate(mine_c) / _rate(plain_c), 3)
+                per_category[cat]["vs_plain_per_repeat"] = [
+                    round(_rate([r for r in mine_c if r.repeat == k]) / _rate([r for r in plain_c if r.repeat == k]), 3)
+                    for k in repeats
+                    if any(r.repeat == k for r in plain_c)
+                ]
         taus = [r.tau for r in mine if r.tau is not None]
         rates = [r.acceptance_rate for r in mine if r.acceptance_rate is not None]
         identical = None
@@ -590,8 +645,12 @@ def summarise(runs: list[Run], methods: list[Method]) -> dict[str, dict[str, Any
             "acceptance_rate": round(statistics.mean(rates), 3) if rates else None,
             "identical_to_greedy": identical,
             "peak_memory_mb": round(max(memory), 1) if memory else None,
+            "profile": profile(mine),
             "per_category": per_category,
         }
+        plain_runs = by_method.get(plain_reference(method.name, method.baseline) or "", [])
+        if plain_runs:
+            summary[method.name]["vs_plain"] = round(_rate(mine) / _rate(plain_runs), 3)
     return summary
 
 
@@ -626,6 +685,52 @@ def format_category_table(report: BenchReport) -> str:
     return "\n".join(lines)
 
 
+def format_plain_table(report: BenchReport) -> str:
+    """Each selfspec method against selfspec's own plain loop at the same temperature, per category.
+
+    Cells: the ratio of tokens per second, with the range over repeats.
+    """
+    names = [n for n, m in report.methods.items() if m.get("vs_plain") is not None]
+    if not names:
+        return ""
+    categories = list(report.settings["categories"])
+    lines = [
+        "| method | vs plain | " + " | ".join(categories) + " |",
+        "|---|---:|" + "---:|" * len(categories),
+    ]
+    for name in names:
+        cells = []
+        for cat in categories:
+            c = report.methods[name]["per_category"].get(cat, {})
+            spread = c.get("vs_plain_per_repeat") or []
+            rng = f" ({min(spread):.2f}-{max(spread):.2f})" if len(spread) > 1 else ""
+            cells.append(f"{c['vs_plain']:.2f}x{rng}" if c.get("vs_plain") is not None else "-")
+        lines.append(f"| {name} | {report.methods[name]['vs_plain']:.2f}x | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_profile_table(report: BenchReport) -> str:
+    """Where the time goes: milliseconds per generated token in drafting, verifying and the rest."""
+    rows = [(n, m["profile"]) for n, m in report.methods.items() if m.get("profile")]
+    if not rows:
+        return ""
+    lines = [
+        "| method | total ms/token | draft | verify | overhead | target forwards/token |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, p in rows:
+        lines.append(
+            f"| {name} | {p['total_ms_per_token']:.1f} | {p['draft_ms_per_token']:.1f} | "
+            f"{p['verify_ms_per_token']:.1f} | {p['overhead_ms_per_token']:.1f} | "
+            f"{p['target_forwards_per_token']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def _section(title: str, table: str) -> str:
+    return f"\n## {title}\n\n{table}\n" if table else ""
+
+
 def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
@@ -647,7 +752,16 @@ def write_report(report: BenchReport, out_dir: str | Path, name: str = "bench") 
         + format_table(report)
         + "\n\n## Speedup per category (greedy)\n\n"
         + format_category_table(report)
-        + "\n",
+        + "\n"
+        + _section(
+            "Against selfspec's own plain loop (same temperature; per category, with the range over repeats)",
+            format_plain_table(report),
+        )
+        + _section(
+            "Where the time goes (milliseconds per generated token: drafting, target forwards incl. the prefill, "
+            "the rest of the loop)",
+            format_profile_table(report),
+        ),
         encoding="utf-8",
     )
     try:

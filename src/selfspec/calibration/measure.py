@@ -7,9 +7,13 @@ this hardware, with repeated interleaved timings taken as medians and checked fo
 monotonicity (re-measured when they are not), the cost of a draft step at each exit layer and
 of verifying ``k`` drafts, relative to one plain step. A replay of the continuations then
 predicts each candidate's speed (tokens per plain-step cost): plain decoding (1.0), early exit
-per layer and draft length, layer skip, prompt lookup, and hybrid (lookup where the text
-repeats, else the early exit). The fastest becomes the :class:`~selfspec.calibration.plan.Plan`
-that ``drafter="auto"`` runs, and plain decoding when nothing beats it by a margin.
+per layer and draft length, layer skip, prompt lookup, hybrid (lookup where the text
+repeats, else the early exit), and, when an EAGLE head fits the model
+(:func:`~selfspec.eagle.find_eagle_head`), the head's chains alone and with lookup copies beside
+them (``eagle`` / ``eagle_hybrid``): their acceptance is measured by decoding the prompts with
+the head (a chain's accepted length per round), their draft cost from the same runs. The
+fastest becomes the :class:`~selfspec.calibration.plan.Plan` that ``drafter="auto"`` runs,
+and plain decoding when nothing beats it by a margin.
 
 The classic estimate is kept as :func:`expected_speedup`: with per-token acceptance ``a``,
 draft length ``k``, draft cost ``c`` and verify cost ``v_k``, a round emits on average
@@ -21,6 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 import platform
+import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -118,6 +123,8 @@ class CalibrationResult:
         candidates: every candidate's predicted speedup over plain decoding.
         cost_checks: how many times the cost curves were re-measured for not being monotonic,
             and whether they were finally made monotonic by hand.
+        eagle: when an EAGLE head fits the model: its folder, draft cost per token, the
+            accepted length per round of its full-length chains, and its tau (else empty).
     """
 
     exit_layer: int
@@ -133,6 +140,7 @@ class CalibrationResult:
     plan: Plan = field(default_factory=Plan)
     candidates: dict[str, float] = field(default_factory=dict)
     cost_checks: dict[str, Any] = field(default_factory=dict)
+    eagle: dict[str, Any] = field(default_factory=dict)
     device: str = "cpu"
     dtype: str = ""
 
@@ -157,7 +165,7 @@ class CalibrationResult:
         data["plan"] = self.plan.to_json()
         data["candidates"] = {k: round(v, 3) for k, v in sorted(self.candidates.items(), key=lambda kv: -kv[1])}
         data["predicted_tokens_per_second"] = {k: round(v, 1) for k, v in self.predicted_tokens_per_second.items()}
-        data["costs"] = plan_costs(self.plan, self.draft_cost, self.verify_cost, self.layer_skip)
+        data["costs"] = plan_costs(self.plan, self.draft_cost, self.verify_cost, self.layer_skip, self.eagle)
         data["source"] = "calibrate"
         data["created"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
         data["hardware"] = f"{platform.machine()} {self.device} {self.dtype} {torch.get_num_threads()} threads"
@@ -166,11 +174,17 @@ class CalibrationResult:
 
 
 def plan_costs(
-    plan: Plan, draft_cost: dict[int, float], verify_cost: dict[int, float], layer_skip: dict[str, Any]
+    plan: Plan,
+    draft_cost: dict[int, float],
+    verify_cost: dict[int, float],
+    layer_skip: dict[str, Any],
+    eagle: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The online guard's cost model for ``plan``: its draft cost per token and the verify curve."""
     if plan.method in ("early_exit", "hybrid") and plan.exit_layer in draft_cost:
         draft = draft_cost[plan.exit_layer]
+    elif plan.method in ("eagle", "eagle_hybrid"):
+        draft = float((eagle or {}).get("draft_cost", 1.0))
     elif plan.method == "layer_skip":
         draft = float(layer_skip.get("layer_skip_draft_cost", 1.0))
     else:
@@ -399,6 +413,9 @@ def replay(
     matches: list[list[bool]] | None = None,
     lookup: tuple[int, int] | None = None,
     adaptive: bool = True,
+    accepted_per_round: Sequence[int] | None = None,
+    graft: bool = False,
+    max_draft_tokens: int = 8,
 ) -> Replay:
     """Replay the continuations round by round, as the engine would decode them.
 
@@ -406,9 +423,19 @@ def replay(
     last n-gram occurred before, else with the per-position ``matches`` of a model-based
     drafter (accepted up to its first miss), else decodes one plain step. The draft length
     adapts like the engine's controller. Costs come from ``costs``.
+
+    A drafter measured per round instead of per position (an EAGLE head's chains, whose
+    later tokens read the head's own predictions) gives ``accepted_per_round``: how many
+    tokens its full-length chains had accepted; each round draws one (a fixed seed, so the
+    replay is reproducible) and keeps at most its budget. With ``graft`` the model drafter
+    also drafts in lookup rounds and both are verified in one forward (``eagle_hybrid``):
+    the round keeps the longer accepted prefix and pays for both drafts. An adaptive draft
+    grows up to ``max_draft_tokens``.
     """
     from ..drafting.prompt_lookup import NgramIndex
 
+    draw = random.Random(0)
+    counts = list(accepted_per_round or [])
     result = Replay()
     for i, (sequence, start) in enumerate(zip(data.sequences, data.starts, strict=True)):
         hits = matches[i] if matches is not None else None
@@ -438,6 +465,12 @@ def replay(
                     accepted += 1
                 draft = [0] * budget
                 model_cost = costs.draft * budget
+            elif counts and budget > 0 and (not draft or graft):
+                chain = min(draw.choice(counts), budget)
+                extra = budget - _shared_prefix(draft, sequence[position:], chain) if draft else budget
+                accepted = max(accepted, chain)
+                draft = draft + [0] * extra
+                model_cost = costs.draft * budget
             cost = model_cost + (costs.round_cost(len(draft)) - costs.draft * len(draft) if draft else 1.0)
             emitted = min(accepted + 1, remaining)
             result.tokens += emitted
@@ -448,10 +481,95 @@ def replay(
             position += emitted
             if adaptive and draft:
                 if accepted == len(draft):
-                    current = min(current + 1, 8)
+                    current = min(current + 1, max_draft_tokens)
                 elif accepted < len(draft) // 2:
                     current = max(current - 1, 1)
     return result
+
+
+def _shared_prefix(copied: list[int], truth: Sequence[int], chain_accepted: int) -> int:
+    """Tokens a grafted chain shares with the copy (the tree verifies them once).
+
+    The chain's accepted tokens are the text's; past them its tokens are unknown, assumed different.
+    """
+    shared = 0
+    for a, b in zip(copied[:chain_accepted], truth, strict=False):
+        if a != b:
+            break
+        shared += 1
+    return shared
+
+
+# ----------------------------------------------------------------------------- EAGLE heads
+
+
+def measure_eagle(
+    engine: SpeculativeEngine,
+    prompt_ids: Sequence[list[int]],
+    max_new_tokens: int,
+    step_seconds: float,
+    head: Any = None,
+    num_draft_tokens: int = 6,
+) -> dict[str, Any]:
+    """An EAGLE head's acceptance and draft cost on this model and hardware (empty: no head fits).
+
+    Decodes each prompt greedily with the head's fixed-length chains (no confidence stop) and
+    records how many tokens each full-length round accepted (for shorter drafts the greedy
+    chain is a prefix, so it accepts ``min(n, k)``) and the drafting seconds per drafted token,
+    relative to one plain step (``step_seconds``); the per-prompt median is kept.
+
+    Args:
+        engine: the calibrated engine (its model is only read).
+        prompt_ids: the calibration prompts' ids.
+        max_new_tokens: tokens generated per prompt.
+        step_seconds: one plain step's seconds (:func:`measure_costs`).
+        head: a head folder or loaded :class:`~selfspec.eagle.EagleHead`; ``None`` looks for one
+            (:func:`~selfspec.eagle.find_eagle_head`).
+        num_draft_tokens: the chains' length.
+    """
+    from ..eagle import find_eagle_head
+    from ..errors import ConfigurationError, ModelNotFoundError
+
+    if head is None:
+        found = find_eagle_head(engine.name_or_path, engine.runner.model) if engine.name_or_path else None
+        if found is None:
+            return {}
+        head = str(found)
+    engine_class = type(engine)  # sibling engines of the caller's class: no import back to selfspec.engine
+    try:
+        eagle = engine_class(
+            engine.model,
+            engine.tokenizer,
+            drafter="eagle",
+            eagle_head=head,
+            num_draft_tokens=num_draft_tokens,
+            calibration={},
+        )
+    except (ConfigurationError, ModelNotFoundError) as error:
+        logger.warning("calibration skips the EAGLE head %s: %s", head, error)
+        return {}
+    accepted: list[int] = []
+    costs: list[float] = []
+    tokens = rounds = 0
+    for ids in prompt_ids:
+        out = eagle.generate_ids(ids, max_new_tokens=max_new_tokens)
+        stats = out.stats
+        # every round (the last one of a generation may draft less than the full chain)
+        accepted += [n for n, count in enumerate(stats.accepted_length_histogram) for _ in range(count)]
+        if stats.num_drafted and step_seconds > 0:
+            costs.append(stats.draft_seconds / stats.num_drafted / step_seconds)
+        tokens += len(out.token_ids)
+        rounds += max(0, stats.target_forwards - 1)
+    if not accepted or not costs:
+        return {}
+    return {
+        "head": head if isinstance(head, str) else getattr(head.head_config, "target", "a loaded head"),
+        "num_draft_tokens": num_draft_tokens,
+        "draft_cost": round(statistics.median(costs), 4),
+        "accepted_per_round": accepted,
+        "tau": round((tokens - len(prompt_ids)) / max(rounds, 1), 3),
+        "acceptance_rate": round(sum(accepted) / (len(accepted) * num_draft_tokens), 4),
+    }
 
 
 # ----------------------------------------------------------------------------- layer skip search
@@ -591,11 +709,7 @@ def choose_tree_nodes(speeds: dict[str, float]) -> int | None:
     return best if trees[best] > TREE_MARGIN * speeds.get("chain", 0.0) else None
 
 
-
-
-def layer_skip_matches(
-    engine: SpeculativeEngine, data: Continuations, layers: list[int]
-) -> list[list[bool]]:
+def layer_skip_matches(engine: SpeculativeEngine, data: Continuations, layers: list[int]) -> list[list[bool]]:
     """Per position: does the layer subset's greedy token equal the model's (teacher-forced)?"""
     from ..drafting.layer_skip import contiguous_runs
 
@@ -630,8 +744,20 @@ def choose_plan(
     *,
     skip: tuple[list[int], list[list[bool]], float] | None = None,
     exit_adapter_layer: int | None = None,
+    eagle: dict[str, Any] | None = None,
+    methods: Sequence[str] | None = None,
 ) -> tuple[Plan, dict[str, float], tuple[int, int, float]]:
     """Replay every candidate and pick the fastest; plain decoding unless one beats it by :data:`PLAIN_MARGIN`.
+
+    Args:
+        data: the model's own continuations.
+        matches: per exit layer, per position, whether the early exit's token was the model's.
+        draft_cost: a draft step's cost per exit layer (relative to a plain step).
+        verify_cost: verifying ``k`` drafts, per ``k``.
+        skip: the layer-skip subset, its per-position matches and its draft cost.
+        exit_adapter_layer: the layer an exit adapter reads (the plan then uses it).
+        eagle: :func:`measure_eagle`'s figures (``eagle`` and ``eagle_hybrid`` candidates).
+        methods: consider only these plan methods (plain decoding always); ``None``: all.
 
     Returns:
         ``(plan, {candidate: predicted speedup}, (best early-exit layer, its k, its speedup))``.
@@ -650,7 +776,7 @@ def choose_plan(
         candidates[f"early_exit(E={exit_layer},k={exit_k})"] = exit_speed
     lookup_best = (2, 4, 0.0)
     for min_ngram in (1, 2):
-        for k in (2, 4):
+        for k in [k for k in lengths if k <= 6] or lengths:
             speed = replay(data, CostModel(0.0, verify_cost), k, lookup=(min_ngram, 3)).speedup
             if speed > lookup_best[2]:
                 lookup_best = (min_ngram, k, speed)
@@ -676,6 +802,27 @@ def choose_plan(
     ]
     if skip is not None:
         options.append((skip_speed, Plan("layer_skip", num_draft_tokens=skip_k, layers=skip[0])))
+    if eagle and eagle.get("accepted_per_round"):
+        costs = CostModel(float(eagle["draft_cost"]), verify_cost)
+        longest = int(eagle.get("num_draft_tokens", lengths[-1]))
+        head = str(eagle.get("head")) if eagle.get("head") else None
+        for method, graft in (("eagle", False), ("eagle_hybrid", True)):
+            best = (0.0, 1)
+            for k in [k for k in lengths if k <= longest]:
+                run = replay(
+                    data,
+                    costs,
+                    k,
+                    lookup=(2, 3) if graft else None,
+                    accepted_per_round=eagle["accepted_per_round"],
+                    graft=graft,
+                    max_draft_tokens=longest,  # measured chains were this long
+                )
+                best = max(best, (run.speedup, k))
+            candidates[f"{method}(k={best[1]})"] = best[0]
+            options.append((best[0], Plan(method, num_draft_tokens=best[1], min_ngram=2, eagle_head=head)))
+    if methods is not None:
+        options = [(s, p) for s, p in options if p.method in methods] or [(0.0, Plan("none"))]
     speed, plan = max(options, key=lambda item: item[0])
     if speed < PLAIN_MARGIN:
         plan = Plan("none", reason=f"no method beats plain decoding here (best: {plan.method} at {speed:.2f}x)")
@@ -707,6 +854,8 @@ def calibrate(
     progress: bool = True,
     layer_skip: bool = False,
     trees: bool = False,
+    eagle_head: Any = None,
+    methods: Sequence[str] | None = None,
 ) -> CalibrationResult:
     """Measure every candidate on this model and hardware, choose the plan, save it.
 
@@ -724,6 +873,11 @@ def calibrate(
         trees: also race early-exit token trees of :data:`TREE_CANDIDATES` nodes against
             the chain at the best exit layer and draft length, and save the fastest as
             ``tree_nodes`` (``None``: the chain), which ``tree_nodes="auto"`` uses.
+        eagle_head: an EAGLE head (folder or loaded head) to measure; ``None`` measures the
+            one :func:`~selfspec.eagle.find_eagle_head` finds for the model, if any;
+            ``False`` skips EAGLE.
+        methods: let the plan choose only among these methods (and plain decoding);
+            ``None``: every measured one.
 
     Returns:
         The measurements and the choice. The engine itself is not changed; a new engine
@@ -745,7 +899,7 @@ def calibrate(
     max_new_tokens = max(2, min(max_new_tokens, window - max(len(p) for p in prompt_ids) - 1))
     exit_adapter = engine.config.exit_adapter
 
-    bar = tqdm(total=4, desc="calibrating", disable=not progress, leave=False)
+    bar = tqdm(total=5, desc="calibrating", disable=not progress, leave=False)
     bar.set_postfix_str("the model's own continuations")
     data = generate_continuations(engine, prompt_ids, max_new_tokens)
     bar.update()
@@ -765,6 +919,13 @@ def calibrate(
         kept = default_skip_layers(num_layers)
     skip_cost = _layer_skip_cost(draft_cost, len(kept))
     skip_hits = layer_skip_matches(engine, data, kept)
+    bar.update()
+    bar.set_postfix_str("EAGLE head")
+    eagle: dict[str, Any] = {}
+    if eagle_head is not False and (methods is None or {"eagle", "eagle_hybrid"} & set(methods)):
+        eagle = measure_eagle(
+            engine, prompt_ids, max_new_tokens, step_seconds, head=eagle_head, num_draft_tokens=min(6, max_draft_tokens)
+        )
     plan, candidates, (exit_layer, num_draft_tokens, exit_speed) = choose_plan(
         data,
         matches,
@@ -772,6 +933,8 @@ def calibrate(
         verify_cost,
         skip=(kept, skip_hits, skip_cost),
         exit_adapter_layer=None if exit_adapter is None else exit_adapter.exit_layer,
+        eagle=eagle,
+        methods=methods,
     )
     skip_name = next((k for k in candidates if k.startswith("layer_skip")), "")
     skip_k = int(skip_name.split("k=")[1].rstrip(")")) if skip_name else 1
@@ -801,6 +964,7 @@ def calibrate(
         plan=plan,
         candidates=candidates,
         cost_checks=checks,
+        eagle=eagle,
         device=str(runner.device),
         dtype=str(runner.dtype).replace("torch.", ""),
     )

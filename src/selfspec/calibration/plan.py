@@ -8,7 +8,9 @@ A :class:`Plan` is saved in ``selfspec.json`` (under ``"plan"``) by
 - ``"early_exit"``: the target's first ``exit_layer`` layers (through an exit adapter when one
   is saved beside the model);
 - ``"hybrid"``: prompt lookup where the text repeats, else the early exit;
-- ``"layer_skip"``: a subset of the layers.
+- ``"layer_skip"``: a subset of the layers;
+- ``"eagle"``: an EAGLE-style feature head found for the model (:func:`~selfspec.eagle.find_eagle_head`);
+- ``"eagle_hybrid"``: the head, with prompt-lookup copies verified beside its chains.
 
 Per request the lookup part drafts only where the prompt gives it something to copy, and the
 online guard (:mod:`selfspec.calibration.guard`) pauses any drafting that does not pay.
@@ -25,7 +27,7 @@ from ..drafting.registry import register_drafter
 logger = logging.getLogger(__name__)
 
 #: Methods a plan can name.
-PLAN_METHODS = ("none", "prompt_lookup", "early_exit", "hybrid", "layer_skip")
+PLAN_METHODS = ("none", "prompt_lookup", "early_exit", "hybrid", "layer_skip", "eagle", "eagle_hybrid")
 #: A method must be predicted this much faster than plain decoding to be chosen.
 PLAIN_MARGIN = 1.05
 
@@ -41,6 +43,7 @@ class Plan:
         min_ngram: the shortest n-gram prompt lookup copies after.
         layers: the layer-skip drafter's layers.
         exit_adapter: whether the early exit reads the exit layer through the saved adapter.
+        eagle_head: the EAGLE head's folder (``"eagle"`` and ``"eagle_hybrid"``).
         predicted_speedup: predicted tokens/s relative to plain decoding on this hardware.
         reason: one line on why.
         calibrated: ``False`` for the fallback used when nothing was measured.
@@ -52,6 +55,7 @@ class Plan:
     min_ngram: int = 2
     layers: list[int] = field(default_factory=list)
     exit_adapter: bool = False
+    eagle_head: str | None = None
     predicted_speedup: float | None = None
     reason: str = ""
     calibrated: bool = True
@@ -64,6 +68,10 @@ class Plan:
             what = f"prompt lookup (min_ngram={self.min_ngram}), plain steps where nothing repeats"
         elif self.method == "layer_skip":
             what = f"layer skip ({len(self.layers)} layers, k={self.num_draft_tokens})"
+        elif self.method in ("eagle", "eagle_hybrid"):
+            what = f"EAGLE head, k={self.num_draft_tokens}"
+            if self.method == "eagle_hybrid":
+                what = f"{what}, with prompt-lookup copies beside its chains"
         else:
             adapter = " with its exit adapter" if self.exit_adapter else ""
             what = f"early exit at layer {self.exit_layer}{adapter}, k={self.num_draft_tokens}"
@@ -116,6 +124,7 @@ def plan_settings(calibration: dict[str, Any]) -> dict[str, Any]:
 def make_auto(engine: Any, **options: Any) -> Any:
     """The drafter of the engine's calibrated plan (:class:`Plan`), logged once per engine."""
     from ..drafting import EarlyExitDrafter, HybridDrafter, LayerSkipDrafter, NoDrafter, PromptLookupDrafter
+    from ..errors import ConfigurationError, ModelNotFoundError
 
     settings = engine.config
     plan = plan_of(settings.calibration) or UNCALIBRATED_PLAN
@@ -124,8 +133,16 @@ def make_auto(engine: Any, **options: Any) -> Any:
     exit_layer = plan.exit_layer if isinstance(plan.exit_layer, int) and 1 <= plan.exit_layer < num_layers else None
     if adapter is not None and exit_layer != adapter.exit_layer:
         adapter = None
-    drafter: Any
-    if plan.method == "none":
+    drafter: Any = None
+    if plan.method in ("eagle", "eagle_hybrid"):
+        from ..drafting.eagle import make_eagle
+
+        try:
+            drafter = make_eagle(engine, eagle_head=plan.eagle_head, lookup=plan.method == "eagle_hybrid")
+        except (ConfigurationError, ModelNotFoundError) as error:  # the head was removed or no longer fits
+            logger.warning("drafter='auto': the planned EAGLE head is not usable (%s); using prompt lookup", error)
+            drafter = PromptLookupDrafter(min_ngram=plan.min_ngram, **options)
+    elif plan.method == "none":
         drafter = NoDrafter()
     elif plan.method == "prompt_lookup" or (plan.method in ("early_exit", "hybrid") and exit_layer is None):
         drafter = PromptLookupDrafter(min_ngram=plan.min_ngram, **options)

@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 CALIBRATION_FILE = "selfspec.json"
 #: Version of the calibration format and measurement; older files are measured again.
-CALIBRATION_VERSION = 2
+CALIBRATION_VERSION = 3
 
 
 def machine_fingerprint() -> str:
