@@ -357,11 +357,16 @@ def schema_instruction(schema: Mapping[str, Any]) -> str:
 
 
 def forced_call_instruction(tools: Sequence[Mapping[str, Any]], forced: str) -> str:
-    """The sentence that states a forced tool choice (``forced=""``: any of the tools)."""
-    if not forced:
-        return "Call one of the functions."
-    function = next(t["function"] for t in tools if t["function"]["name"] == forced)
-    return f"Call {forced}. {schema_instruction(function['parameters'])}"
+    """The sentence that states a forced tool choice (``forced=""``: any of the tools).
+
+    It names the tool only: its schema is in the tool listing already (:func:`tools_message_text`).
+    Stating the schema a second time, compact, after the request made SmolLM2-135M's greedy
+    decoding copy from it and loop inside a string (LangChain's optional-parameter prompt);
+    stated once, every structured-output prompt of the standard suite ends its call.
+    """
+    if forced and not any(t["function"]["name"] == forced for t in tools):
+        raise ValueError(f"tool_choice {forced!r} is not one of the tools")
+    return f"Call {forced}." if forced else "Call one of the functions."
 
 
 def prepare_messages(
@@ -374,8 +379,8 @@ def prepare_messages(
     """The messages and tools to hand to the chat template.
 
     Where the template drops the tools, they are written into the first user message (and the
-    template gets none), with a forced choice stated at the end of the last user message (the
-    forced tool's parameters schema included); where it drops past tool calls, they are
+    template gets none), with a forced choice named at the end of the last user message
+    (its schema is in the listing); where it drops past tool calls, they are
     written into the assistant's text in the ``<tool_call>`` form the model is asked to use. A
     ``schema`` (structured output) is stated at the end of the last user message.
 

@@ -2,13 +2,10 @@
 
 Local mode and endpoint mode (``selfspec serve`` on loopback), greedy, ``max_tokens=512``, with
 honest capability flags: tool calling, tool choice, structured output, JSON mode, usage and
-streaming all on; images, audio, PDF and Anthropic-style inputs off (the model reads text). Two
-strict ``xfail`` marks name what the model itself does: ``test_agent_loop`` (offered a tool with
-``tool_choice`` left to it, the 135M model answers in text instead of calling the tool) and
-``test_structured_output_optional_param`` (one of its four prompts sends greedy decoding into a
-loop inside a JSON string; the mark only accepts the clear ``OutputParserException`` naming
-``max_tokens``). A strict mark fails the day a change fixes what it names, so no mark outlives
-its reason.
+streaming all on; images, audio, PDF and Anthropic-style inputs off (the model reads text). One
+strict ``xfail`` mark names what the model itself does: ``test_agent_loop`` (offered a tool with
+``tool_choice`` left to it, the 135M model answers in text instead of calling the tool). A strict
+mark fails the day a change fixes what it names, so no mark outlives its reason.
 
 SmolLM2's chat template renders neither tools nor past tool calls; the request planner
 (``selfspec.requests``) writes them into the messages, Llama 3.1 style, so that the model reads
@@ -20,7 +17,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from langchain_core.exceptions import OutputParserException
 from langchain_core.language_models import BaseChatModel
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
@@ -65,11 +61,6 @@ AGENT_LOOP = (
     "SmolLM2-135M limitation: offered get_weather with tool_choice left to the model, it answers in "
     "text instead of calling the tool"
 )
-OPTIONAL_PARAM_LOOP = (
-    "SmolLM2-135M limitation (greedy): asked 'Give me the setup to a joke about cats, no punchline.', it "
-    "loops inside the punchline string ('Please provide a joke about cats, no joke is possible.' again and "
-    "again) until max_tokens; the adapter reports it as an OutputParserException naming max_tokens"
-)
 _SERVER: dict[str, str] = {}
 
 
@@ -101,10 +92,6 @@ class _SmolLM2Flags(ChatModelIntegrationTests):
     @pytest.mark.xfail(reason=AGENT_LOOP, strict=True)
     def test_agent_loop(self, model: BaseChatModel) -> None:
         super().test_agent_loop(model)
-
-    @pytest.mark.xfail(reason=OPTIONAL_PARAM_LOOP, strict=True, raises=OutputParserException)
-    def test_structured_output_optional_param(self, model: BaseChatModel) -> None:
-        super().test_structured_output_optional_param(model)
 
 
 class TestChatSpeculativeSmolLM2(_SmolLM2Flags):
