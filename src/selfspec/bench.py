@@ -426,6 +426,7 @@ def run_benchmark(
     draft_model: str | None = "auto",
     tree_nodes: Sequence[int] = (),
     methods: Sequence[str] | None = None,
+    extra_methods: Callable[[SpeculativeEngine], list[Method]] | None = None,
     **engine_args: Any,
 ) -> BenchReport:
     """Run every method on every prompt ``repeats`` times, interleaved, and summarise.
@@ -451,6 +452,8 @@ def run_benchmark(
             (``selfspec_tree_N`` methods, greedy and at each temperature).
         methods: run only these method families (:data:`METHOD_FAMILIES`) or name patterns
             (``fnmatch``), plus their baselines; ``None``: every method.
+        extra_methods: builds more methods from the loaded engine (a script's own variants);
+            they always run, after the chosen ones.
         **engine_args: passed to :meth:`SpeculativeEngine.from_pretrained`.
     """
     sets = select_categories(prompt_sets or default_prompt_sets(str(model)), categories)
@@ -481,6 +484,8 @@ def run_benchmark(
         tree_nodes=tree_nodes,
     )
     to_run = filter_methods(to_run, chosen_methods)
+    if extra_methods is not None:
+        to_run += extra_methods(engine)
     on_cuda = engine.adapter.device.type == "cuda"
     report = BenchReport(
         settings={

@@ -509,7 +509,7 @@ def measure_eagle(
     max_new_tokens: int,
     step_seconds: float,
     head: Any = None,
-    num_draft_tokens: int = 6,
+    num_draft_tokens: int = 4,
 ) -> dict[str, Any]:
     """An EAGLE head's acceptance and draft cost on this model and hardware (empty: no head fits).
 
@@ -924,7 +924,7 @@ def calibrate(
     eagle: dict[str, Any] = {}
     if eagle_head is not False and (methods is None or {"eagle", "eagle_hybrid"} & set(methods)):
         eagle = measure_eagle(
-            engine, prompt_ids, max_new_tokens, step_seconds, head=eagle_head, num_draft_tokens=min(6, max_draft_tokens)
+            engine, prompt_ids, max_new_tokens, step_seconds, head=eagle_head, num_draft_tokens=min(4, max_draft_tokens)
         )
     plan, candidates, (exit_layer, num_draft_tokens, exit_speed) = choose_plan(
         data,
