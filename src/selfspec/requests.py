@@ -35,7 +35,7 @@ import json
 import threading
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 from .errors import InvalidPromptError
 from .tools import ParsedOutput, parse_tool_calls, tool_schema
@@ -457,7 +457,8 @@ class RequestPlan:
         truncate_prompt: whether the engine keeps only the end of a prompt that does not fit.
         constraint: the grammar, or ``None``.
         parse_tools: whether tool calls are read from the answer.
-        tokenizer_parser: read tool calls with the tokenizer's own ``parse_response``.
+        repetition: the repeated piece of text, once the call was stopped because its JSON
+            degenerated into repetition (:class:`selfspec.stopping.RepetitionDetector`).
     """
 
     engine: SpeculativeEngine
@@ -467,6 +468,12 @@ class RequestPlan:
     truncate_prompt: bool = False
     constraint: ConstraintPlan | None = None
     parse_tools: bool = False
+    repetition: str | None = None
+
+    @property
+    def guards_repetition(self) -> bool:
+        """Whether the call stops early on a loop inside a JSON string (required JSON only)."""
+        return self.constraint is not None and self.constraint.required
 
     def options(self) -> dict[str, Any]:
         """Keyword arguments of ``engine.generate_ids`` / ``stream_ids`` (with a fresh constraint)."""
@@ -479,11 +486,32 @@ class RequestPlan:
 
     def generate(self) -> GenerationOutput:
         """Run the call to the end (blocking)."""
-        return self.engine.generate_ids(self.prompt_ids, **self.options())
+        if not self.guards_repetition:
+            return self.engine.generate_ids(self.prompt_ids, **self.options())
+        stream = self.stream()
+        try:
+            for _ in stream:
+                pass
+        finally:
+            stream.close()
+        assert stream.output is not None
+        return stream.output
 
     def stream(self) -> GenerationStream:
-        """Stream the call's text deltas (close the stream to stop)."""
-        return self.engine.stream_ids(self.prompt_ids, **self.options())
+        """Stream the call's text deltas (close the stream to stop).
+
+        A call constrained to JSON (a forced tool call, a JSON schema) is watched for
+        degenerate repetition: when a string value turns into a loop, the stream stops there,
+        :attr:`repetition` is set and :meth:`finish_reason` says ``"repetition"``.
+        """
+        stream = self.engine.stream_ids(self.prompt_ids, **self.options())
+        if not self.guards_repetition:
+            return stream
+        return cast("GenerationStream", _RepetitionGuard(stream, self))
+
+    def finish_reason(self, output: GenerationOutput) -> str:
+        """The answer's finish reason: the engine's, or ``"repetition"`` when the call was stopped on a loop."""
+        return "repetition" if self.repetition is not None else output.finish_reason
 
     def parse(self, text: str) -> ParsedOutput:
         """The answer split into content and tool calls (no calls unless tools were offered)."""
@@ -492,18 +520,92 @@ class RequestPlan:
         return parse_tool_calls(text, tokenizer=self.engine.tokenizer)
 
     def cut_message(self, output: GenerationOutput, what: str) -> str | None:
-        """A clear message when ``what`` (a tool call, JSON) was cut by the budget, else ``None``."""
-        if output.finish_reason != "length" or self.constraint is None:
+        """A clear message when ``what`` (a tool call, JSON) was cut (budget, repetition), else ``None``."""
+        reason = self.finish_reason(output)
+        if reason not in INCOMPLETE_REASONS or self.constraint is None:
             return None
-        return cut_off_message(what, self.max_new_tokens, len(output.token_ids))
+        return cut_off_message(what, self.max_new_tokens, len(output.token_ids), reason)
 
 
-def cut_off_message(what: str, max_tokens: int | None, used: int | None) -> str:
-    """The error text for structured output or a tool call cut off by the token budget."""
+#: The finish reasons of an answer that stopped before its JSON was complete.
+INCOMPLETE_REASONS = ("length", "repetition")
+
+
+def cut_off_message(what: str, max_tokens: int | None, used: int | None, finish_reason: str = "length") -> str:
+    """The error text for structured output or a tool call cut off by the budget or by repetition.
+
+    Args:
+        what: what was cut (``"Joke tool call"``, ``"JSON answer"``).
+        max_tokens: the budget.
+        used: the tokens generated.
+        finish_reason: ``"length"`` (the budget ran out) or ``"repetition"`` (stopped on a loop).
+    """
+    if finish_reason == "repetition":
+        return (
+            f"the {what} degenerated into repetition (one piece of text repeated over and over inside a JSON "
+            f"string) and was stopped after {used} tokens used (max_tokens={max_tokens}) before it was "
+            "complete; the model loops on this prompt: state the fields' meaning in the prompt, rephrase it, "
+            "or sample (temperature > 0)"
+        )
     return (
         f"the {what} was cut off at max_tokens={max_tokens} ({used} tokens used) before it was complete; "
         "raise max_tokens (docs/langchain.md and docs/llamaindex.md say how many tokens a schema needs)"
     )
+
+
+class _RepetitionGuard(Iterator[str]):
+    """A :class:`GenerationStream` that stops when its JSON degenerates into repetition.
+
+    The deltas are the engine's, unchanged (greedy stays greedy); the guard only ends the
+    stream early, closing the engine's stream (which frees its KV cache), and records the
+    repeated piece on the plan.
+    """
+
+    def __init__(self, stream: GenerationStream, plan: RequestPlan) -> None:
+        from .stopping import RepetitionDetector
+
+        self._stream = stream
+        self._plan = plan
+        self._detector = RepetitionDetector()
+
+    def __iter__(self) -> _RepetitionGuard:
+        return self
+
+    def __next__(self) -> str:
+        if self._detector.detected:
+            raise StopIteration
+        delta = next(self._stream)
+        if self._detector.push(delta):
+            self._plan.repetition = self._detector.unit
+            self._stream.close()
+        return delta
+
+    def close(self) -> None:
+        """Stop generating (see :meth:`GenerationStream.close`)."""
+        self._stream.close()
+
+    @property
+    def output(self) -> GenerationOutput | None:
+        """The engine's output once the stream is over."""
+        return self._stream.output
+
+    @property
+    def stats(self) -> Any:
+        """The engine's statistics once the stream is over."""
+        return self._stream.stats
+
+    @property
+    def finish_reason(self) -> str | None:
+        """``"repetition"`` when stopped on a loop, else the engine's finish reason."""
+        if self._stream.output is None:
+            return None
+        return self._plan.finish_reason(self._stream.output)
+
+    def __enter__(self) -> _RepetitionGuard:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def plan_request(

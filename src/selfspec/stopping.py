@@ -120,3 +120,83 @@ class StopStringMatcher:
                     best = length
                     break
         return best
+
+
+#: A run of text counts as degenerate repetition when one piece of it (at most
+#: :data:`REPETITION_MAX_UNIT` characters, no ``"``) repeats at least :data:`REPETITION_MIN_REPEATS`
+#: times in a row and covers at least :data:`REPETITION_MIN_CHARS` characters: for SmolLM2's
+#: loops (units of 4 to 60 characters) that is 100 to 150 tokens of loop.
+REPETITION_MIN_REPEATS = 8
+#: See :data:`REPETITION_MIN_REPEATS`.
+REPETITION_MIN_CHARS = 400
+#: See :data:`REPETITION_MIN_REPEATS`.
+REPETITION_MAX_UNIT = 200
+
+
+class RepetitionDetector:
+    """Notices streamed JSON that has degenerated into a loop inside one string value.
+
+    A small greedy model under a JSON grammar can fall into a loop inside a string value
+    (``"cat_joke_fun_fun_fun..."``), which the grammar cannot end: the string goes on until
+    ``max_tokens``. This sees the loop coming, so that the caller can stop early with a clear
+    error instead of spending the whole budget. It is conservative: the string being written
+    must end in one piece (1 to ``max_unit`` characters) repeated at least ``min_repeats``
+    times in a row, over at least ``min_chars`` characters. Repeats across values (a list of
+    equal items or rows) are never flagged, nor is text outside strings.
+
+    Args:
+        min_repeats: the fewest repeats of the piece.
+        min_chars: the fewest characters the repeats cover.
+        max_unit: the longest piece looked for.
+    """
+
+    def __init__(
+        self,
+        min_repeats: int = REPETITION_MIN_REPEATS,
+        min_chars: int = REPETITION_MIN_CHARS,
+        max_unit: int = REPETITION_MAX_UNIT,
+    ) -> None:
+        if min_repeats < 2 or min_chars < 1 or max_unit < 1:
+            raise ValueError("min_repeats must be at least 2, min_chars and max_unit at least 1")
+        self.min_repeats = min_repeats
+        self.min_chars = min_chars
+        self.max_unit = max_unit
+        self._window = max(max_unit * min_repeats, min_chars + max_unit)
+        self.text = ""  # the end of the string value being written (escapes as written)
+        self._in_string = False
+        self._escaped = False
+        self.unit: str | None = None  # the repeated piece, once detected
+
+    @property
+    def detected(self) -> bool:
+        """Whether the text has degenerated into repetition."""
+        return self.unit is not None
+
+    def push(self, text: str) -> bool:
+        """Add streamed JSON text; return whether the string being written has become a loop."""
+        if self.unit is not None or not text:
+            return self.unit is not None
+        for char in text:  # follow JSON's string state: only a string's own characters count
+            if not self._in_string:
+                if char == '"':
+                    self._in_string, self.text = True, ""
+            elif self._escaped:
+                self._escaped = False
+                self.text += char
+            elif char == "\\":
+                self._escaped = True
+                self.text += char
+            elif char == '"':
+                self._in_string, self.text = False, ""
+            else:
+                self.text += char
+        if not self._in_string:
+            return False
+        self.text = self.text[-self._window :]
+        for size in range(1, min(self.max_unit, len(self.text) // self.min_repeats) + 1):
+            unit = self.text[-size:]
+            repeats = max(self.min_repeats, -(-self.min_chars // size))
+            if size * repeats <= len(self.text) and self.text.endswith(unit * repeats):
+                self.unit = unit
+                return True
+        return False

@@ -51,6 +51,7 @@ from selfspec.endpoint import API_KEY_ENV_VARS, EndpointClient, EndpointResult, 
 from selfspec.errors import ConfigurationError
 from selfspec.registry import engine_args
 from selfspec.requests import (
+    INCOMPLETE_REASONS,
     RequestPlan,
     agenerate,
     aiterate,
@@ -566,7 +567,7 @@ class ChatSpeculative(BaseChatModel):
         assert stream.output is not None
         output = stream.output
         metadata = _metadata(plan, kwargs.get("model") or self.model, output)
-        yield _last_chunk(_usage(output), metadata, output.finish_reason)
+        yield _last_chunk(_usage(output), metadata, plan.finish_reason(output))
 
     def _endpoint_chunks(
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
@@ -754,17 +755,19 @@ def _check_call_args(kwargs: dict[str, Any]) -> None:
 def _cut_off_check(parser: Runnable[Any, Any], what: str) -> Runnable[Any, Any]:
     """``parser``, but an answer cut off by ``max_tokens`` raises a clear ``OutputParserException``.
 
-    An answer that ended at ``max_tokens`` (``finish_reason="length"``) and that ``parser``
-    cannot read in full is reported with the budget and the tokens used, instead of a parser
+    An answer that ended at ``max_tokens`` (``finish_reason="length"``), or that was stopped
+    because its JSON degenerated into repetition (``finish_reason="repetition"``), and that
+    ``parser`` cannot read in full is reported with the budget and the tokens used, instead of a parser
     returning ``None``, an empty stream or a puzzling parse error. Streams keep their partial
     objects; the error comes at the end.
     """
 
     def cut_off(whole: Any, error: Exception | None) -> OutputParserException | None:
         metadata = getattr(whole, "response_metadata", None) or {}
-        if metadata.get("finish_reason") != "length":
+        reason = metadata.get("finish_reason")
+        if reason not in INCOMPLETE_REASONS:
             return None
-        if error is None:
+        if error is None and reason == "length":  # a loop stopped early is never complete
             try:
                 if parser.invoke(whole) is not None:
                     return None  # complete although the budget ran out exactly at its end
@@ -773,7 +776,7 @@ def _cut_off_check(parser: Runnable[Any, Any], what: str) -> Runnable[Any, Any]:
         usage = getattr(whole, "usage_metadata", None) or {}
         content = getattr(whole, "content", None)
         return OutputParserException(
-            cut_off_message(what, metadata.get("max_tokens"), usage.get("output_tokens")),
+            cut_off_message(what, metadata.get("max_tokens"), usage.get("output_tokens"), reason),
             llm_output=content if isinstance(content, str) else None,
         )
 
@@ -942,7 +945,7 @@ def _chat_result(plan: RequestPlan, model: str, output: GenerationOutput) -> Cha
     message = _ai_message(
         parsed.content, parsed.tool_calls, parsed.invalid_tool_calls, _usage(output), _metadata(plan, model, output)
     )
-    generation = ChatGeneration(message=message, generation_info={"finish_reason": output.finish_reason})
+    generation = ChatGeneration(message=message, generation_info={"finish_reason": plan.finish_reason(output)})
     return ChatResult(generations=[generation])
 
 
@@ -1021,7 +1024,7 @@ def _usage(output: GenerationOutput) -> Any:
 def _metadata(plan: RequestPlan, model: str, output: GenerationOutput) -> dict[str, Any]:
     return {
         "model_name": model,
-        "finish_reason": output.finish_reason,
+        "finish_reason": plan.finish_reason(output),
         "max_tokens": plan.max_new_tokens,
         **output.stats.to_dict(),
     }

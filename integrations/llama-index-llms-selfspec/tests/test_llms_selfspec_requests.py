@@ -150,3 +150,22 @@ def test_a_cancelled_call_stops_within_one_round(path: str, batching: bool) -> N
     assert fresh.complete("Hello").text == fresh.complete("Hello").text  # the engine is still usable
     print(json.dumps({"path": path, "batching": batching, "rounds_after_cancel": after,
                       "seconds_to_return": round(returned_after, 3)}))
+
+
+# ------------------------------------------------------------------------------- repetition (issue 19)
+def test_a_json_loop_stopped_early_is_a_clear_value_error(demo_llm: SpeculativeLLM) -> None:
+    """A call stopped on a loop inside a JSON string is reported as the cut-off is (a clear ValueError)."""
+    from selfspec.requests import plan_request
+
+    from llama_index.llms.selfspec.base import _final_response, _local_answer, _validate_json
+
+    class Text(BaseModel):
+        text: str = Field(min_length=5000)  # keeps the grammar from ending the string
+
+    plan = plan_request(demo_llm.engine, 'la la la la la la la la {"text": "la la la la la la la la',
+                        json_schema=Text.model_json_schema(), max_tokens=900)
+    response = _final_response("chat", _local_answer(plan, "selfspec-demo", plan.generate()))
+    used = response.additional_kwargs["completion_tokens"]
+    assert response.additional_kwargs["finish_reason"] == "repetition" and used < 600
+    with pytest.raises(ValueError, match=rf"repetition .* after {used} tokens used \(max_new_tokens=900\)"):
+        _validate_json(Text, response)

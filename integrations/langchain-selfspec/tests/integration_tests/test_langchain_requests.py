@@ -160,3 +160,23 @@ def test_a_cancelled_call_stops_within_one_round(path: str, batching: bool) -> N
     assert fresh.invoke("Hello").content == fresh.invoke("Hello").content
     print(json.dumps({"path": path, "batching": batching, "rounds_after_cancel": after,
                       "seconds_to_return": round(returned_after, 3)}))
+
+
+# ------------------------------------------------------------------------------- repetition (issue 19)
+def test_a_json_loop_stopped_early_is_a_clear_output_parser_exception() -> None:
+    """A call stopped on a loop inside a JSON string reaches LangChain's parser as the cut-off does."""
+    from langchain_core.output_parsers import JsonOutputParser
+    from selfspec.requests import plan_request
+
+    from langchain_selfspec.chat_models import _chat_result, _cut_off_check
+
+    engine = ChatSpeculative(model="selfspec-demo").get_engine()
+    # a raw prompt that loops the demo model; minLength keeps the grammar from ending the string
+    schema = {"type": "object", "properties": {"text": {"type": "string", "minLength": 5000}}, "required": ["text"]}
+    plan = plan_request(engine, 'la la la la la la la la {"text": "la la la la la la la la', json_schema=schema,
+                        max_tokens=900)
+    message = _chat_result(plan, "selfspec-demo", plan.generate()).generations[0].message
+    used = message.usage_metadata["output_tokens"]  # type: ignore[index]
+    assert message.response_metadata["finish_reason"] == "repetition" and used < 600
+    with pytest.raises(OutputParserException, match=rf"repetition .* after {used} tokens used \(max_tokens=900\)"):
+        _cut_off_check(JsonOutputParser(), "JSON answer").invoke(message)

@@ -60,6 +60,7 @@ from selfspec.errors import ConfigurationError
 from selfspec.registry import engine_args
 from selfspec.requests import (
     DEFAULT_MAX_TOKENS,
+    INCOMPLETE_REASONS,
     RequestPlan,
     agenerate,
     aiterate,
@@ -732,7 +733,7 @@ def _local_answer(plan: RequestPlan, model: str, output: GenerationOutput) -> _A
         parsed.content if plan.parse_tools else output.text or "",
         parsed.tool_calls,
         parsed.invalid_tool_calls,
-        output.finish_reason,
+        plan.finish_reason(output),
         usage,
         output.stats.to_dict(),
         model,
@@ -990,9 +991,10 @@ def _validate_json(output_cls: type[Model], response: ChatResponse) -> Model:
         return output_cls.model_validate_json(text)
     except ValidationError as exc:
         extra = response.additional_kwargs
-        if extra.get("finish_reason") == "length":
+        reason = extra.get("finish_reason")
+        if reason in INCOMPLETE_REASONS:
             what = f"{output_cls.__name__} JSON"
-            message = cut_off_message(what, extra.get("max_tokens"), extra.get("completion_tokens"))
+            message = cut_off_message(what, extra.get("max_tokens"), extra.get("completion_tokens"), reason)
             raise ValueError(message.replace("max_tokens=", "max_new_tokens=", 1)) from exc
         raise
 
