@@ -2,47 +2,94 @@
 
 A model drafts tokens with its own early layers and verifies them with all of them in one
 forward pass; the text is exactly what the model alone would write, sooner.
+
+The public names are imported on first use (PEP 562): ``import selfspec`` does not import
+torch or transformers, so that the LangChain and LlamaIndex adapters import fast; the first
+``selfspec.SpeculativeEngine`` (or any other name) imports its module.
 """
 
-from importlib.metadata import PackageNotFoundError, version
+from __future__ import annotations
 
-from .constraints import TokenConstraint
-from .drafting import (
-    DecodeState,
-    Draft,
-    Drafter,
-    DraftModelDrafter,
-    EarlyExitDrafter,
-    HybridDrafter,
-    MedusaDrafter,
-    MedusaHeads,
-    NoDrafter,
-    PromptLookupDrafter,
-    list_drafters,
-    register_drafter,
-)
-from .engine import SpeculativeEngine
-from .errors import (
-    ConfigurationError,
-    GenerationMemoryError,
-    InvalidPromptError,
-    ModelNotFoundError,
-    QuantizationError,
-    SamplingError,
-    SelfSpecError,
-    UnsafeCheckpointError,
-    UnsupportedArchitectureError,
-)
-from .generation import GenerationRequest, GenerationStream
-from .loading import DEMO_MODEL, demo_model_path
-from .modeling import SUPPORTED_ARCHITECTURES, ModelAdapter, ModelRunner
-from .outputs import GenerationOutput, GenerationStats
-from .registry import clear_engines, get_engine
+import importlib
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .constraints import TokenConstraint
+    from .drafting import (
+        DecodeState,
+        Draft,
+        Drafter,
+        DraftModelDrafter,
+        EarlyExitDrafter,
+        HybridDrafter,
+        MedusaDrafter,
+        MedusaHeads,
+        NoDrafter,
+        PromptLookupDrafter,
+        list_drafters,
+        register_drafter,
+    )
+    from .engine import SpeculativeEngine
+    from .errors import (
+        ConfigurationError,
+        GenerationMemoryError,
+        InvalidPromptError,
+        ModelNotFoundError,
+        QuantizationError,
+        SamplingError,
+        SelfSpecError,
+        UnsafeCheckpointError,
+        UnsupportedArchitectureError,
+    )
+    from .generation import GenerationRequest, GenerationStream
+    from .loading import DEMO_MODEL, demo_model_path
+    from .modeling import SUPPORTED_ARCHITECTURES, ModelAdapter, ModelRunner
+    from .outputs import GenerationOutput, GenerationStats
+    from .registry import clear_engines, get_engine
 
 try:
     __version__ = version("selfspec")
 except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
+
+#: Where each public name lives (imported by :func:`__getattr__` on first use).
+_LAZY: dict[str, str] = {
+    "TokenConstraint": ".constraints",
+    "DecodeState": ".drafting",
+    "Draft": ".drafting",
+    "Drafter": ".drafting",
+    "DraftModelDrafter": ".drafting",
+    "EarlyExitDrafter": ".drafting",
+    "HybridDrafter": ".drafting",
+    "MedusaDrafter": ".drafting",
+    "MedusaHeads": ".drafting",
+    "NoDrafter": ".drafting",
+    "PromptLookupDrafter": ".drafting",
+    "list_drafters": ".drafting",
+    "register_drafter": ".drafting",
+    "SpeculativeEngine": ".engine",
+    "ConfigurationError": ".errors",
+    "GenerationMemoryError": ".errors",
+    "InvalidPromptError": ".errors",
+    "ModelNotFoundError": ".errors",
+    "QuantizationError": ".errors",
+    "SamplingError": ".errors",
+    "SelfSpecError": ".errors",
+    "UnsafeCheckpointError": ".errors",
+    "UnsupportedArchitectureError": ".errors",
+    "GenerationRequest": ".generation",
+    "GenerationStream": ".generation",
+    "DEMO_MODEL": ".loading",
+    "demo_model_path": ".loading",
+    "SUPPORTED_ARCHITECTURES": ".modeling",
+    "ModelAdapter": ".modeling",
+    "ModelRunner": ".modeling",
+    "GenerationOutput": ".outputs",
+    "GenerationStats": ".outputs",
+    "clear_engines": ".registry",
+    "get_engine": ".registry",
+}
 
 __all__ = [
     "DEMO_MODEL",
@@ -81,3 +128,22 @@ __all__ = [
     "list_drafters",
     "register_drafter",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module on first use (PEP 562)."""
+    module = _LAZY.get(name)
+    if module is None:  # a submodule (``selfspec.engine``), as when this file imported them all
+        try:
+            return importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as error:
+            if error.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

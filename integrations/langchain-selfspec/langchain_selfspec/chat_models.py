@@ -20,7 +20,7 @@ import functools
 import itertools
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from operator import itemgetter
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.exceptions import OutputParserException
@@ -46,10 +46,8 @@ from langchain_core.utils import secret_from_env
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, model_validator
-from selfspec import GenerationOutput, SpeculativeEngine, get_engine
 from selfspec.endpoint import API_KEY_ENV_VARS, EndpointClient, EndpointResult, chat_body
 from selfspec.errors import ConfigurationError
-from selfspec.registry import engine_args
 from selfspec.requests import (
     INCOMPLETE_REASONS,
     RequestPlan,
@@ -68,6 +66,9 @@ from selfspec.tools import (
     ToolCallStreamParser,
     tool_schema,
 )
+
+if TYPE_CHECKING:  # the engine imports torch: imported on first use (model load), not with this module
+    from selfspec import GenerationOutput, SpeculativeEngine
 
 #: Content-block types that carry no text for the model and are skipped (tool calls are
 #: rendered from ``AIMessage.tool_calls``; reasoning is not replayed).
@@ -430,6 +431,8 @@ class ChatSpeculative(BaseChatModel):
     # ------------------------------------------------------------------ engine
     def _engine_args(self) -> dict[str, Any]:
         """The arguments of ``SpeculativeEngine.from_pretrained`` (they key the shared engine)."""
+        from selfspec.registry import engine_args  # the engine (torch, transformers) loads on first use
+
         return engine_args(self)
 
     def get_engine(self, model: str | None = None) -> SpeculativeEngine:
@@ -446,6 +449,8 @@ class ChatSpeculative(BaseChatModel):
                 f"ChatSpeculative(base_url={self.base_url!r}) talks to a server and has no local engine; "
                 "leave base_url unset to run the model in this process"
             )
+        from selfspec import get_engine
+
         return get_engine(model or self.model, **self._engine_args())
 
     def endpoint(self) -> EndpointClient:

@@ -54,10 +54,8 @@ from llama_index.core.llms.utils import parse_partial_json
 from llama_index.core.program.utils import FlexibleModel, create_flexible_model
 from llama_index.core.types import PydanticProgramMode
 
-from selfspec import GenerationOutput, GenerationStream, SpeculativeEngine, get_engine
 from selfspec.endpoint import EndpointClient, EndpointResult, chat_body, text_body
 from selfspec.errors import ConfigurationError
-from selfspec.registry import engine_args
 from selfspec.requests import (
     DEFAULT_MAX_TOKENS,
     INCOMPLETE_REASONS,
@@ -71,9 +69,11 @@ from selfspec.requests import (
 )
 from selfspec.tools import ContentDelta, InvalidToolCall, StreamEvent, ToolCall, ToolCallChunk, ToolCallStreamParser
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the engine imports torch: imported on first use (model load)
     from llama_index.core.prompts import BasePromptTemplate
     from llama_index.core.tools.types import BaseTool
+
+    from selfspec import GenerationOutput, GenerationStream, SpeculativeEngine
 
 logger = logging.getLogger(__name__)
 dispatcher = instrument.get_dispatcher(__name__)
@@ -292,6 +292,8 @@ class SpeculativeLLM(FunctionCallingLLM):
                 f"SpeculativeLLM(base_url={self.base_url!r}) talks to a server and has no local engine; "
                 "leave base_url unset to run the model in this process"
             )
+        from selfspec import get_engine
+
         return get_engine(self.model, **self._engine_args())
 
     def endpoint(self) -> EndpointClient:
@@ -306,6 +308,8 @@ class SpeculativeLLM(FunctionCallingLLM):
 
     def _engine_args(self) -> dict[str, Any]:
         """The arguments of ``SpeculativeEngine.from_pretrained`` (they key the shared engine)."""
+        from selfspec.registry import engine_args  # the engine (torch, transformers) loads on first use
+
         return engine_args(self)
 
     @property
