@@ -628,11 +628,13 @@ def summarise(runs: list[Run], methods: list[Method]) -> dict[str, dict[str, Any
             plain_c = [r for r in by_method.get(plain_name or "", []) if r.category == cat]
             if plain_c:
                 per_category[cat]["vs_plain"] = round(_rate(mine_c) / _rate(plain_c), 3)
-                per_category[cat]["vs_plain_per_repeat"] = [
+                ratios = [
                     round(_rate([r for r in mine_c if r.repeat == k]) / _rate([r for r in plain_c if r.repeat == k]), 3)
                     for k in repeats
                     if any(r.repeat == k for r in plain_c)
                 ]
+                per_category[cat]["vs_plain_per_repeat"] = ratios
+                per_category[cat]["vs_plain_median"] = round(statistics.median(ratios), 3) if ratios else None
         taus = [r.tau for r in mine if r.tau is not None]
         rates = [r.acceptance_rate for r in mine if r.acceptance_rate is not None]
         identical = None
@@ -656,6 +658,13 @@ def summarise(runs: list[Run], methods: list[Method]) -> dict[str, dict[str, Any
         plain_runs = by_method.get(plain_reference(method.name, method.baseline) or "", [])
         if plain_runs:
             summary[method.name]["vs_plain"] = round(_rate(mine) / _rate(plain_runs), 3)
+            ratios = [
+                _rate([r for r in mine if r.repeat == k]) / _rate([r for r in plain_runs if r.repeat == k])
+                for k in sorted({r.repeat for r in mine})
+                if any(r.repeat == k for r in plain_runs)
+            ]
+            summary[method.name]["vs_plain_per_repeat"] = [round(x, 3) for x in ratios]
+            summary[method.name]["vs_plain_median"] = round(statistics.median(ratios), 3) if ratios else None
     return summary
 
 
@@ -693,24 +702,24 @@ def format_category_table(report: BenchReport) -> str:
 def format_plain_table(report: BenchReport) -> str:
     """Each selfspec method against selfspec's own plain loop at the same temperature, per category.
 
-    Cells: the ratio of tokens per second, with the range over repeats.
+    Cells: the median over repeats of the ratio of tokens per second, with its range over repeats.
     """
     names = [n for n, m in report.methods.items() if m.get("vs_plain") is not None]
     if not names:
         return ""
     categories = list(report.settings["categories"])
     lines = [
-        "| method | vs plain | " + " | ".join(categories) + " |",
+        "| method | overall | " + " | ".join(categories) + " |",
         "|---|---:|" + "---:|" * len(categories),
     ]
     for name in names:
         cells = []
         for cat in categories:
             c = report.methods[name]["per_category"].get(cat, {})
-            spread = c.get("vs_plain_per_repeat") or []
-            rng = f" ({min(spread):.2f}-{max(spread):.2f})" if len(spread) > 1 else ""
-            cells.append(f"{c['vs_plain']:.2f}x{rng}" if c.get("vs_plain") is not None else "-")
-        lines.append(f"| {name} | {report.methods[name]['vs_plain']:.2f}x | " + " | ".join(cells) + " |")
+            cells.append(_median_cell(c.get("vs_plain_median"), c.get("vs_plain_per_repeat") or []))
+        m = report.methods[name]
+        overall = _median_cell(m.get("vs_plain_median", m["vs_plain"]), m.get("vs_plain_per_repeat") or [])
+        lines.append(f"| {name} | {overall} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -730,6 +739,12 @@ def format_profile_table(report: BenchReport) -> str:
             f"{p['target_forwards_per_token']:.2f} |"
         )
     return "\n".join(lines)
+
+
+def _median_cell(median: float | None, spread: list[float]) -> str:
+    if median is None:
+        return "-"
+    return f"{median:.2f}x ({min(spread):.2f}-{max(spread):.2f})" if len(spread) > 1 else f"{median:.2f}x"
 
 
 def _section(title: str, table: str) -> str:
@@ -759,7 +774,8 @@ def write_report(report: BenchReport, out_dir: str | Path, name: str = "bench") 
         + format_category_table(report)
         + "\n"
         + _section(
-            "Against selfspec's own plain loop (same temperature; per category, with the range over repeats)",
+            "Against selfspec's own plain loop at the same temperature (median of the per-repeat ratios of "
+            "tokens/s, range over repeats)",
             format_plain_table(report),
         )
         + _section(
