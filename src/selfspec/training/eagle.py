@@ -42,6 +42,8 @@ from .eagle_prompts import Prompt, prompt_mix
 
 #: Training figures and history written beside the head.
 RECORD_FILE = "eagle_training.json"
+#: Draft steps the held-out agreement is measured for (at least; more when training unrolls more).
+EVAL_STEPS = 3
 
 
 @dataclass
@@ -52,12 +54,15 @@ class EagleTrainConfig:
         max_seconds: wall-time budget for writing and training together.
         write_share: the part of the budget spent writing data (the rest trains).
         new_tokens: tokens the model writes per prompt.
-        batch_size: prompts written together (generation is bound by per-step overhead).
+        batch_size: prompts written together (a decoding step's cost grows slowly with the batch).
         max_samples: the most prompts answered (``None``: as many as the budget allows).
         sample_temperature: every other batch is sampled at this temperature (others greedy).
         draft_vocab_size: the reduced draft vocabulary (most frequent tokens of the written
             text); ``0`` keeps the full vocabulary.
         unroll: training-time-test steps (``1``: teacher forcing only, EAGLE-1).
+        unroll_after: the share of the training time spent teacher-forced (one step) before
+            unrolling: the first draft step learns several times faster alone, the unrolled steps
+            then teach the later draft steps to read the head's own predictions.
         micro_batch: sequences per optimizer step.
         lr: peak AdamW learning rate (warmup, then cosine decay over the training time).
         warmup_steps: warmup length.
@@ -70,27 +75,31 @@ class EagleTrainConfig:
         eval_every: evaluate on the held-out samples every this many steps.
         seed: random seed.
         threads: torch threads (``None``: leave as is).
+        init_from_last_layer: start the head's layer from a copy of the target's last layer
+            (``False``: the layer class's own random initialisation).
     """
 
     max_seconds: float = 1200.0
-    write_share: float = 0.4
+    write_share: float = 0.45
     new_tokens: int = 128
-    batch_size: int = 16
+    batch_size: int = 64
     max_samples: int | None = None
     sample_temperature: float = 0.7
     draft_vocab_size: int = 8192
     unroll: int = 3
+    unroll_after: float = 0.4
     micro_batch: int = 4
     lr: float = 1e-3
     warmup_steps: int = 20
     regression_weight: float = 1.0
     step_decay: float = 0.8
     prompt_weight: float = 0.5
-    heldout_share: float = 0.06
+    heldout_share: float = 0.04
     max_steps: int | None = None
-    eval_every: int = 25
+    eval_every: int = 50
     seed: int = 0
     threads: int | None = None
+    init_from_last_layer: bool = False
 
 
 @dataclass
@@ -153,59 +162,82 @@ def write_batch(
 ) -> list[Sample]:
     """The model's own answers to a batch of prompts, with what it computed along the way.
 
-    Left-padded batched generation that also returns the last layer's features (after the
-    final norm) and the logits of every step, so no second forward is needed. An answer ends
-    at the first end-of-sequence token; the last written token has no feature yet and is
-    dropped from the sample.
+    A lean left-padded batched decoding loop over the model's decoder (``model.model``) and LM
+    head: each step keeps only the features it computes anyway (the last layer's output after
+    the final norm, ``[B, q, H]``) and, from the next-token logits, their log-normaliser and
+    argmax. No per-layer hidden states, no stored full-vocabulary logits, no second forward.
+    The prompt positions' logits (the prefill keeps only the last one) come from their features
+    and the frozen LM head. An answer ends at the first end-of-sequence token (finished rows
+    idle until every row is done); the last written token has no feature yet and is dropped.
     """
+    from transformers import DynamicCache
+
     device = model.device
     pad = _pad_id(model, tokenizer)
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long, device=device)
+    eos = model.generation_config.eos_token_id if getattr(model, "generation_config", None) else None
+    eos_list = sorted(set(eos if isinstance(eos, list) else [eos])) if eos is not None else []
+    eos_ids = torch.tensor(eos_list, dtype=torch.long, device=device)
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    generator = torch.Generator(device=device).manual_seed(seed) if sampled else None
+    batch, width = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((batch, width), pad, dtype=torch.long, device=device)
     mask = torch.zeros_like(ids)
     for row, prompt in enumerate(prompts):
         ids[row, width - len(prompt) :] = torch.tensor(prompt, device=device)
         mask[row, width - len(prompt) :] = 1
-    kwargs: dict[str, Any] = {"do_sample": False}
-    if sampled:
-        torch.manual_seed(seed)
-        kwargs = {"do_sample": True, "temperature": cfg.sample_temperature, "top_k": 0, "top_p": 1.0}
-    out = model.generate(
-        ids,
-        attention_mask=mask,
-        max_new_tokens=cfg.new_tokens,
-        pad_token_id=pad,
-        output_hidden_states=True,
-        output_logits=True,
-        return_dict_in_generate=True,
-        **kwargs,
-    )
-    # [B, width + steps - 1, H]: the last layer's output (after the final norm) at every position fed
-    features = torch.cat([step[-1] for step in out.hidden_states], dim=1)
-    logits = torch.stack(out.logits, dim=1).float()  # [B, steps, vocab]: position width - 1 + i
-    softcap = getattr(model.config, "final_logit_softcapping", None)
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
-    log_norm, argmax = torch.logsumexp(logits, dim=-1), logits.argmax(-1)  # [B, steps]
-    eos = model.generation_config.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    cache = DynamicCache(config=model.config)
+    step_features, step_log_norm, step_argmax, written = [], [], [], []
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    inputs = ids
+    for _ in range(cfg.new_tokens):
+        hidden = model.model(
+            input_ids=inputs, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
+        ).last_hidden_state  # [B, q, H]: features after the final norm
+        step_features.append(hidden)
+        logits = model.lm_head(hidden[:, -1]).float()  # [B, vocab]
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        step_log_norm.append(torch.logsumexp(logits, dim=-1))
+        greedy = logits.argmax(-1)
+        step_argmax.append(greedy)
+        if sampled:
+            probs = torch.softmax(logits / cfg.sample_temperature, dim=-1)
+            token = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        else:
+            token = greedy
+        token = torch.where(finished, torch.full_like(token, pad), token)
+        written.append(token)
+        if eos_ids.numel():
+            finished |= torch.isin(token, eos_ids)
+        if bool(finished.all()):
+            break
+        inputs = token[:, None]
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        positions = positions[:, -1:] + 1
+    features = torch.cat(step_features, dim=1)  # [B, width + steps - 1, H]
+    log_norm = torch.stack(step_log_norm, dim=1).cpu()  # [B, steps]: at position width - 1 + i
+    argmax = torch.stack(step_argmax, dim=1).cpu()
+    tokens = torch.stack(written, dim=1).tolist()  # [B, steps]
+    eos_set = set(eos_list)
     samples = []
     for row, prompt in enumerate(prompts):
-        answer = out.sequences[row, width:].tolist()
+        answer = tokens[row]
         for i, token in enumerate(answer):
-            if token in eos_ids:
+            if token in eos_set:
                 answer = answer[: i + 1]
                 break
         if len(answer) < 2:
             continue
         kept = len(prompt) + len(answer) - 1  # positions with a feature
         first = width - len(prompt)
+        row_features = features[row, first : first + kept]
         row_log_norm = torch.zeros(kept)
         row_argmax = torch.full((kept,), -1, dtype=torch.long)
-        row_log_norm[len(prompt) - 1 :] = log_norm[row, : len(answer)].cpu()
-        row_argmax[len(prompt) - 1 :] = argmax[row, : len(answer)].cpu()
-        if len(prompt) > 1:  # the prompt positions' own distributions (generate returned only the answer's)
-            prompt_logits = model.lm_head(features[row, first : first + len(prompt) - 1]).float()
+        row_log_norm[len(prompt) - 1 :] = log_norm[row, : len(answer)]
+        row_argmax[len(prompt) - 1 :] = argmax[row, : len(answer)]
+        if len(prompt) > 1:  # the prompt positions' own distributions (the loop scored only the last)
+            prompt_logits = model.lm_head(row_features[: len(prompt) - 1]).float()
             if softcap is not None:
                 prompt_logits = torch.tanh(prompt_logits / softcap) * softcap
             row_log_norm[: len(prompt) - 1] = torch.logsumexp(prompt_logits, dim=-1).cpu()
@@ -214,7 +246,7 @@ def write_batch(
             Sample(
                 ids=torch.tensor([*prompt, *answer[:-1]], dtype=torch.long),
                 answer_start=len(prompt),
-                features=features[row, first : first + kept].to(torch.float16).cpu(),
+                features=row_features.to(torch.float16).cpu(),
                 log_norm=row_log_norm,
                 argmax=row_argmax,
                 kind=kinds[row],
@@ -360,10 +392,11 @@ def evaluate(head: EagleHead, samples: list[Sample], cfg: EagleTrainConfig, devi
     if not samples:
         return []
     head.eval()
-    sums = [0.0] * cfg.unroll
+    steps = max(cfg.unroll, EVAL_STEPS)
+    sums = [0.0] * steps
     for i in range(0, len(samples), cfg.micro_batch):
         batch = collate(samples[i : i + cfg.micro_batch], device)
-        _, agreement = loss_and_agreement(head, batch, cfg, cfg.unroll)
+        _, agreement = loss_and_agreement(head, batch, cfg, steps)
         weight = float(batch.answer.sum())
         sums = [s + a * weight for s, a in zip(sums, agreement, strict=True)]
     total = sum(float(collate([s], device).answer.sum()) for s in samples)
@@ -399,32 +432,36 @@ def write_data(
     rendered = [(kind, render_prompt(tokenizer, prompt)) for kind, prompt in prompts]
     if cfg.max_samples is not None:
         rendered = rendered[: cfg.max_samples]
-    # prompts of similar length share a batch (less padding), in windows of four batches to keep the mix
+    # prompts of similar length share a batch (less padding): sorted in windows of four batches, whose
+    # batches are then taken in a shuffled order (a budget that ends mid-window keeps the mix of kinds)
     window = 4 * cfg.batch_size
-    rendered = [
-        item
-        for start in range(0, len(rendered), window)
-        for item in sorted(rendered[start : start + window], key=lambda kind_ids: len(kind_ids[1]))
-    ]
+    rng = random.Random(cfg.seed)
+    chunks: list[list[tuple[str, list[int]]]] = []
+    for start in range(0, len(rendered), window):
+        ordered = sorted(rendered[start : start + window], key=lambda kind_ids: len(kind_ids[1]))
+        batches = [ordered[i : i + cfg.batch_size] for i in range(0, len(ordered), cfg.batch_size)]
+        rng.shuffle(batches)
+        chunks += batches
     samples: list[Sample] = []
     started = time.perf_counter()
-    for index in range(0, len(rendered), cfg.batch_size):
+    for index, chunk in enumerate(chunks):
         if time.perf_counter() >= deadline and samples:
             break
-        chunk = rendered[index : index + cfg.batch_size]
-        sampled = (index // cfg.batch_size) % 2 == 1
+        sampled = index % 2 == 1
         samples += write_batch(
             model, tokenizer, [ids for _, ids in chunk], [kind for kind, _ in chunk], cfg, sampled, cfg.seed + index
         )
         if progress is not None:
             tokens = sum(int(s.ids.shape[0]) - s.answer_start for s in samples)
-            progress(f"writing: {len(samples)} answers, {tokens} answer tokens")
+            rate = tokens / max(time.perf_counter() - started, 1e-6) * 60
+            progress(f"writing: {len(samples)} answers, {tokens} answer tokens ({rate:.0f}/min)")
     answer_tokens = sum(int(s.ids.shape[0]) - s.answer_start for s in samples)
     figures = {
         "samples": len(samples),
         "answer_tokens": answer_tokens,
         "total_tokens": sum(int(s.ids.shape[0]) for s in samples),
         "write_seconds": round(time.perf_counter() - started, 1),
+        "answer_tokens_per_minute": round(answer_tokens / max(time.perf_counter() - started, 1e-6) * 60),
         "kinds": dict(Counter(s.kind for s in samples)),
     }
     return samples, figures
@@ -503,7 +540,8 @@ def train_eagle_head(
     # 3. train
     draft_ids = choose_draft_vocab(train, cfg.draft_vocab_size, int(model.config.vocab_size))
     config = EagleHeadConfig.for_target(model, target_name)
-    head = EagleHead(model, config, draft_token_ids=draft_ids).float().train()
+    head = EagleHead(model, config, draft_token_ids=draft_ids, init_from_last_layer=cfg.init_from_last_layer)
+    head = head.float().train()
     optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     step, trained_seconds, history = 0, 0.0, []
     if checkpoint_file is not None and checkpoint_file.is_file():
@@ -530,7 +568,7 @@ def train_eagle_head(
         warm = min(1.0, (step + 1) / cfg.warmup_steps) if resumed_at == 0 else 1.0
         for group in optimizer.param_groups:
             group["lr"] = cfg.lr * warm * 0.5 * (1.0 + math.cos(math.pi * min(fraction, 1.0)))
-        loss, _ = loss_and_agreement(head, batch, cfg, cfg.unroll)
+        loss, _ = loss_and_agreement(head, batch, cfg, 1 if fraction < cfg.unroll_after else cfg.unroll)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)

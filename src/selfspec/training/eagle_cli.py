@@ -9,6 +9,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+#: Seconds of the ``--minutes`` budget kept for the final held-out evaluation and saving.
+SAVE_RESERVE_SECONDS = 15.0
+
 
 def add_train_eagle_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``train-eagle`` to the ``selfspec`` command's subparsers."""
@@ -29,7 +32,7 @@ def add_train_eagle_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--out", type=Path, default=None, help="default: <model folder>/eagle_head, or the user cache for hub ids/GGUF"
     )
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens the model writes per prompt")
-    parser.add_argument("--batch-size", type=int, default=16, help="prompts written together")
+    parser.add_argument("--batch-size", type=int, default=64, help="prompts written together")
     parser.add_argument("--draft-vocab", type=int, default=8192, help="reduced draft vocabulary (0: full)")
     parser.add_argument("--unroll", type=int, default=3, help="training-time-test steps")
     parser.add_argument("--max-samples", type=int, default=None, help="the most prompts answered")
@@ -46,6 +49,7 @@ def add_train_eagle_parser(subparsers: Any) -> argparse.ArgumentParser:
 def cmd_train_eagle(args: argparse.Namespace) -> int:
     """Train a head for ``--model`` and save it beside the model (or in the user cache, or ``--out``)."""
     import shutil
+    import time
 
     from ..eagle import _model_key, head_folder_for
     from ..errors import ConfigurationError
@@ -56,6 +60,7 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
 
     if not args.minutes > 0:
         raise ConfigurationError(f"--minutes must be > 0 (the wall-time budget), got {args.minutes}")
+    started = time.perf_counter()  # the budget covers loading the model and saving the head too
     prompts = None
     if args.data is not None:
         try:
@@ -71,7 +76,7 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
     if args.restart and state_dir.is_dir():
         shutil.rmtree(state_dir)
     config = EagleTrainConfig(
-        max_seconds=args.minutes * 60.0,
+        max_seconds=max(args.minutes * 60.0 - (time.perf_counter() - started) - SAVE_RESERVE_SECONDS, 1.0),
         new_tokens=args.new_tokens,
         batch_size=args.batch_size,
         draft_vocab_size=args.draft_vocab,
@@ -81,7 +86,8 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
         seed=args.seed,
         threads=args.threads,
     )
-    result = train_eagle_head(model, tokenizer, config, target_name=str(path), prompts=prompts, state_dir=state_dir)
+    target_name = Path(str(path)).name if Path(str(path)).exists() else str(path)
+    result = train_eagle_head(model, tokenizer, config, target_name=target_name, prompts=prompts, state_dir=state_dir)
     saved = save_trained_head(result, out)
     figures = result.figures
     agreement = " / ".join(f"{a:.2f}" for a in figures["heldout_agreement_per_step"])
