@@ -249,3 +249,21 @@ def test_agenerate_returns_the_output(lookup_engine: SpeculativeEngine) -> None:
     plan = plan_request(lookup_engine, [{"role": "user", "content": "Hello"}], max_tokens=12)
     output = asyncio.run(agenerate(plan.stream))
     assert output.text == plan.generate().text and output.finish_reason in ("stop", "length")
+
+
+def test_a_pydantic_class_and_its_schema_are_stated_alike() -> None:
+    """Pydantic's generated property titles are left out of the stated schema (issue 19, SmolLM2's JSON mode)."""
+    from pydantic import BaseModel, Field
+
+    from selfspec.requests import schema_instruction
+
+    class Joke(BaseModel):
+        """Joke to tell user."""
+
+        setup: str = Field(description="question to set up a joke")
+        first_name: str = Field(title="Given name")
+
+    stated = json.loads(schema_instruction(Joke.model_json_schema()).removeprefix(SCHEMA_INSTRUCTION))
+    assert "title" not in stated["properties"]["setup"]  # "Setup": the key again
+    assert stated["properties"]["first_name"]["title"] == "Given name"  # a title of its own is kept
+    assert stated["title"] == "Joke" and stated["description"] == "Joke to tell user."

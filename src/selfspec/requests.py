@@ -352,8 +352,29 @@ def tools_message_text(tools: Sequence[Mapping[str, Any]], user_text: str) -> st
 
 
 def schema_instruction(schema: Mapping[str, Any]) -> str:
-    """The sentence that states a structured-output schema to the model."""
-    return SCHEMA_INSTRUCTION + json.dumps(dict(schema), ensure_ascii=False)
+    """The sentence that states a structured-output schema to the model.
+
+    The titles Pydantic generates for properties (``"title": "Setup"`` for ``setup``) are left
+    out: they repeat the key, and without them a Pydantic class and its JSON schema are stated
+    alike (with them, SmolLM2-135M's greedy decoding looped inside a string for LangChain's
+    JSON-mode prompt, and answered in 40 tokens without).
+    """
+    return SCHEMA_INSTRUCTION + json.dumps(without_generated_titles(schema), ensure_ascii=False)
+
+
+def without_generated_titles(schema: Any) -> Any:
+    """A copy of ``schema`` without the property titles Pydantic derives from their keys."""
+    if isinstance(schema, list):
+        return [without_generated_titles(item) for item in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    copy = {key: without_generated_titles(value) for key, value in schema.items()}
+    properties = copy.get("properties")
+    if isinstance(properties, dict):
+        for key, value in properties.items():
+            if isinstance(value, dict) and value.get("title") == key.replace("_", " ").title():
+                properties[key] = {k: v for k, v in value.items() if k != "title"}
+    return copy
 
 
 def forced_call_instruction(tools: Sequence[Mapping[str, Any]], forced: str) -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any, Literal
@@ -744,7 +745,7 @@ class ChatSpeculative(BaseChatModel):
             what = "JSON answer"
         else:
             raise ValueError(f"unknown method {method!r}: use 'function_calling', 'json_schema' or 'json_mode'")
-        parser = _cut_off_check(parser, what)
+        parser = _cut_off_check(parser, what, json_answer=method != "function_calling")
         if not include_raw:
             return llm | parser
         parse = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
@@ -757,14 +758,37 @@ def _check_call_args(kwargs: dict[str, Any]) -> None:
     check_arguments("ChatSpeculative call", kwargs, _CALL_ARGS)
 
 
-def _cut_off_check(parser: Runnable[Any, Any], what: str) -> Runnable[Any, Any]:
+def _is_complete(message: Any, json_answer: bool) -> bool:
+    """Whether an answer's JSON (``json_answer``) or tool call is whole, read strictly.
+
+    LangChain's JSON parsers read partial JSON (a string cut in the middle is closed for them),
+    so they cannot tell a cut answer from a whole one.
+    """
+    if json_answer:
+        try:
+            json.loads(message.content if isinstance(message.content, str) else "")
+        except ValueError:
+            return False
+        return True
+    if getattr(message, "invalid_tool_calls", None):
+        return False
+    for chunk in getattr(message, "tool_call_chunks", None) or []:  # a joined stream
+        try:
+            json.loads(chunk.get("args") or "")
+        except ValueError:
+            return False
+    return bool(getattr(message, "tool_calls", None))
+
+
+def _cut_off_check(parser: Runnable[Any, Any], what: str, json_answer: bool = False) -> Runnable[Any, Any]:
     """``parser``, but an answer cut off by ``max_tokens`` raises a clear ``OutputParserException``.
 
     An answer that ended at ``max_tokens`` (``finish_reason="length"``), or that was stopped
     because its JSON degenerated into repetition (``finish_reason="repetition"``), and that
     ``parser`` cannot read in full is reported with the budget and the tokens used, instead of a parser
     returning ``None``, an empty stream or a puzzling parse error. Streams keep their partial
-    objects; the error comes at the end.
+    objects; the error comes at the end. Whether an answer that ended at ``max_tokens`` is whole
+    is read strictly (:func:`_is_complete`): a cut JSON string is not a whole answer.
     """
 
     def cut_off(whole: Any, error: Exception | None) -> OutputParserException | None:
@@ -772,12 +796,8 @@ def _cut_off_check(parser: Runnable[Any, Any], what: str) -> Runnable[Any, Any]:
         reason = metadata.get("finish_reason")
         if reason not in INCOMPLETE_REASONS:
             return None
-        if error is None and reason == "length":  # a loop stopped early is never complete
-            try:
-                if parser.invoke(whole) is not None:
-                    return None  # complete although the budget ran out exactly at its end
-            except OutputParserException:
-                pass
+        if error is None and reason == "length" and _is_complete(whole, json_answer):
+            return None  # complete although the budget ran out exactly at its end
         usage = getattr(whole, "usage_metadata", None) or {}
         content = getattr(whole, "content", None)
         return OutputParserException(

@@ -19,7 +19,7 @@ class Person(BaseModel):
     """A person."""
 
     name: str = Field(description="the person's name")
-    age: int = Field(description="the person's age in years")
+    age: int = Field(description="the person's age in years", ge=0, le=150)  # bounded: the demo model loops in digits
 
 
 @tool
@@ -102,6 +102,18 @@ def test_structured_output_cut_by_max_tokens_raises_a_clear_error(mode: dict[str
     [bad] = raw["raw"].invalid_tool_calls
     assert bad["name"] == "Person"
     assert bad["args"].startswith("{") and '"arguments"' not in bad["args"] and "Person" not in bad["args"]
+
+
+def test_a_dict_schema_cut_by_max_tokens_is_not_read_as_partial_json(mode: dict[str, Any]) -> None:
+    """LangChain's JSON parser closes a cut string; a cut answer must still be an error, not a partial dict."""
+    llm = ChatSpeculative(**mode, max_tokens=8)
+    for method in ("json_schema", "json_mode"):
+        structured = llm.with_structured_output(Person.model_json_schema(), method=method)  # type: ignore[arg-type]
+        with pytest.raises(OutputParserException, match=r"max_tokens=8 \(8 tokens used\)"):
+            structured.invoke("Anne is 27.")
+        with pytest.raises(OutputParserException, match="max_tokens=8"):
+            for _ in structured.stream("Anne is 27."):
+                pass
 
 
 async def test_structured_output_cut_by_max_tokens_raises_async(mode: dict[str, Any]) -> None:
