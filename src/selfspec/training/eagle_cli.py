@@ -9,8 +9,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-#: Seconds of the ``--minutes`` budget kept for the final held-out evaluation and saving.
-SAVE_RESERVE_SECONDS = 15.0
+#: Seconds of the ``--minutes`` budget kept for Python start-up, the final evaluation and saving.
+SAVE_RESERVE_SECONDS = 30.0
 
 
 def add_train_eagle_parser(subparsers: Any) -> argparse.ArgumentParser:
