@@ -76,6 +76,14 @@ if TYPE_CHECKING:  # the engine imports torch: imported on first use (model load
     from selfspec import GenerationOutput, GenerationStream, SpeculativeEngine
 
 logger = logging.getLogger(__name__)
+
+
+def get_engine(model: str, **engine_args: Any) -> SpeculativeEngine:
+    """:func:`selfspec.get_engine`, imported on first use (the engine imports torch and transformers)."""
+    from selfspec import get_engine as shared_engine
+
+    return shared_engine(model, **engine_args)
+
 dispatcher = instrument.get_dispatcher(__name__)
 
 Model = TypeVar("Model", bound=BaseModel)
@@ -292,8 +300,6 @@ class SpeculativeLLM(FunctionCallingLLM):
                 f"SpeculativeLLM(base_url={self.base_url!r}) talks to a server and has no local engine; "
                 "leave base_url unset to run the model in this process"
             )
-        from selfspec import get_engine
-
         return get_engine(self.model, **self._engine_args())
 
     def endpoint(self) -> EndpointClient:
