@@ -59,8 +59,9 @@ def trained_head(tiny) -> EagleHead:
         ("ids", torch.randint(3, 96, (6,), generator=generator).tolist()) for _ in range(32)
     ]
     config = EagleTrainConfig(
-        max_seconds=60, new_tokens=24, batch_size=16, draft_vocab_size=64, max_steps=100, eval_every=50, lr=3e-3
-    )
+        max_seconds=60, new_tokens=24, batch_size=16, draft_vocab_size=64, max_steps=100, eval_every=50, lr=3e-3,
+        unroll_after=0.0,  # unrolled from the start: the step count, not the wall time, decides what it learns
+    )  # fmt: skip
     result = train_eagle_head(model, None, config, prompts=prompts, progress=False)
     assert result.figures["steps"] == 100 and result.figures["answer_tokens"] > 300
     head = EagleHead(tiny, result.head.head_config, draft_token_ids=result.head.draft_token_ids)
@@ -132,11 +133,17 @@ def test_head_cache_matches_a_fresh_pass(tiny, trained_head, tree_nodes) -> None
         torch.testing.assert_close(root, fresh, rtol=1e-9, atol=1e-9)
 
 
-def test_tree_keeps_the_chain_and_accepts_at_least_as_much(tiny, trained_head) -> None:
+def test_tree_equals_the_chain_and_accepts_drafts(tiny, trained_head) -> None:
+    """Trees draft more nodes a round than chains and accept some; the text is the same.
+
+    (EAGLE-2's reranking keeps the most probable nodes, not necessarily the chain's path, so a
+    tree may accept less than the chain on a given text: that is measured in the benchmark.)
+    """
     chain = eagle_engine(tiny, trained_head, num_draft_tokens=4).generate_ids(PROMPT, max_new_tokens=40)
     tree = eagle_engine(tiny, trained_head, num_draft_tokens=4, tree_nodes=10).generate_ids(PROMPT, max_new_tokens=40)
     assert tree.token_ids == chain.token_ids
-    assert tree.stats.mean_accepted_length >= chain.stats.mean_accepted_length
+    per_round = [s.num_drafted / max(s.target_forwards - 1, 1) for s in (chain.stats, tree.stats)]
+    assert per_round[1] > per_round[0] and tree.stats.mean_accepted_length > 1.5
 
 
 # ----------------------------------------------------------------------------- sampling
