@@ -6,16 +6,18 @@ No dataset is needed (EAGLE, Li et al. 2024; EAGLE-3's training-time test, Li et
    (:mod:`selfspec.training.eagle_prompts`: chat turns, RAG questions over a passage, summaries,
    code, continuations; through its chat template when it has one), batched, alternating greedy
    and sampled answers.
-2. **Record.** The same generation returns every position's feature ``f_t`` (the last layer's
-   output after the final norm), stored in half precision with the log-normaliser and argmax of
-   the model's own next-token distribution at answer positions, so the model's logits never need
-   recomputing over the full vocabulary.
+2. **Record.** The same lean decoding loop (the model's decoder and LM head, no per-layer
+   states, no stored logits) keeps every position's feature ``f_t`` (the last layer's output
+   after the final norm), stored in half precision with the log-normaliser and argmax of the
+   model's own next-token distribution, so the model's logits never need recomputing over the
+   full vocabulary and no second forward runs.
 3. **Train.** The head reads ``(f_t, x_{t+1})`` and predicts ``f_{t+1}``; it is unrolled for
    ``unroll`` steps on its own predictions (step ``s`` at position ``j`` reads step ``s - 1``'s
    prediction from ``j - 1`` and attends to the true entries up to ``j - s`` and to its own chain,
    as in drafting). Loss per step, weighted ``0.8 ** s``: cross-entropy against the model's own
    distribution (soft targets, on the draft vocabulary) plus a SmoothL1 regression onto the true
-   next feature (EAGLE-1). Only answer positions count.
+   next feature (EAGLE-1). Answer positions weigh 1, prompt positions ``prompt_weight``. The
+   first ``unroll_after`` of the training time is teacher-forced (one step), then unrolled.
 
 The wall time is bounded (``max_seconds``: a share for writing, the rest for training), the work
 is resumable (the recorded data and a checkpoint live in a state folder), and a held-out part of
