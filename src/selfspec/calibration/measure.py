@@ -9,8 +9,8 @@ of verifying ``k`` drafts, relative to one plain step. A replay of the continuat
 predicts each candidate's speed (tokens per plain-step cost): plain decoding (1.0), early exit
 per layer and draft length, layer skip, prompt lookup, hybrid (lookup where the text
 repeats, else the early exit), and, when an EAGLE head fits the model
-(:func:`~selfspec.eagle.find_eagle_head`), the head's chains alone and with lookup copies beside
-them (``eagle`` / ``eagle_hybrid``): their acceptance is measured by decoding the prompts with
+(:func:`~selfspec.eagle.find_eagle_head`), the head's chains alone and with lookup copies where
+the text repeats (``eagle`` / ``eagle_hybrid``): their acceptance is measured by decoding the prompts with
 the head (a chain's accepted length per round), their draft cost from the same runs. The
 fastest becomes the :class:`~selfspec.calibration.plan.Plan` that ``drafter="auto"`` runs,
 and plain decoding when nothing beats it by a margin.
@@ -806,16 +806,15 @@ def choose_plan(
         costs = CostModel(float(eagle["draft_cost"]), verify_cost)
         longest = int(eagle.get("num_draft_tokens", lengths[-1]))
         head = str(eagle.get("head")) if eagle.get("head") else None
-        for method, graft in (("eagle", False), ("eagle_hybrid", True)):
+        for method, copies in (("eagle", False), ("eagle_hybrid", True)):
             best = (0.0, 1)
             for k in [k for k in lengths if k <= longest]:
                 run = replay(
                     data,
                     costs,
                     k,
-                    lookup=(2, 3) if graft else None,
+                    lookup=(2, 3) if copies else None,  # eagle_hybrid: copy-only rounds where the text repeats
                     accepted_per_round=eagle["accepted_per_round"],
-                    graft=graft,
                     max_draft_tokens=longest,  # measured chains were this long
                 )
                 best = max(best, (run.speedup, k))

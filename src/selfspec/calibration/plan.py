@@ -10,7 +10,7 @@ A :class:`Plan` is saved in ``selfspec.json`` (under ``"plan"``) by
 - ``"hybrid"``: prompt lookup where the text repeats, else the early exit;
 - ``"layer_skip"``: a subset of the layers;
 - ``"eagle"``: an EAGLE-style feature head found for the model (:func:`~selfspec.eagle.find_eagle_head`);
-- ``"eagle_hybrid"``: the head, with prompt-lookup copies verified beside its chains.
+- ``"eagle_hybrid"``: prompt-lookup copies where the text repeats, the head's chains elsewhere.
 
 Per request the lookup part drafts only where the prompt gives it something to copy, and the
 online guard (:mod:`selfspec.calibration.guard`) pauses any drafting that does not pay.
@@ -71,7 +71,7 @@ class Plan:
         elif self.method in ("eagle", "eagle_hybrid"):
             what = f"EAGLE head, k={self.num_draft_tokens}"
             if self.method == "eagle_hybrid":
-                what = f"{what}, with prompt-lookup copies beside its chains"
+                what = f"{what}, prompt-lookup copies where the text repeats"
         else:
             adapter = " with its exit adapter" if self.exit_adapter else ""
             what = f"early exit at layer {self.exit_layer}{adapter}, k={self.num_draft_tokens}"

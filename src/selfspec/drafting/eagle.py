@@ -37,7 +37,6 @@ from ..sampling import logits_to_probs, sample
 from ..tree import default_tree_width
 from .base import DecodeState, Draft, Drafter, draft_autoregressively
 from .early_exit_tree import _Node, rerank
-from .hybrid import graft
 from .prompt_lookup import PromptLookupDrafter
 from .registry import register_drafter
 
@@ -62,11 +61,16 @@ class EagleDrafter(Drafter):
         tree_width: children per expanded node and nodes expanded per depth (default
             :func:`~selfspec.tree.default_tree_width`).
         lookup: also look the text's last n-gram up in the prompt and output (prompt lookup):
-            in greedy chain rounds a copied continuation is grafted beside the head's chain as a
-            second branch and both are verified in one forward (``drafter="eagle_hybrid"``).
+            in a greedy chain round where the text repeats, the round drafts the copied
+            continuation alone (at least :attr:`COPY_TOKENS` tokens) and the head drafts only
+            where nothing repeats (``drafter="eagle_hybrid"``). Verifying the head's chain beside
+            a copy costs more rows than it saves on CPU (measured on SmolLM2-135M: summarization
+            24.7-25.3 tok/s with copy-only rounds, 21.4-21.8 with the chain grafted beside).
     """
 
     name = "eagle"
+    #: The shortest copy a lookup round drafts (the head's calibrated chain is often 1-2 tokens).
+    COPY_TOKENS = 4
     needs_hidden = True
     needs_committed_hidden = True
 
@@ -127,6 +131,10 @@ class EagleDrafter(Drafter):
             return Draft()
         if self.tree_nodes and state.constraint is None:
             return self._tree(state, memory, root, max_tokens)
+        if self.lookup is not None and state.params.greedy and state.constraint is None:
+            copied = self.lookup.lookup(state, max(max_tokens, self.COPY_TOKENS))
+            if copied:  # the text repeats: a copy-only round
+                return Draft(tokens=copied)
         head, position = self.head, state.position
         device = root.device
         feature = [root]
@@ -137,12 +145,7 @@ class EagleDrafter(Drafter):
                 feature[0] = head(feature[0], ids, torch.full((1, 1), position + j - 1, device=device), memory.cache)
             return head.full_logits(feature[0])[0, 0]
 
-        draft = draft_autoregressively(state, max_tokens, next_logits, self.confidence)
-        if self.lookup is not None and state.params.greedy and state.constraint is None:
-            copied = self.lookup.lookup(state, max_tokens)
-            if copied:  # verify the copy beside the head's chain, in the same forward
-                return graft(draft, copied)
-        return draft
+        return draft_autoregressively(state, max_tokens, next_logits, self.confidence)
 
     def _tree(self, state: DecodeState, memory: _HeadMemory, root_feature: torch.Tensor, max_depth: int) -> Draft:
         """An EAGLE-2 dynamic tree: expand the most probable nodes depth by depth, rerank to the budget."""
@@ -291,7 +294,7 @@ def make_eagle(engine: Any, **options: Any) -> EagleDrafter:
 
 
 def make_eagle_hybrid(engine: Any, **options: Any) -> EagleDrafter:
-    """The EAGLE drafter with prompt lookup grafted beside its chains (``lookup=True``)."""
+    """The EAGLE drafter with prompt-lookup copies where the text repeats (``lookup=True``)."""
     return make_eagle(engine, **{"lookup": True, **options})
 
 
@@ -305,7 +308,7 @@ register_drafter(
 register_drafter(
     "eagle_hybrid",
     make_eagle_hybrid,
-    description="the EAGLE head, with prompt-lookup copies verified beside its chains (eagle_head=)",
+    description="prompt-lookup copies where the text repeats, else the EAGLE head (eagle_head=)",
     trees=True,
     engine_options=("eagle_head",),
 )
