@@ -133,7 +133,7 @@ def test_plan_picks_the_eagle_head_when_it_is_better_and_never_when_it_loses(tmp
     bad = _eagle_figures("h", [0] * 30, draft_cost=0.3)  # never accepted: plain decoding
     plan, candidates, _ = choose_plan(data, misses, {1: 0.2}, verify, eagle=bad)
     assert plan.method == "none" and _speed(candidates, "eagle(") < 1.0
-    # where the text repeats, copies beside the head's chains beat the head alone
+    # where the text repeats, copy-only rounds beat the head alone
     span = list(range(10, 30))
     copying = Continuations([[*span, 1, *span, *range(40, 60)]], [21])
     half = _eagle_figures("h", [1, 2] * 15)
