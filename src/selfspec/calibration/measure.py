@@ -414,7 +414,6 @@ def replay(
     lookup: tuple[int, int] | None = None,
     adaptive: bool = True,
     accepted_per_round: Sequence[int] | None = None,
-    graft: bool = False,
     max_draft_tokens: int = 8,
 ) -> Replay:
     """Replay the continuations round by round, as the engine would decode them.
@@ -427,9 +426,8 @@ def replay(
     A drafter measured per round instead of per position (an EAGLE head's chains, whose
     later tokens read the head's own predictions) gives ``accepted_per_round``: how many
     tokens its full-length chains had accepted; each round draws one (a fixed seed, so the
-    replay is reproducible) and keeps at most its budget. With ``graft`` the model drafter
-    also drafts in lookup rounds and both are verified in one forward (``eagle_hybrid``):
-    the round keeps the longer accepted prefix and pays for both drafts. An adaptive draft
+    replay is reproducible) and keeps at most its budget. With ``lookup`` as well it drafts
+    only in rounds without a copy (``eagle_hybrid``'s copy-only rounds). An adaptive draft
     grows up to ``max_draft_tokens``.
     """
     from ..drafting.prompt_lookup import NgramIndex
@@ -465,11 +463,9 @@ def replay(
                     accepted += 1
                 draft = [0] * budget
                 model_cost = costs.draft * budget
-            elif counts and budget > 0 and (not draft or graft):
-                chain = min(draw.choice(counts), budget)
-                extra = budget - _shared_prefix(draft, sequence[position:], chain) if draft else budget
-                accepted = max(accepted, chain)
-                draft = draft + [0] * extra
+            elif counts and budget > 0 and not draft:
+                accepted = min(draw.choice(counts), budget)
+                draft = [0] * budget
                 model_cost = costs.draft * budget
             cost = model_cost + (costs.round_cost(len(draft)) - costs.draft * len(draft) if draft else 1.0)
             emitted = min(accepted + 1, remaining)
@@ -485,19 +481,6 @@ def replay(
                 elif accepted < len(draft) // 2:
                     current = max(current - 1, 1)
     return result
-
-
-def _shared_prefix(copied: list[int], truth: Sequence[int], chain_accepted: int) -> int:
-    """Tokens a grafted chain shares with the copy (the tree verifies them once).
-
-    The chain's accepted tokens are the text's; past them its tokens are unknown, assumed different.
-    """
-    shared = 0
-    for a, b in zip(copied[:chain_accepted], truth, strict=False):
-        if a != b:
-            break
-        shared += 1
-    return shared
 
 
 # ----------------------------------------------------------------------------- EAGLE heads
