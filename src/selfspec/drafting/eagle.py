@@ -282,6 +282,10 @@ def engine_eagle_head(engine: Any, eagle_head: Any = None) -> EagleHead:
         return choice.to(device=weight.device, dtype=weight.dtype)
     if not isinstance(choice, (str, os.PathLike)):
         raise ConfigurationError(f"eagle_head must be a folder, a loaded EagleHead or 'auto', got {choice!r}")
+    from ..eagle_published import is_published_head, load_published_head
+
+    if is_published_head(choice):  # a published EAGLE-1/EAGLE-2 head folder (config.json + model.safetensors)
+        return load_published_head(choice, model)
     return load_eagle_head(choice, model)
 
 
