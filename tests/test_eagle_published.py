@@ -193,6 +193,23 @@ def test_a_loaded_published_head_saves_and_reloads(tmp_path, tiny, trained_folde
     assert config["rms_norm_eps"] == HEAD_EPS and config["rope_theta"] == HEAD_ROPE_THETA and config["bias"] is True
 
 
+def test_sharded_safetensors_load(tmp_path, tiny, trained_weights) -> None:
+    """A head split into shards with a ``model.safetensors.index.json`` loads like a single file."""
+    folder = tmp_path / "sharded"
+    folder.mkdir()
+    names = sorted(trained_weights)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for shard, shard_names in shards.items():
+        save_file({k: trained_weights[k].float().contiguous() for k in shard_names}, str(folder / shard))
+    index = {"weight_map": {k: shard for shard, shard_names in shards.items() for k in shard_names}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index), encoding="utf-8")
+    (folder / "config.json").write_text(json.dumps(published_config()), encoding="utf-8")
+    head = load_published_head(folder, tiny)
+    torch.testing.assert_close(head.fc.weight, trained_weights["fc.weight"].float().double())
+    engine = SpeculativeEngine(tiny, drafter="eagle", eagle_head=folder, num_draft_tokens=3)
+    assert engine.generate_ids(PROMPT, max_new_tokens=10).token_ids == reference_greedy(tiny, PROMPT, 10)
+
+
 @pytest.mark.parametrize("tree_nodes", [None, 6], ids=["chain", "tree"])
 def test_greedy_equals_generate(tiny, trained_folder, tree_nodes) -> None:
     engine = SpeculativeEngine(
@@ -263,6 +280,7 @@ def broken_folders(tmp_path: Path, tiny: Any) -> dict[str, tuple[Path, type[Exce
     }
     final_norm = {**weights, "norm.weight": torch.ones(32)}
     no_mlp = {k: v for k, v in weights.items() if "down_proj" not in k}
+    tiny.save_pretrained(tmp_path / "a-model")  # a model folder passed as eagle_head= by mistake
     (tmp_path / "only-config").mkdir()
     (tmp_path / "only-config" / "config.json").write_text(json.dumps(published_config()), encoding="utf-8")
     return {
@@ -281,6 +299,7 @@ def broken_folders(tmp_path: Path, tiny: Any) -> dict[str, tuple[Path, type[Exce
         "bias mismatch": (write_folder(tmp_path / "bias", weights, published_config(bias=False)), ConfigurationError,
                           "fc.bias is present"),
         "no weights": (tmp_path / "only-config", ModelNotFoundError, "model.safetensors"),
+        "a model folder": (tmp_path / "a-model", ConfigurationError, "no fc.weight: it is not an EAGLE"),
     }  # fmt: skip
 
 

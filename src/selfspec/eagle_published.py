@@ -243,14 +243,30 @@ def _weight_files(path: Path) -> list[Path]:
     )
 
 
-def _read_weights(files: list[Path]) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def _weight_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
+    """Every tensor's name and shape, read from the safetensors headers (no weights loaded yet)."""
+    from safetensors import SafetensorError, safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as reader:
+                for name in reader.keys():
+                    shapes[name] = tuple(reader.get_slice(name).get_shape())
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ConfigurationError(f"{file} is not a readable safetensors file ({exc})") from exc
+    return shapes
+
+
+def _read_weights(files: list[Path], wanted: set[str]) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError, safe_open
 
     state: dict[str, torch.Tensor] = {}
     for file in files:
         try:
-            state.update(load_file(str(file)))
+            with safe_open(str(file), framework="pt") as reader:
+                for name in wanted & set(reader.keys()):
+                    state[name] = reader.get_tensor(name)
         except (SafetensorError, OSError, ValueError) as exc:
             raise ConfigurationError(f"{file} is not a readable safetensors file ({exc})") from exc
     return state
@@ -293,13 +309,12 @@ def load_published_head(folder: str | os.PathLike[str], model: Any) -> Published
         raise ModelNotFoundError(f"no EAGLE head folder at {os.fspath(folder)!r}")
     raw = _read_config(path)
     files = _weight_files(path)
-    state = _read_weights(files)
-    names = set(state)
+    shapes = _weight_shapes(files)
+    names = set(shapes)
     target = model.config
     target_hidden, target_vocab = int(target.hidden_size), int(target.vocab_size)
     where = f"the EAGLE head in {path}"
-    fc = state.get("fc.weight")
-    fc_shape = None if fc is None else tuple(fc.shape)
+    fc_shape = shapes.get("fc.weight")
     eagle3 = _eagle3_reason(raw, names, int(raw.get("hidden_size") or target_hidden), fc_shape)
     if eagle3:
         raise ConfigurationError(
@@ -308,7 +323,7 @@ def load_published_head(folder: str | os.PathLike[str], model: Any) -> Published
             "captures only the last layer's features, so EAGLE-3 heads are not supported yet. Use an EAGLE-1/EAGLE-2 "
             "head, or train one for this model with `selfspec train-eagle --model M`."
         )
-    if fc is None:
+    if fc_shape is None:
         raise ConfigurationError(
             f"{where} has no fc.weight: it is not an EAGLE-1/EAGLE-2 head (config.json + model.safetensors with "
             "fc.weight [H, 2H] and layers.0.*), nor a selfspec head (eagle_config.json, `selfspec train-eagle`)"
@@ -324,11 +339,11 @@ def load_published_head(folder: str | os.PathLike[str], model: Any) -> Published
             settings[name] = theirs  # EAGLE's configs are copies of the target's; fc and the weights are checked below
         elif int(settings[name]) != theirs:
             problems.append(f"{name.replace('_', ' ')} {settings[name]} vs the model's {theirs}")
-    if tuple(fc.shape) != (target_hidden, 2 * target_hidden):
-        problems.append(f"fc.weight {list(fc.shape)} vs [{target_hidden}, {2 * target_hidden}] for this model")
+    if fc_shape != (target_hidden, 2 * target_hidden):
+        problems.append(f"fc.weight {list(fc_shape)} vs [{target_hidden}, {2 * target_hidden}] for this model")
     for name in _SHARED_WEIGHTS:
-        if name in state and tuple(state[name].shape) != (target_vocab, target_hidden):
-            problems.append(f"{name} {list(state[name].shape)} vs the model's [{target_vocab}, {target_hidden}]")
+        if name in shapes and shapes[name] != (target_vocab, target_hidden):
+            problems.append(f"{name} {list(shapes[name])} vs the model's [{target_vocab}, {target_hidden}]")
     if problems:
         raise ConfigurationError(
             f"{where} does not fit this model: {'; '.join(problems)}. Use a head trained for this model, or train "
@@ -387,7 +402,9 @@ def load_published_head(folder: str | os.PathLike[str], model: Any) -> Published
         detail = "; ".join(([f"missing {missing}"] if missing else []) + ([f"unexpected {unknown}"] if unknown else []))
         raise ConfigurationError(f"{where} is not in the EAGLE-1 layout: {detail}")
     dtype = next(head.parameters()).dtype
-    loaded = {mine: state[theirs].to(dtype) for mine, theirs in _published_names(head).items() if theirs in state}
+    published = _published_names(head)
+    state = _read_weights(files, set(published.values()))
+    loaded = {mine: state[theirs].to(dtype) for mine, theirs in published.items() if theirs in state}
     if qkv_bias and "layer.self_attn.o_proj.bias" not in loaded:  # EAGLE's o_proj has no bias
         loaded["layer.self_attn.o_proj.bias"] = torch.zeros_like(head.layer.self_attn.o_proj.bias)
     try:
