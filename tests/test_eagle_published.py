@@ -100,15 +100,22 @@ def published_config(hidden: int = 32, **changes: Any) -> dict[str, Any]:
     return config
 
 
-def random_weights(model: Any, hidden: int = 32, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Published EAGLE-1 weight names with small random values (and the target's embedding, as EAGLE saves it)."""
+def random_weights(model: Any, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Published EAGLE-1 weight names, shaped for ``model``, with small random values.
+
+    The target's embedding is included, as EAGLE saves it.
+    """
+    config = model.config
+    hidden, inner = config.hidden_size, config.intermediate_size
+    head_dim = hidden // config.num_attention_heads
+    kv = config.num_key_value_heads * head_dim
     generator = torch.Generator().manual_seed(seed)
     shapes = {
         "fc.weight": (hidden, 2 * hidden), "fc.bias": (hidden,),
-        "layers.0.self_attn.q_proj.weight": (hidden, hidden), "layers.0.self_attn.k_proj.weight": (hidden // 2, hidden),
-        "layers.0.self_attn.v_proj.weight": (hidden // 2, hidden), "layers.0.self_attn.o_proj.weight": (hidden, hidden),
-        "layers.0.mlp.gate_proj.weight": (64, hidden), "layers.0.mlp.up_proj.weight": (64, hidden),
-        "layers.0.mlp.down_proj.weight": (hidden, 64),
+        "layers.0.self_attn.q_proj.weight": (hidden, hidden), "layers.0.self_attn.k_proj.weight": (kv, hidden),
+        "layers.0.self_attn.v_proj.weight": (kv, hidden), "layers.0.self_attn.o_proj.weight": (hidden, hidden),
+        "layers.0.mlp.gate_proj.weight": (inner, hidden), "layers.0.mlp.up_proj.weight": (inner, hidden),
+        "layers.0.mlp.down_proj.weight": (hidden, inner),
     }  # fmt: skip
     weights = {
         name: torch.randn(shape, generator=generator, dtype=torch.float64) * 0.15 for name, shape in shapes.items()
@@ -284,7 +291,7 @@ def broken_folders(tmp_path: Path, tiny: Any) -> dict[str, tuple[Path, type[Exce
     (tmp_path / "only-config").mkdir()
     (tmp_path / "only-config" / "config.json").write_text(json.dumps(published_config()), encoding="utf-8")
     return {
-        "hidden size": (write_folder(tmp_path / "h48", random_weights(wider, 48), published_config(48)),
+        "hidden size": (write_folder(tmp_path / "h48", random_weights(wider), published_config(48)),
                         ConfigurationError, "hidden size 48 vs the model's 32"),
         "vocabulary": (write_folder(tmp_path / "v128", weights, published_config(vocab_size=128)),
                        ConfigurationError, "vocab size 128 vs the model's 96"),
