@@ -19,9 +19,11 @@ from test_distribution import chi_square_pvalue, exact_distribution, make_distri
 from tiny_models import make_model, reference_greedy
 
 from selfspec import SpeculativeEngine
+from selfspec.calibration.guard import CostModel
 from selfspec.cli import main
 from selfspec.drafting import DecodeState
-from selfspec.drafting.eagle import EagleDrafter
+from selfspec.drafting.base import worth_drafting
+from selfspec.drafting.eagle import EagleDrafter, eagle_costs
 from selfspec.eagle import (
     HEAD_CONFIG,
     HEAD_WEIGHTS,
@@ -167,6 +169,64 @@ def test_sampling_follows_the_target_distribution(tree_nodes, batching, params) 
     assert chi_square_pvalue(counts, exact_distribution(model, params)) > 1e-3
     rates = [engine.generate_ids(DIST_PROMPT, max_new_tokens=3, temperature=1.0, seed=s).stats for s in range(30)]
     assert sum(r.num_accepted for r in rates) > 0 and sum(r.num_drafted - r.num_accepted for r in rates) > 0
+
+
+# ----------------------------------------------------------------------------- cost gate
+def test_worth_drafting_compares_the_marginal_rate_with_the_round_rate() -> None:
+    costs = CostModel(0.1, {1: 1.2, 2: 1.5})  # round costs 1, 1.3, 1.7
+    assert worth_drafting(0.31, 1.0, 0, costs.round_cost)  # 0.31 / 0.3 beats 1 token per plain step
+    assert not worth_drafting(0.29, 1.0, 0, costs.round_cost)
+    # second token: the round so far expects 1.9 tokens for 1.3, so it must beat 1.9 / 1.3 per unit
+    assert worth_drafting(0.6, 1.9, 1, costs.round_cost) and not worth_drafting(0.5, 1.9, 1, costs.round_cost)
+
+
+def test_cost_gate_keeps_greedy_exact_and_drafts_only_what_pays(tiny, trained_head, monkeypatch) -> None:
+    """Gated chains give the same text; a gate nothing can pass turns every round into a plain step.
+
+    The tiny head's argmax is often right but its distribution is nearly flat (top probability
+    ~0.02 over 64 draft tokens after 100 steps), so its logits are sharpened (x30) to give it the
+    calibrated confidence a real head has (SmolLM2's: accepted about as often as its top probability).
+    """
+    full_logits = trained_head.full_logits
+    monkeypatch.setattr(trained_head, "full_logits", lambda features: full_logits(features) * 30)
+    reference = reference_greedy(tiny, PROMPT, 40)
+    runs = {}
+    for name, costs in {
+        "none": None,
+        "calibrated": CostModel(0.05, {1: 1.15, 2: 1.3, 3: 1.45, 4: 1.6}),
+        "prohibitive": CostModel(2.0, {1: 3.0}),
+    }.items():
+        drafter = EagleDrafter(trained_head, costs=costs)
+        runs[name] = SpeculativeEngine(tiny, drafter=drafter, num_draft_tokens=4).generate_ids(
+            PROMPT, max_new_tokens=40
+        )
+        assert runs[name].token_ids == reference, name
+    assert runs["prohibitive"].stats.num_drafted == 0
+    calibrated, ungated = runs["calibrated"].stats, runs["none"].stats
+    assert 0 < calibrated.num_drafted < ungated.num_drafted * 0.75  # the gate drops drafts ...
+    assert calibrated.num_accepted >= ungated.num_accepted * 0.8  # ... mostly ones that would be rejected
+
+
+def test_eagle_costs_come_from_the_calibration() -> None:
+    calibration = {"eagle": {"draft_cost": 0.08}, "verify_cost": {"1": 1.18, "2": 1.56}}
+    costs = eagle_costs(calibration)
+    assert costs is not None and costs.round_cost(2) == pytest.approx(0.16 + 1.56)
+    assert eagle_costs({"verify_cost": {"1": 1.2}}) is None and eagle_costs(None) is None
+
+
+@pytest.mark.slow
+def test_sampling_with_the_cost_gate_follows_the_target_distribution() -> None:
+    """The gate reads the draft distribution, never the token drawn from it: still exact (chi-square)."""
+    model = make_distribution_model()
+    torch.manual_seed(1)
+    drafter = EagleDrafter(EagleHead(model), costs=CostModel(0.1, {1: 1.2, 2: 1.4}))  # gate: top prob >= 0.3
+    engine = SpeculativeEngine(model, drafter=drafter, num_draft_tokens=2)
+    counts = sampled_counts(engine, SamplingParams(1.0))
+    assert chi_square_pvalue(counts, exact_distribution(model, SamplingParams(1.0))) > 1e-3
+    stats = [engine.generate_ids(DIST_PROMPT, max_new_tokens=3, temperature=1.0, seed=s).stats for s in range(30)]
+    rounds = sum(r.target_forwards - 1 for r in stats)
+    assert 0 < sum(r.num_drafted for r in stats) < 2 * rounds  # some rounds gated, some drafted
+    assert sum(r.num_accepted for r in stats) > 0
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -219,6 +219,18 @@ def choose_token(
     return int(sample(probs.unsqueeze(0), generator)[0]), probs
 
 
+def worth_drafting(reach: float, expected: float, drafted: int, round_cost: Callable[[int], float]) -> bool:
+    """Whether drafting one more token raises a round's expected tokens per unit of cost.
+
+    The round has drafted ``drafted`` tokens, expects ``expected`` tokens from them (the bonus
+    token included) and would reach the next one with probability ``reach``. The token is worth
+    drafting when its marginal rate beats the round's average rate so far:
+    ``reach / (C(n + 1) - C(n)) >= expected / C(n)`` with ``C = round_cost``.
+    """
+    before, after = round_cost(drafted), round_cost(drafted + 1)
+    return reach * before >= (after - before) * expected
+
+
 def below_confidence(logits: torch.Tensor, probs: torch.Tensor | None, confidence: float) -> bool:
     """Whether the draft distribution's top probability is below ``confidence`` (one host read)."""
     top = probs.max() if probs is not None else torch.softmax(logits, dim=-1).max()
@@ -230,6 +242,7 @@ def draft_autoregressively(
     max_tokens: int,
     next_logits: Callable[[int, int], torch.Tensor],
     confidence: float = 0.0,
+    round_cost: Callable[[int], float] | None = None,
 ) -> Draft:
     """The loop every model-based drafter shares: one token at a time from ``next_logits``.
 
@@ -239,6 +252,11 @@ def draft_autoregressively(
         next_logits: ``(token, j) -> [vocab] logits`` for the token after ``token``, which
             sits at position ``state.position + j`` (it runs the drafter's model there).
         confidence: stop early once the draft's top probability falls below this.
+        round_cost: ``n -> `` the predicted cost of a round that drafts ``n`` tokens, relative
+            to a plain step (:meth:`~selfspec.calibration.guard.CostModel.round_cost`). With it,
+            a token is drafted only if it raises the round's expected tokens per unit of cost
+            (:func:`worth_drafting`, judged on the draft's top probabilities): a round may then
+            draft nothing and run as a plain step.
 
     Returns:
         The tokens and, when sampling, the distributions they were drawn from. Drafting stops
@@ -246,9 +264,17 @@ def draft_autoregressively(
     """
     token, tokens, probs = state.last_token, [], []
     constraint = state.constraint
+    reach, expected = 1.0, 1.0  # the chance every token drafted so far is accepted; expected tokens
     for j in range(max_tokens):
         logits = next_logits(token, j)
         token, token_probs = choose_token(logits, state.params, state.generator, constraint)
+        if round_cost is not None:
+            # decided from the draft distribution alone, never from the token it drew: lossless
+            top = float(token_probs.max() if token_probs is not None else torch.softmax(logits, dim=-1).max())
+            if not worth_drafting(reach * top, expected, j, round_cost):
+                break
+            reach *= top
+            expected += reach
         if constraint is not None:
             constraint.advance(token)
         tokens.append(token)

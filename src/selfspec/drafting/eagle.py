@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ..calibration.guard import CostModel
 from ..eagle import EagleHead, HeadCache, check_fits, find_eagle_head, load_eagle_head
 from ..errors import ConfigurationError
 from ..sampling import logits_to_probs, sample
@@ -60,6 +61,12 @@ class EagleDrafter(Drafter):
         confidence: chains stop drafting once the head's top probability falls below this.
         tree_width: children per expanded node and nodes expanded per depth (default
             :func:`~selfspec.tree.default_tree_width`).
+        costs: the calibrated cost model (:class:`~selfspec.calibration.guard.CostModel`: the
+            head's draft step and the verify curve, relative to a plain step). With it a chain
+            drafts a token only while that raises the round's expected tokens per unit of cost,
+            judged on the head's own top probabilities (well calibrated on SmolLM2: a top
+            probability of 0.2-0.3 was accepted 26% of the time, 0.8-1.0 94%), so a round
+            where the head is unsure drafts nothing and costs a plain step.
         lookup: also look the text's last n-gram up in the prompt and output (prompt lookup):
             in a greedy chain round where the text repeats, the round drafts the copied
             continuation alone (at least :attr:`COPY_TOKENS` tokens) and the head drafts only
@@ -81,12 +88,14 @@ class EagleDrafter(Drafter):
         tree_nodes: int | None = None,
         confidence: float = 0.0,
         tree_width: int | None = None,
+        costs: CostModel | None = None,
         lookup: bool = False,
     ) -> None:
         self.head = head
         self.tree_nodes = tree_nodes
         self.confidence = confidence
         self.tree_width = tree_width
+        self.costs = costs
         self.lookup = PromptLookupDrafter(max_ngram=3, min_ngram=2) if lookup else None
         if lookup:
             self.name = "eagle_hybrid"
@@ -145,7 +154,8 @@ class EagleDrafter(Drafter):
                 feature[0] = head(feature[0], ids, torch.full((1, 1), position + j - 1, device=device), memory.cache)
             return head.full_logits(feature[0])[0, 0]
 
-        return draft_autoregressively(state, max_tokens, next_logits, self.confidence)
+        round_cost = self.costs.round_cost if self.costs is not None else None
+        return draft_autoregressively(state, max_tokens, next_logits, self.confidence, round_cost)
 
     def _tree(self, state: DecodeState, memory: _HeadMemory, root_feature: torch.Tensor, max_depth: int) -> Draft:
         """An EAGLE-2 dynamic tree: expand the most probable nodes depth by depth, rerank to the budget."""
@@ -293,8 +303,23 @@ def make_eagle(engine: Any, **options: Any) -> EagleDrafter:
     """The EAGLE drafter: the engine's head (``eagle_head=``), a tree with ``tree_nodes``."""
     head = engine_eagle_head(engine, options.pop("eagle_head", None))
     settings = engine.config
-    options = {"tree_nodes": settings.tree_nodes, "confidence": settings.draft_confidence, **options}
+    options = {
+        "tree_nodes": settings.tree_nodes,
+        "confidence": settings.draft_confidence,
+        "costs": eagle_costs(settings.calibration),
+        **options,
+    }
     return EagleDrafter(head, **options)
+
+
+def eagle_costs(calibration: dict[str, Any] | None) -> CostModel | None:
+    """The head's cost model from a calibration (its measured draft step and verify curve), if it has one."""
+    calibration = calibration or {}
+    eagle = calibration.get("eagle")
+    verify = calibration.get("verify_cost")
+    if not isinstance(eagle, dict) or not isinstance(verify, dict) or not verify:
+        return None
+    return CostModel.from_json({"draft": eagle.get("draft_cost"), "verify": verify})
 
 
 def make_eagle_hybrid(engine: Any, **options: Any) -> EagleDrafter:
