@@ -69,6 +69,9 @@ class EagleTrainConfig:
         lr: peak AdamW learning rate (warmup, then cosine decay over the training time).
         warmup_steps: warmup length.
         regression_weight: weight of the SmoothL1 feature regression (the cross-entropy has 1).
+        feature_noise: half-width of the uniform noise added to the target's features the head
+            reads while training (EAGLE-1's regulariser: drafting reads the head's own, imperfect
+            features after the first step); ``0`` adds none.
         step_decay: weight of unrolled step ``s`` is ``step_decay ** s``.
         prompt_weight: loss weight of prompt positions (answers weigh 1): the model's own
             distribution is a valid target there too, and prompt tokens cost as much to write.
@@ -94,6 +97,7 @@ class EagleTrainConfig:
     lr: float = 1e-3
     warmup_steps: int = 20
     regression_weight: float = 1.0
+    feature_noise: float = 0.0
     step_decay: float = 0.8
     prompt_weight: float = 0.5
     heldout_share: float = 0.04
@@ -336,8 +340,11 @@ def collate(samples: list[Sample], device: torch.device) -> _Batch:
     )
 
 
-def unrolled_forward(head: EagleHead, batch: _Batch, steps: int) -> list[torch.Tensor]:
-    """The head's predicted features ``[B, T - 1, H]`` at each unrolled step (entry ``j`` predicts ``f_{j+1}``)."""
+def unrolled_forward(head: EagleHead, batch: _Batch, steps: int, noise: float = 0.0) -> list[torch.Tensor]:
+    """The head's predicted features ``[B, T - 1, H]`` at each unrolled step (entry ``j`` predicts ``f_{j+1}``).
+
+    ``noise`` adds uniform noise in ``[-noise, noise]`` to the target features the first step reads.
+    """
     b, width = batch.ids.shape
     n = width - 1
     device = batch.ids.device
@@ -345,6 +352,8 @@ def unrolled_forward(head: EagleHead, batch: _Batch, steps: int) -> list[torch.T
     next_tokens = batch.ids[:, 1:]
     cache = _UnrollCache()
     features = batch.features[:, :n].to(head.fc.weight.dtype)
+    if noise > 0:
+        features = features + (torch.rand_like(features) * 2 - 1) * noise
     predictions = []
     for step in range(steps):
         allowed = unroll_mask(n, step, device)[None].expand(b, -1, -1)
@@ -358,7 +367,7 @@ def loss_and_agreement(
     head: EagleHead, batch: _Batch, cfg: EagleTrainConfig, steps: int
 ) -> tuple[torch.Tensor, list[float]]:
     """The training loss and, per unrolled step, the top-1 agreement with the model's greedy token."""
-    predictions = unrolled_forward(head, batch, steps)
+    predictions = unrolled_forward(head, batch, steps, cfg.feature_noise if head.training else 0.0)
     target_features = batch.features[:, 1:]  # [B, n, H]: f_{j+1}
     draft_weight = head.draft_weight().float()
     # the model's own distribution at j + 1 over the draft vocabulary: exp(logit - logsumexp over all)
@@ -566,7 +575,11 @@ def train_eagle_head(
             rng.shuffle(train)
             batches = [train[i : i + cfg.micro_batch] for i in range(0, len(train), cfg.micro_batch)]
         batch = collate(batches.pop(), device)
+        # the schedule (warm-up, cosine decay, when to unroll) runs over the time budget, or over
+        # max_steps when that ends training first
         fraction = (now - train_started) / train_budget
+        if cfg.max_steps is not None:
+            fraction = max(fraction, (step - resumed_at) / max(cfg.max_steps - resumed_at, 1))
         warm = min(1.0, (step + 1) / cfg.warmup_steps) if resumed_at == 0 else 1.0
         for group in optimizer.param_groups:
             group["lr"] = cfg.lr * warm * 0.5 * (1.0 + math.cos(math.pi * min(fraction, 1.0)))
