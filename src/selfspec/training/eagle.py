@@ -85,7 +85,7 @@ class EagleTrainConfig:
     """
 
     max_seconds: float = 1200.0
-    write_share: float = 0.45
+    write_share: float = 0.5
     new_tokens: int = 128
     batch_size: int = 64
     max_samples: int | None = None
