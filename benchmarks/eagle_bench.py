@@ -10,13 +10,23 @@ same loaded model and checked token-identical to plain decoding:
 * ``eagle_chain``: the shipped head drafting chains, at the draft length chosen by a short
   calibration on other prompts (best measured tokens/s over 2..5);
 * ``eagle_tree``: the head drafting EAGLE-2 dynamic trees (``tree_nodes``) of that depth;
-* ``eagle_hybrid``: head chains with prompt-lookup copies grafted beside them.
+* ``eagle_hybrid``: head chains with prompt-lookup copies grafted beside them;
+* ``exit_adapter_chain``: the Kangaroo-style alternative: the model's own early exit read
+  through a self-distilled exit adapter (``selfspec train-adapter``, saved under
+  ``benchmarks/assets/smollm2_exit_adapter``), drafting chains at the draft length chosen by
+  the same short calibration over 2..5;
+* ``exit_adapter_hybrid``: the ``hybrid`` drafter (prompt lookup when a match pays, else that
+  adapted early exit) at the same draft length.
 
 Per method: tokens/s (median over repeats), speedup over ``plain``, tau (tokens per target
 forward), and where a round's time goes: drafting, the target's verify forward, and the rest
 (acceptance, cache bookkeeping, Python), in milliseconds per round (the prefill is left out).
 
+For the exit adapter it also reports its greedy agreement with the last layer, teacher-forced
+on the held-out prompts and plain decoding's outputs (with and without the adapter).
+
     python benchmarks/eagle_bench.py            # writes benchmarks/results/eagle_cpu.{json,md,png}
+    python benchmarks/eagle_bench.py --methods exit_adapter_chain --out /tmp/quick   # a quick subset
 """
 
 from __future__ import annotations
@@ -35,6 +45,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 RESULTS = Path(__file__).parent / "results"
+EXIT_ADAPTER = Path(__file__).parent / "assets" / "smollm2_exit_adapter"
+#: every method, in table order (``plain`` always runs: it is the baseline and the reference).
+METHODS = (
+    "plain",
+    "prompt_lookup",
+    "eagle_chain",
+    "eagle_tree",
+    "eagle_hybrid",
+    "exit_adapter_chain",
+    "exit_adapter_hybrid",
+    "transformers",
+)
 
 
 def _user(text: str) -> list[dict[str, str]]:
@@ -100,14 +122,14 @@ def transformers_greedy(model: Any, prompt_ids: list[int], tokens: int) -> tuple
     return out[0, len(prompt_ids) :].tolist(), time.perf_counter() - started
 
 
-def calibrate_chain(model: Any, tokenizer: Any, head: Any, tokens: int) -> tuple[int, dict[str, float]]:
+def calibrate_chain(model: Any, tokenizer: Any, tokens: int, **engine_options: Any) -> tuple[int, dict[str, float]]:
     """The chain draft length with the best measured tokens/s on the calibration prompts."""
     from selfspec import SpeculativeEngine
 
     prompts = [SpeculativeEngine(model, tokenizer, drafter="none").encode_prompt(p) for p in CALIBRATION]
     speeds: dict[str, float] = {}
     for k in (2, 3, 4, 5):
-        engine = SpeculativeEngine(model, tokenizer, drafter="eagle", eagle_head=head, num_draft_tokens=k)
+        engine = SpeculativeEngine(model, tokenizer, num_draft_tokens=k, **engine_options)
         run_one(engine, prompts[0], 8)  # warm
         emitted, seconds = 0, 0.0
         for ids in prompts:
@@ -118,49 +140,147 @@ def calibrate_chain(model: Any, tokenizer: Any, head: Any, tokens: int) -> tuple
     return int(best), speeds
 
 
+@torch.no_grad()
+def exit_agreement(model: Any, adapter: Any, ids: list[int], output: list[int]) -> tuple[int, int, int]:
+    """Teacher-forced greedy agreement of the exit layer with the last layer on ``output``.
+
+    Returns:
+        (positions, agreeing without the adapter, agreeing with the adapter), over the
+        positions that predict ``output``'s tokens.
+    """
+    tokens = torch.tensor([ids + output])
+    out = model(input_ids=tokens, output_hidden_states=True, use_cache=False)
+    start, end = len(ids) - 1, len(ids) + len(output) - 1
+    target = out.logits[0, start:end].argmax(-1)
+    state = out.hidden_states[adapter.exit_layer][0, start:end]
+    plain = model.lm_head(model.model.norm(state)).argmax(-1)
+    adapted = model.lm_head(model.model.norm(adapter(state))).argmax(-1)
+    return len(output), int((plain == target).sum()), int((adapted == target).sum())
+
+
+def parse_methods(text: str) -> list[str]:
+    """``--methods``: ``all`` or a comma-separated subset of :data:`METHODS` (``plain`` is always added)."""
+    if text == "all":
+        return list(METHODS)
+    chosen = {m.strip() for m in text.split(",") if m.strip()}
+    unknown = chosen - set(METHODS)
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
+    return [m for m in METHODS if m in chosen or m == "plain"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=48, help="new tokens per prompt")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--tree-nodes", type=int, default=10)
+    parser.add_argument("--calibration-tokens", type=int, default=32, help="new tokens per calibration prompt")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=RESULTS / "eagle_cpu")
+    parser.add_argument(
+        "--methods",
+        type=parse_methods,
+        default=list(METHODS),
+        help=f"'all' (default) or a comma-separated subset of: {', '.join(METHODS)} (plain always runs)",
+    )
+    parser.add_argument("--exit-adapter", type=Path, default=EXIT_ADAPTER, help="exit adapter folder")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    uptime_before = os.popen("uptime").read().strip()
+    print(f"uptime: {uptime_before}")
+    methods: list[str] = args.methods
 
     from selfspec import SpeculativeEngine
+    from selfspec.drafting.exit_adapter import load_exit_adapter
     from selfspec.eagle import find_eagle_head, load_eagle_head
     from selfspec.loading import load_model_and_tokenizer
     from selfspec.realmodels import fetch_model
 
     path = fetch_model()
     model, tokenizer, _ = load_model_and_tokenizer(path, dtype="float32", device="cpu")
-    head_folder = find_eagle_head(str(path), model)
-    assert head_folder is not None, "no EAGLE head for SmolLM2 (train one with selfspec train-eagle)"
-    head = load_eagle_head(head_folder, model)
-    head_config = json.loads((head_folder / "eagle_config.json").read_text(encoding="utf-8"))
-
-    k, calibration = calibrate_chain(model, tokenizer, head, 32)
-    print(f"calibrated chain draft length {k}: {calibration}")
-    engines = {
-        "plain": SpeculativeEngine(model, tokenizer, drafter="none"),
-        "prompt_lookup": SpeculativeEngine(model, tokenizer, drafter="prompt_lookup", num_draft_tokens=k),
-        "eagle_chain": SpeculativeEngine(model, tokenizer, drafter="eagle", eagle_head=head, num_draft_tokens=k),
-        "eagle_tree": SpeculativeEngine(
+    eagle_methods = [m for m in methods if m.startswith("eagle_")]
+    adapter_methods = [m for m in methods if m.startswith("exit_adapter_")]
+    engines: dict[str, Any] = {"plain": SpeculativeEngine(model, tokenizer, drafter="none")}
+    report_head: dict[str, Any] | None = None
+    k: int | None = None
+    calibration: dict[str, float] = {}
+    if eagle_methods:
+        head_folder = find_eagle_head(str(path), model)
+        assert head_folder is not None, "no EAGLE head for SmolLM2 (train one with selfspec train-eagle)"
+        head = load_eagle_head(head_folder, model)
+        head_config = json.loads((head_folder / "eagle_config.json").read_text(encoding="utf-8"))
+        k, calibration = calibrate_chain(model, tokenizer, args.calibration_tokens, drafter="eagle", eagle_head=head)
+        print(f"calibrated chain draft length {k}: {calibration}")
+        report_head = {
+            "folder": str(head_folder.relative_to(Path(__file__).parents[1] / "src")),
+            "parameters": head.num_parameters(),
+            "file_bytes": (head_folder / "eagle_head.safetensors").stat().st_size,
+            "draft_vocab_size": head_config.get("draft_vocab_size"),
+            "training": head_config.get("training", {}),
+        }
+    adapter: Any = None
+    report_adapter: dict[str, Any] | None = None
+    k_adapter: int | None = None
+    if adapter_methods:
+        adapter = load_exit_adapter(args.exit_adapter)
+        adapter_options = {"exit_layer": adapter.exit_layer, "exit_adapter": adapter}
+        k_adapter, adapter_calibration = calibrate_chain(
+            model, tokenizer, args.calibration_tokens, drafter="early_exit", **adapter_options
+        )
+        print(f"calibrated exit-adapter chain draft length {k_adapter}: {adapter_calibration}")
+        training = adapter.config.training
+        repo = Path(__file__).parents[1]
+        folder = args.exit_adapter.resolve()
+        report_adapter = {
+            "folder": str(folder.relative_to(repo)) if folder.is_relative_to(repo) else str(folder),
+            "exit_layer": adapter.exit_layer,
+            "rank": adapter.config.rank,
+            "parameters": sum(p.numel() for p in adapter.parameters()),
+            "file_bytes": (args.exit_adapter / "adapter.safetensors").stat().st_size,
+            "steps": training.get("steps"),
+            "train_seconds": training.get("seconds"),
+            "heldout_agreement_before": training.get("agreement_before"),
+            "heldout_agreement_after": training.get("agreement_after"),
+            "training": training,
+            "calibrated_chain_draft_length": k_adapter,
+            "calibration_tokens_per_second": adapter_calibration,
+            "benchmark_output_agreement": {},
+        }
+    k_lookup = k if k is not None else (k_adapter if k_adapter is not None else 3)
+    factories: dict[str, Any] = {
+        "prompt_lookup": lambda: SpeculativeEngine(
+            model, tokenizer, drafter="prompt_lookup", num_draft_tokens=k_lookup
+        ),
+        "eagle_chain": lambda: SpeculativeEngine(
+            model, tokenizer, drafter="eagle", eagle_head=head, num_draft_tokens=k
+        ),
+        "eagle_tree": lambda: SpeculativeEngine(
             model, tokenizer, drafter="eagle", eagle_head=head, num_draft_tokens=k, tree_nodes=args.tree_nodes
         ),
-        "eagle_hybrid": SpeculativeEngine(
+        "eagle_hybrid": lambda: SpeculativeEngine(
             model, tokenizer, drafter="eagle_hybrid", eagle_head=head, num_draft_tokens=k
         ),
+        "exit_adapter_chain": lambda: SpeculativeEngine(
+            model, tokenizer, drafter="early_exit", num_draft_tokens=k_adapter, **adapter_options
+        ),
+        "exit_adapter_hybrid": lambda: SpeculativeEngine(
+            model, tokenizer, drafter="hybrid", num_draft_tokens=k_adapter, **adapter_options
+        ),
     }
+    for name in methods:
+        if name in factories:
+            engines[name] = factories[name]()
+    run_transformers = "transformers" in methods
     plain = engines["plain"]
     results: dict[str, Any] = {}
     all_identical = True
     for category, prompts in HELD_OUT.items():
-        seconds: dict[str, list[float]] = {name: [] for name in [*engines, "transformers"]}
+        seconds: dict[str, list[float]] = {name: [] for name in [*engines, *(["transformers"] * run_transformers)]}
         emitted: dict[str, int] = dict.fromkeys(seconds, 0)
         taus: dict[str, list[float]] = {name: [] for name in engines}
         split: dict[str, list[float]] = {name: [0.0, 0.0, 0.0, 0.0] for name in engines}  # draft, verify, rest, rounds
+        agree = [0, 0, 0]  # exit adapter: positions, plain exit agreeing, adapted exit agreeing
         for prompt in prompts:
             ids = plain.encode_prompt(prompt)
             prefill = statistics.median(
@@ -183,11 +303,15 @@ def main() -> None:
                         if reference is None:
                             reference = out.token_ids
                         all_identical &= out.token_ids == reference
-                hf_ids, took = transformers_greedy(model, ids, args.tokens)
-                seconds["transformers"].append(took)
-                if repeat == 0:
-                    emitted["transformers"] += len(hf_ids)
-                    all_identical &= hf_ids == reference
+                if run_transformers:
+                    hf_ids, took = transformers_greedy(model, ids, args.tokens)
+                    seconds["transformers"].append(took)
+                    if repeat == 0:
+                        emitted["transformers"] += len(hf_ids)
+                        all_identical &= hf_ids == reference
+            if adapter is not None and reference is not None:
+                counts = exit_agreement(model, adapter, ids, reference)
+                agree = [a + b for a, b in zip(agree, counts, strict=True)]
         row: dict[str, Any] = {}
         for name in seconds:
             per_repeat = [sum(seconds[name][r :: args.repeats]) for r in range(args.repeats)]
@@ -207,23 +331,29 @@ def main() -> None:
             row[name]["speedup_vs_plain"] = round(row[name]["tokens_per_second"] / base, 3)
         results[category] = row
         print(category, json.dumps(row))
+        if report_adapter is not None:
+            report_adapter["benchmark_output_agreement"][category] = {
+                "positions": agree[0],
+                "plain_exit": round(agree[1] / max(agree[0], 1), 3),
+                "with_adapter": round(agree[2] / max(agree[0], 1), 3),
+            }
 
-    report = {
+    report: dict[str, Any] = {
         "model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to float32)",
         "machine": f"CPU, torch threads {args.threads}; 2 cores shared with other work (timings are noisy)",
+        "uptime_before": uptime_before,
+        "uptime_after": os.popen("uptime").read().strip(),
+        "wall_seconds": round(time.perf_counter() - started, 1),
         "new_tokens": args.tokens,
         "repeats": args.repeats,
         "tree_nodes": args.tree_nodes,
+        "methods": list(engines) + (["transformers"] if run_transformers else []),
         "calibrated_chain_draft_length": k,
         "calibration_tokens_per_second": calibration,
+        "prompt_lookup_draft_length": k_lookup,
         "all_outputs_identical_to_plain_and_transformers": all_identical,
-        "head": {
-            "folder": str(head_folder.relative_to(Path(__file__).parents[1] / "src")),
-            "parameters": head.num_parameters(),
-            "file_bytes": (head_folder / "eagle_head.safetensors").stat().st_size,
-            "draft_vocab_size": head_config.get("draft_vocab_size"),
-            "training": head_config.get("training", {}),
-        },
+        "head": report_head,
+        "exit_adapter": report_adapter,
         "results": results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -235,19 +365,50 @@ def main() -> None:
 def markdown(report: dict[str, Any]) -> str:
     """The results as a markdown table per category."""
     lines = [
-        "# EAGLE head on SmolLM2-135M-Instruct (CPU)",
+        "# EAGLE head and exit adapter on SmolLM2-135M-Instruct (CPU)",
         "",
         f"{report['machine']}; {report['new_tokens']} new tokens per prompt, greedy, median of "
-        f"{report['repeats']} repeats. Chains draft {report['calibrated_chain_draft_length']} tokens (calibrated: "
-        f"tokens/s by draft length {report['calibration_tokens_per_second']}); trees at most "
-        f"{report['tree_nodes']} nodes. All outputs identical to plain decoding and transformers: "
+        f"{report['repeats']} repeats; load before/after: `{report.get('uptime_before', '')}` / "
+        f"`{report.get('uptime_after', '')}`. All outputs identical to plain decoding"
+        f"{' and transformers' if 'transformers' in report.get('methods', ['transformers']) else ''}: "
         f"{report['all_outputs_identical_to_plain_and_transformers']}.",
         "",
-        f"Head: {report['head']['parameters']:,} parameters, {report['head']['file_bytes'] / 1e6:.1f} MB (fp16), "
-        f"draft vocabulary {report['head']['draft_vocab_size']}; training: "
-        f"{json.dumps({k: v for k, v in report['head']['training'].items() if k != 'kinds'})}",
-        "",
     ]
+    if report.get("calibrated_chain_draft_length") is not None:
+        lines += [
+            f"EAGLE chains draft {report['calibrated_chain_draft_length']} tokens (calibrated: tokens/s by draft "
+            f"length {report['calibration_tokens_per_second']}); trees at most {report['tree_nodes']} nodes; "
+            f"prompt lookup drafts {report.get('prompt_lookup_draft_length', report['calibrated_chain_draft_length'])}"
+            ".",
+            "",
+        ]
+    head = report.get("head")
+    if head:
+        lines += [
+            f"Head: {head['parameters']:,} parameters, {head['file_bytes'] / 1e6:.1f} MB (fp16), "
+            f"draft vocabulary {head['draft_vocab_size']}; training: "
+            f"{json.dumps({k: v for k, v in head['training'].items() if k != 'kinds'})}",
+            "",
+        ]
+    adapter = report.get("exit_adapter")
+    if adapter:
+        agreement = "; ".join(
+            f"{c} {v['plain_exit']:.2f} -> {v['with_adapter']:.2f}"
+            for c, v in adapter["benchmark_output_agreement"].items()
+        )
+        lines += [
+            f"Exit adapter (`{adapter['folder']}`, Kangaroo-style: the model's own layers "
+            f"0..{adapter['exit_layer'] - 1} plus a rank-{adapter['rank']} residual SwiGLU adapter before the "
+            f"shared norm and head): exit layer "
+            f"{adapter['exit_layer']}, {adapter['parameters']:,} parameters, "
+            f"{adapter['file_bytes'] / 1e6:.2f} MB (fp32); {adapter['steps']} steps, "
+            f"{adapter['train_seconds']:.0f} s of training (sampling included); greedy agreement with the last "
+            f"layer on held-out self-generated text {adapter['heldout_agreement_before']:.3f} -> "
+            f"{adapter['heldout_agreement_after']:.3f}; teacher-forced on this benchmark's outputs (plain exit -> "
+            f"adapted): {agreement}. Chains (and the hybrid) draft {adapter['calibrated_chain_draft_length']} "
+            f"tokens (calibrated: tokens/s by draft length {adapter['calibration_tokens_per_second']}).",
+            "",
+        ]
     for category, row in report["results"].items():
         lines += [
             f"## {category}",
@@ -279,7 +440,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
         return
     categories = list(report["results"])
     methods = list(next(iter(report["results"].values())))
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(9.5, 4))
     width = 0.8 / len(methods)
     for i, method in enumerate(methods):
         values = [report["results"][c][method]["speedup_vs_plain"] for c in categories]
@@ -288,7 +449,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(categories))], categories)
     ax.set_ylabel("speedup over selfspec plain loop")
     ax.set_title("SmolLM2-135M-Instruct, CPU 1 thread, greedy")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
