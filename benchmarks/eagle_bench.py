@@ -8,9 +8,13 @@ same loaded model and checked token-identical to plain decoding:
 * ``plain``: selfspec's loop without drafts (``drafter="none"``), the baseline of the speedups;
 * ``prompt_lookup``: n-gram copies from the prompt and output;
 * ``eagle_chain``: the shipped head drafting chains, at the draft length chosen by a short
-  calibration on other prompts (best measured tokens/s over 2..5);
+  calibration on other prompts (best measured tokens/s over 1..5);
 * ``eagle_tree``: the head drafting EAGLE-2 dynamic trees (``tree_nodes``) of that depth;
 * ``eagle_hybrid``: head chains with prompt-lookup copies grafted beside them;
+* ``eagle_gated`` / ``eagle_hybrid_gated``: the same with the cost gate ``drafter="auto"``
+  uses (a token is drafted only while the head's confidence says it pays, judged with the verify
+  curve measured here and the head's draft cost; a round may draft nothing), at draft length
+  ``GATED_MAX`` (the gate, not a fixed length, decides how many tokens a round drafts);
 * ``exit_adapter_chain``: the Kangaroo-style alternative: the model's own early exit read
   through a self-distilled exit adapter (``selfspec train-adapter``, saved under
   ``benchmarks/assets/smollm2_exit_adapter``), drafting chains at the draft length chosen by
@@ -45,6 +49,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 RESULTS = Path(__file__).parent / "results"
+#: the most tokens a gated chain drafts
+GATED_MAX = 4
 EXIT_ADAPTER = Path(__file__).parent / "assets" / "smollm2_exit_adapter"
 #: every method, in table order (``plain`` always runs: it is the baseline and the reference).
 METHODS = (
@@ -53,6 +59,8 @@ METHODS = (
     "eagle_chain",
     "eagle_tree",
     "eagle_hybrid",
+    "eagle_gated",
+    "eagle_hybrid_gated",
     "exit_adapter_chain",
     "exit_adapter_hybrid",
     "transformers",
@@ -128,7 +136,7 @@ def calibrate_chain(model: Any, tokenizer: Any, tokens: int, **engine_options: A
 
     prompts = [SpeculativeEngine(model, tokenizer, drafter="none").encode_prompt(p) for p in CALIBRATION]
     speeds: dict[str, float] = {}
-    for k in (2, 3, 4, 5):
+    for k in (1, 2, 3, 4, 5):
         engine = SpeculativeEngine(model, tokenizer, num_draft_tokens=k, **engine_options)
         run_one(engine, prompts[0], 8)  # warm
         emitted, seconds = 0, 0.0
@@ -156,6 +164,19 @@ def exit_agreement(model: Any, adapter: Any, ids: list[int], output: list[int]) 
     plain = model.lm_head(model.model.norm(state)).argmax(-1)
     adapted = model.lm_head(model.model.norm(adapter(state))).argmax(-1)
     return len(output), int((plain == target).sum()), int((adapted == target).sum())
+
+
+def measure_gate_costs(model: Any, tokenizer: Any, head: Any) -> Any:
+    """The gate's cost model, measured here as calibration does: the verify curve and the head's draft step."""
+    from selfspec import SpeculativeEngine
+    from selfspec.calibration.guard import CostModel
+    from selfspec.calibration.measure import measure_costs, measure_eagle
+
+    engine = SpeculativeEngine(model, tokenizer, drafter="none")
+    ids = [engine.encode_prompt(p) for p in CALIBRATION]
+    _, verify, step_seconds = measure_costs(engine, ids[0], [1], list(range(1, GATED_MAX + 1)))
+    draft = measure_eagle(engine, ids, 16, step_seconds, head=head)["draft_cost"]
+    return CostModel(round(float(draft), 4), {k: round(v, 4) for k, v in verify.items()})
 
 
 def parse_methods(text: str) -> list[str]:
@@ -192,6 +213,7 @@ def main() -> None:
     methods: list[str] = args.methods
 
     from selfspec import SpeculativeEngine
+    from selfspec.drafting.eagle import EagleDrafter
     from selfspec.drafting.exit_adapter import load_exit_adapter
     from selfspec.eagle import find_eagle_head, load_eagle_head
     from selfspec.loading import load_model_and_tokenizer
@@ -210,14 +232,21 @@ def main() -> None:
         assert head_folder is not None, "no EAGLE head for SmolLM2 (train one with selfspec train-eagle)"
         head = load_eagle_head(head_folder, model)
         head_config = json.loads((head_folder / "eagle_config.json").read_text(encoding="utf-8"))
-        k, calibration = calibrate_chain(model, tokenizer, args.calibration_tokens, drafter="eagle", eagle_head=head)
+        k, calibration = calibrate_chain(
+            model, tokenizer, args.calibration_tokens, drafter="eagle", eagle_head=head, calibration={}
+        )
         print(f"calibrated chain draft length {k}: {calibration}")
+        costs: Any = None
+        if any(m.endswith("_gated") for m in methods):
+            costs = measure_gate_costs(model, tokenizer, head)
+            print(f"cost model of the gate: {costs}")
         report_head = {
             "folder": str(head_folder.relative_to(Path(__file__).parents[1] / "src")),
             "parameters": head.num_parameters(),
             "file_bytes": (head_folder / "eagle_head.safetensors").stat().st_size,
             "draft_vocab_size": head_config.get("draft_vocab_size"),
             "training": head_config.get("training", {}),
+            "gate_costs": None if costs is None else {"draft": costs.draft, "verify": costs.verify},
         }
     adapter: Any = None
     report_adapter: dict[str, Any] | None = None
@@ -252,14 +281,27 @@ def main() -> None:
         "prompt_lookup": lambda: SpeculativeEngine(
             model, tokenizer, drafter="prompt_lookup", num_draft_tokens=k_lookup
         ),
+        # calibration={}: fixed-length chains (with the model's saved calibration the gate would apply)
         "eagle_chain": lambda: SpeculativeEngine(
-            model, tokenizer, drafter="eagle", eagle_head=head, num_draft_tokens=k
+            model, tokenizer, drafter="eagle", eagle_head=head, num_draft_tokens=k, calibration={}
         ),
         "eagle_tree": lambda: SpeculativeEngine(
-            model, tokenizer, drafter="eagle", eagle_head=head, num_draft_tokens=k, tree_nodes=args.tree_nodes
+            model,
+            tokenizer,
+            drafter="eagle",
+            eagle_head=head,
+            num_draft_tokens=k,
+            tree_nodes=args.tree_nodes,
+            calibration={},
         ),
         "eagle_hybrid": lambda: SpeculativeEngine(
-            model, tokenizer, drafter="eagle_hybrid", eagle_head=head, num_draft_tokens=k
+            model, tokenizer, drafter="eagle_hybrid", eagle_head=head, num_draft_tokens=k, calibration={}
+        ),
+        "eagle_gated": lambda: SpeculativeEngine(
+            model, tokenizer, drafter=EagleDrafter(head, costs=costs), num_draft_tokens=GATED_MAX
+        ),
+        "eagle_hybrid_gated": lambda: SpeculativeEngine(
+            model, tokenizer, drafter=EagleDrafter(head, costs=costs, lookup=True), num_draft_tokens=GATED_MAX
         ),
         "exit_adapter_chain": lambda: SpeculativeEngine(
             model, tokenizer, drafter="early_exit", num_draft_tokens=k_adapter, **adapter_options
