@@ -432,6 +432,12 @@ def markdown(report: dict[str, Any]) -> str:
             f"{json.dumps({k: v for k, v in head['training'].items() if k != 'kinds'})}",
             "",
         ]
+        if head.get("gate_costs"):
+            lines += [
+                f"The gated rows' cost model, measured in this run (relative to one plain step): "
+                f"{json.dumps(head['gate_costs'])}; they draft at most {GATED_MAX} tokens.",
+                "",
+            ]
     adapter = report.get("exit_adapter")
     if adapter:
         agreement = "; ".join(
