@@ -205,13 +205,12 @@ def _rope_scaling(layer_config: Any) -> dict[str, Any] | None:
 
 
 def _read_config(path: Path) -> dict[str, Any]:
-    config_path = path / PUBLISHED_CONFIG
-    try:
-        raw = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ConfigurationError(f"{config_path} is not a readable JSON config ({exc})") from exc
-    if not isinstance(raw, dict):
-        raise ConfigurationError(f"{config_path} is not a JSON object")
+    """The head's ``config.json`` (malformed JSON or no object: a clear error, as for model folders)."""
+    from .loading import _read_local_config
+
+    raw = _read_local_config(str(path))
+    if raw is None:
+        raise ConfigurationError(f"{path / PUBLISHED_CONFIG} is missing: a published EAGLE head folder needs it")
     return raw
 
 

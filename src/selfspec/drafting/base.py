@@ -231,10 +231,14 @@ def worth_drafting(reach: float, expected: float, drafted: int, round_cost: Call
     return reach * before >= (after - before) * expected
 
 
+def top_probability(logits: torch.Tensor, probs: torch.Tensor | None) -> float:
+    """The draft distribution's top probability: of ``probs`` when sampling, else of ``logits`` (one host read)."""
+    return float(probs.max() if probs is not None else torch.softmax(logits, dim=-1).max())
+
+
 def below_confidence(logits: torch.Tensor, probs: torch.Tensor | None, confidence: float) -> bool:
     """Whether the draft distribution's top probability is below ``confidence`` (one host read)."""
-    top = probs.max() if probs is not None else torch.softmax(logits, dim=-1).max()
-    return float(top) < confidence
+    return top_probability(logits, probs) < confidence
 
 
 def draft_autoregressively(
@@ -268,9 +272,10 @@ def draft_autoregressively(
     for j in range(max_tokens):
         logits = next_logits(token, j)
         token, token_probs = choose_token(logits, state.params, state.generator, constraint)
+        top = None  # the draft distribution's top probability, read from the host once if needed
         if round_cost is not None:
             # decided from the draft distribution alone, never from the token it drew: lossless
-            top = float(token_probs.max() if token_probs is not None else torch.softmax(logits, dim=-1).max())
+            top = top_probability(logits, token_probs)
             if not worth_drafting(reach * top, expected, j, round_cost):
                 break
             reach *= top
@@ -282,8 +287,9 @@ def draft_autoregressively(
             probs.append(token_probs)
         if token in state.eos_token_ids:
             break
-        if confidence > 0 and j + 1 < max_tokens and below_confidence(logits, token_probs, confidence):
-            break
+        if confidence > 0 and j + 1 < max_tokens:
+            if (top_probability(logits, token_probs) if top is None else top) < confidence:
+                break
     if constraint is not None:
         constraint.rollback(len(tokens))
     return Draft(tokens=tokens, draft_probs=torch.stack(probs) if probs else None)
