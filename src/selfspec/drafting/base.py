@@ -219,6 +219,27 @@ def choose_token(
     return int(sample(probs.unsqueeze(0), generator)[0]), probs
 
 
+def choose_draft_token(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    constraint: TokenConstraint | None = None,
+) -> tuple[int, torch.Tensor | None] | None:
+    """:func:`choose_token` for a draft, or ``None`` when the constraint admits no token the draft can propose.
+
+    A drafter's distribution may be zero where the target's is not (an EAGLE head with a reduced
+    draft vocabulary gives ``-inf`` logits outside it). Where the grammar admits only such tokens,
+    the masked row is all ``-inf``: its argmax would be an arbitrary forbidden token and sampling
+    it is undefined, so the draft stops there and the target picks the token itself (exact either
+    way). One host read, only under a constraint.
+    """
+    if constraint is not None:
+        logits = apply_mask(logits, constraint.allowed_tokens())
+        if not bool(torch.isfinite(logits).any()):
+            return None
+    return choose_token(logits, params, generator)
+
+
 def worth_drafting(reach: float, expected: float, drafted: int, round_cost: Callable[[int], float]) -> bool:
     """Whether drafting one more token raises a round's expected tokens per unit of cost.
 
@@ -271,7 +292,10 @@ def draft_autoregressively(
     reach, expected = 1.0, 1.0  # the chance every token drafted so far is accepted; expected tokens
     for j in range(max_tokens):
         logits = next_logits(token, j)
-        token, token_probs = choose_token(logits, state.params, state.generator, constraint)
+        choice = choose_draft_token(logits, state.params, state.generator, constraint)
+        if choice is None:  # no admissible token in the draft's vocabulary: the target picks it
+            break
+        token, token_probs = choice
         top = None  # the draft distribution's top probability, read from the host once if needed
         if round_cost is not None:
             # decided from the draft distribution alone, never from the token it drew: lossless
