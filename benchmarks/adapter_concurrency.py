@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
 
     from selfspec import get_engine
-    from selfspec.server import serve_in_background
+    from selfspec.serving.server import serve_in_background
 
     engine = get_engine("selfspec-demo")
     engine.generate("Warm up.", max_new_tokens=4)

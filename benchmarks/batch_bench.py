@@ -36,7 +36,7 @@ import torch
 from tqdm import tqdm
 
 from selfspec import SpeculativeEngine
-from selfspec.bench_prompts import PROMPT_SETS
+from selfspec.prompts import PROMPT_SETS
 
 RESULTS = Path(__file__).parent / "results"
 CONCURRENCY = (1, 4, 16)

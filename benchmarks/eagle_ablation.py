@@ -7,7 +7,7 @@ output. This script trains both kinds of head on the same written data (the ``da
 steps (so that other jobs on the machine change the wall time, not the result), and reports
 held-out top-1 agreement with the model's greedy token at draft steps 1-3.
 
-The fused variant is built here by subclassing :class:`~selfspec.eagle.EagleHead` and feeding
+The fused variant is built here by subclassing :class:`~selfspec.drafting.eagle.head.EagleHead` and feeding
 ``train_eagle_head`` extra per-sample inputs; nothing in the library changes for it.
 
     python benchmarks/eagle_ablation.py --variant last --steps 400
@@ -67,9 +67,9 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    import selfspec.training.eagle as training
-    from selfspec.eagle import EagleHead
-    from selfspec.realmodels import fetch_model
+    import selfspec.drafting.eagle.train as training
+    from selfspec.drafting.eagle.head import EagleHead
+    from selfspec.modeling.realmodels import fetch_model
 
     path = fetch_model()
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()

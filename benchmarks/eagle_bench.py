@@ -85,7 +85,7 @@ RAG_PASSAGES = [
     "are kept cool and are not left fully charged for days.",
 ]
 
-#: category -> held-out prompts (not in selfspec.training.eagle_prompts).
+#: category -> held-out prompts (not in selfspec.drafting.eagle.prompts).
 HELD_OUT: dict[str, list[Any]] = {
     "chat": [
         _user("How do tides work?"),
@@ -169,8 +169,8 @@ def exit_agreement(model: Any, adapter: Any, ids: list[int], output: list[int]) 
 def measure_gate_costs(model: Any, tokenizer: Any, head: Any) -> Any:
     """The gate's cost model, measured here as calibration does: the verify curve and the head's draft step."""
     from selfspec import SpeculativeEngine
-    from selfspec.calibration.guard import CostModel
     from selfspec.calibration.measure import measure_costs, measure_eagle
+    from selfspec.core.speed import CostModel
 
     engine = SpeculativeEngine(model, tokenizer, drafter="none")
     ids = [engine.encode_prompt(p) for p in CALIBRATION]
@@ -213,11 +213,11 @@ def main() -> None:
     methods: list[str] = args.methods
 
     from selfspec import SpeculativeEngine
-    from selfspec.drafting.eagle import EagleDrafter
-    from selfspec.drafting.exit_adapter import load_exit_adapter
-    from selfspec.eagle import find_eagle_head, load_eagle_head
-    from selfspec.loading import load_model_and_tokenizer
-    from selfspec.realmodels import fetch_model
+    from selfspec.drafting.eagle.drafter import EagleDrafter
+    from selfspec.drafting.eagle.head import find_eagle_head, load_eagle_head
+    from selfspec.drafting.exit_adapter.adapter import load_exit_adapter
+    from selfspec.modeling.loading import load_model_and_tokenizer
+    from selfspec.modeling.realmodels import fetch_model
 
     path = fetch_model()
     model, tokenizer, _ = load_model_and_tokenizer(path, dtype="float32", device="cpu")

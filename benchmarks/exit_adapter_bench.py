@@ -1,6 +1,6 @@
 """Exit adapter and draft model on the bundled models: tau and speed, with and without.
 
-Two interleaved benchmarks (``selfspec.bench``), greedy, outputs checked against transformers:
+Two interleaved benchmarks (``selfspec.calibration.bench``), greedy, outputs checked against transformers:
 
 1. The stock model ``selfspec-demo-draft`` (6 layers, trained without early-exit losses):
    the fixed early exit at layer E with k drafts, without and with the exit adapter shipped
@@ -25,9 +25,9 @@ import json
 import logging
 from pathlib import Path
 
-from selfspec.bench import format_category_table, format_table, run_benchmark, write_report
-from selfspec.drafting.exit_adapter import exit_adapter_path, load_exit_adapter
-from selfspec.loading import DEMO_DRAFT_MODEL, DEMO_MODEL, demo_model_path
+from selfspec.calibration.bench import format_category_table, format_table, run_benchmark, write_report
+from selfspec.drafting.exit_adapter.adapter import exit_adapter_path, load_exit_adapter
+from selfspec.modeling.loading import DEMO_DRAFT_MODEL, DEMO_MODEL, demo_model_path
 
 logger = logging.getLogger("exit_adapter_bench")
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from selfspec import SpeculativeEngine
-from selfspec.bench_prompts import PROMPT_SETS
+from selfspec.prompts import PROMPT_SETS
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 RESULTS = Path(__file__).parent / "results"

@@ -6,7 +6,7 @@ start-up excluded), then keeps the median. The frameworks themselves (``langchai
 chat-model base, ``llama_index.core``'s LLM base) are measured the same way, so the adapter's own
 share is the difference. Heavy parts
 (torch, transformers, the engine, the ``openai`` client) are imported on first use, not here;
-``selfspec.engine`` is measured too, as the cost of that first use.
+``selfspec.decoding.engine`` is measured too, as the cost of that first use.
 
     python benchmarks/import_time.py            # writes benchmarks/results/import_time.{json,md}
 """
@@ -29,7 +29,7 @@ MODULES = {
     "llama_index.core (framework)": "llama_index.core.llms.function_calling",
     "llama_index.llms.selfspec (adapter)": "llama_index.llms.selfspec",
     "selfspec (core)": "selfspec",
-    "selfspec.SpeculativeEngine (first use: torch, transformers)": "selfspec.engine",
+    "selfspec.SpeculativeEngine (first use: torch, transformers)": "selfspec.decoding.engine",
 }
 #: Adapter -> its framework, for the adapter's own share.
 FRAMEWORKS = {

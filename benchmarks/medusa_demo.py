@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from selfspec import SpeculativeEngine
-from selfspec.drafting.medusa import find_medusa_heads
+from selfspec.drafting.medusa.drafter import find_medusa_heads
 
 ROOT = Path(__file__).resolve().parents[1]
 

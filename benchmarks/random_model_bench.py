@@ -25,8 +25,8 @@ import torch
 import transformers
 
 from selfspec import SpeculativeEngine
-from selfspec.bench import Method, _selfspec_method, format_table, run_benchmark, write_report
-from selfspec.loading import demo_model_path
+from selfspec.calibration.bench import Method, _selfspec_method, format_table, run_benchmark, write_report
+from selfspec.modeling.loading import demo_model_path
 
 RESULTS = Path(__file__).parent / "results"
 

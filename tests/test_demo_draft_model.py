@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from selfspec import SpeculativeEngine, demo_model_path
-from selfspec.drafting.exit_adapter import exit_adapter_path, load_exit_adapter
-from selfspec.loading import DEMO_DRAFT_MODEL
+from selfspec.drafting.exit_adapter.adapter import exit_adapter_path, load_exit_adapter
+from selfspec.modeling.loading import DEMO_DRAFT_MODEL
 
 HELD_OUT = json.loads((Path(__file__).parent / "data" / "heldout_austen.json").read_text(encoding="utf-8"))
 
@@ -89,7 +89,7 @@ def test_shipped_exit_adapter_raises_tau_of_the_stock_model() -> None:
 
 def test_training_script_makes_a_stock_draft_model_with_the_target_tokenizer(tmp_path) -> None:
     """The options that made ``selfspec-demo-draft``: shape, a reused tokenizer, no early-exit loss."""
-    from selfspec.training import demo
+    from demo_model import demo
 
     out = tmp_path / "draft"
     argv = ["--data", str(Path(__file__).parent / "data" / "austen_excerpt.txt"), "--out", str(out)]

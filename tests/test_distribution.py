@@ -17,11 +17,11 @@ import torch
 from scipy.stats import chisquare
 from tiny_models import make_model, scale_deep_layers
 
-import selfspec.loop
+import selfspec.decoding.loop
 from selfspec import Draft, Drafter, SpeculativeEngine
-from selfspec.acceptance import Acceptance
+from selfspec.core.acceptance import Acceptance
+from selfspec.core.sampling import SamplingParams, logits_to_probs
 from selfspec.drafting import DecodeState
-from selfspec.sampling import SamplingParams, logits_to_probs
 
 VOCAB = 8
 NEW_TOKENS = 3
@@ -189,7 +189,7 @@ def test_the_test_rejects_a_lossy_engine(model, monkeypatch) -> None:
         bonus = int(torch.multinomial(target_probs[k], 1, generator=generator))
         return Acceptance(k, bonus)
 
-    monkeypatch.setattr(selfspec.loop, "accept_sampled", accept_everything)
+    monkeypatch.setattr(selfspec.decoding.loop, "accept_sampled", accept_everything)
     params = SamplingParams(1.0)
     engine = SpeculativeEngine(model, exit_layer=1, num_draft_tokens=2)
     counts = sampled_counts(engine, params)

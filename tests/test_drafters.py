@@ -7,7 +7,7 @@ import torch
 from tiny_models import VOCAB, make_model, reference_greedy
 
 from selfspec import SpeculativeEngine
-from selfspec.adaptive import FALLBACK_ROUNDS, WINDOW, DraftController
+from selfspec.decoding.controller import FALLBACK_ROUNDS, WINDOW, DraftController
 from selfspec.drafting import DecodeState, EarlyExitDrafter, HybridDrafter, NgramIndex, PromptLookupDrafter
 
 
@@ -67,8 +67,8 @@ def test_ngram_index_matches_a_plain_scan() -> None:
 
 
 def state_for(tokens: list[int], model) -> DecodeState:
+    from selfspec.core.sampling import SamplingParams
     from selfspec.modeling import ModelAdapter
-    from selfspec.sampling import SamplingParams
 
     adapter = ModelAdapter(model)
     cache = adapter.new_cache(64)
@@ -253,7 +253,7 @@ def test_graft_puts_the_lookup_beside_the_chain() -> None:
 def test_hybrid_verifies_a_rejected_lookup_beside_the_early_exit(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Greedy rounds where the early exit wins the choice still verify the copied continuation
     as a second branch; the text equals generate, and the lookup branch is sometimes the one kept."""
-    from selfspec.engine import SpeculativeEngine as Engine
+    from selfspec.decoding.engine import SpeculativeEngine as Engine
 
     model = make_model(arch, agreeing=False)
     prompt = repetitive_prompt()
@@ -262,9 +262,9 @@ def test_hybrid_verifies_a_rejected_lookup_beside_the_early_exit(arch: str, monk
     engine.drafter.PROBE_EVERY = 10**6  # never take the lookup alone: every match is grafted
     engine.drafter.choose = lambda state, copied, max_tokens: "early_exit"
     grafted, kept_lookup = [], []
-    import selfspec.loop
+    import selfspec.decoding.loop
 
-    propose, accept = engine.drafter.propose, selfspec.loop.accept_tree_greedy
+    propose, accept = engine.drafter.propose, selfspec.decoding.loop.accept_tree_greedy
 
     def spy_propose(state, max_tokens):
         draft = propose(state, max_tokens)
@@ -279,7 +279,7 @@ def test_hybrid_verifies_a_rejected_lookup_beside_the_early_exit(arch: str, monk
         return acceptance
 
     engine.drafter.propose = spy_propose
-    monkeypatch.setattr(selfspec.loop, "accept_tree_greedy", spy_accept)
+    monkeypatch.setattr(selfspec.decoding.loop, "accept_tree_greedy", spy_accept)
     assert engine.generate_ids(prompt, max_new_tokens=40).token_ids == reference
     assert grafted, "no round grafted a lookup"
     assert any(kept_lookup), "the lookup branch never won"

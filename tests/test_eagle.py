@@ -19,12 +19,12 @@ from test_distribution import chi_square_pvalue, exact_distribution, make_distri
 from tiny_models import make_model, reference_greedy
 
 from selfspec import SpeculativeEngine
-from selfspec.calibration.guard import CostModel
 from selfspec.cli import main
+from selfspec.core.sampling import SamplingParams
+from selfspec.core.speed import CostModel, worth_drafting
 from selfspec.drafting import DecodeState
-from selfspec.drafting.base import worth_drafting
-from selfspec.drafting.eagle import EagleDrafter, eagle_costs
-from selfspec.eagle import (
+from selfspec.drafting.eagle.drafter import EagleDrafter, eagle_costs
+from selfspec.drafting.eagle.head import (
     HEAD_CONFIG,
     HEAD_WEIGHTS,
     SHIPPED_HEADS,
@@ -33,9 +33,8 @@ from selfspec.eagle import (
     find_eagle_head,
     load_eagle_head,
 )
+from selfspec.drafting.eagle.train import EagleTrainConfig, train_eagle_head
 from selfspec.errors import ConfigurationError, ModelNotFoundError, UnsupportedArchitectureError
-from selfspec.sampling import SamplingParams
-from selfspec.training.eagle import EagleTrainConfig, train_eagle_head
 
 PROMPT = [5, 9, 3, 17, 4, 8]
 

@@ -28,8 +28,8 @@ from safetensors.torch import save_file
 from tiny_models import make_model, reference_greedy
 
 from selfspec import SpeculativeEngine
-from selfspec.eagle import HeadCache
-from selfspec.eagle_published import PublishedEagleHead, load_published_head
+from selfspec.drafting.eagle.head import HeadCache
+from selfspec.drafting.eagle.published import PublishedEagleHead, load_published_head
 from selfspec.errors import ConfigurationError, ModelNotFoundError, UnsafeCheckpointError
 
 PROMPT = [5, 9, 3, 17, 4, 8]

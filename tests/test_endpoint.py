@@ -1,4 +1,4 @@
-"""``selfspec.endpoint`` without a server: request bodies, reading answers, error translation, keys.
+"""``selfspec.serving.endpoint`` without a server: request bodies, reading answers, error translation, keys.
 
 The adapters' endpoint mode against a real ``selfspec serve`` is tested in each adapter's
 package; these tests pin the wire format both adapters share.
@@ -15,7 +15,8 @@ httpx = pytest.importorskip("httpx")
 
 from openai.types.chat import ChatCompletion, ChatCompletionChunk  # noqa: E402
 
-from selfspec.endpoint import (  # noqa: E402
+from selfspec.errors import InvalidPromptError, ModelNotFoundError, SamplingError  # noqa: E402
+from selfspec.serving.endpoint import (  # noqa: E402
     EndpointClient,
     _StreamReader,
     chat_body,
@@ -25,8 +26,7 @@ from selfspec.endpoint import (  # noqa: E402
     text_body,
     translate_error,
 )
-from selfspec.errors import InvalidPromptError, ModelNotFoundError, SamplingError  # noqa: E402
-from selfspec.tools import ContentDelta, InvalidToolCall, ToolCall, ToolCallChunk  # noqa: E402
+from selfspec.serving.tools import ContentDelta, InvalidToolCall, ToolCall, ToolCallChunk  # noqa: E402
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 

@@ -17,11 +17,11 @@ from tiny_tokenizer import make_tokenizer
 
 from selfspec import SpeculativeEngine
 from selfspec.cli import build_parser, engine_kwargs, main
+from selfspec.core.sampling import SamplingParams
 from selfspec.drafting import DecodeState, EarlyExitDrafter
-from selfspec.drafting.exit_adapter import ExitAdapter, ExitAdapterConfig, exit_adapter_path, load_exit_adapter
+from selfspec.drafting.exit_adapter.adapter import ExitAdapter, ExitAdapterConfig, exit_adapter_path, load_exit_adapter
+from selfspec.drafting.exit_adapter.train import AdapterTrainConfig, train_exit_adapter
 from selfspec.errors import ConfigurationError
-from selfspec.sampling import SamplingParams
-from selfspec.training.exit_adapter import AdapterTrainConfig, train_exit_adapter
 
 PROMPTS = ([5, 9, 14, 3, 27, 41, 8], list(range(10, 30)))
 
@@ -194,7 +194,7 @@ def test_bad_adapters_are_clear_errors_and_the_engine_stays_usable(tmp_path) -> 
 
 
 def test_adapter_fields_reach_the_engine_arguments() -> None:
-    from selfspec.registry import engine_args
+    from selfspec.serving.engines import engine_args
 
     langchain = pytest.importorskip("langchain_selfspec")
     llama_index = pytest.importorskip("llama_index.llms.selfspec")

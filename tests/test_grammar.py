@@ -18,15 +18,15 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerFast
 
 from selfspec import SpeculativeEngine
-from selfspec.constraints import apply_mask
-from selfspec.grammar import (
+from selfspec.core.constraints import apply_mask
+from selfspec.serving.grammar import (
     GrammarConstraint,
     has_tool_call_tokens,
     json_schema_constraint,
     tool_call_constraint,
     tool_call_grammar,
 )
-from selfspec.tools import parse_tool_calls
+from selfspec.serving.tools import parse_tool_calls
 
 EOS = 2  # <|im_end|>, also the tiny models' eos
 EXTRA_VOCAB = 45  # logits vocabulary beyond the tokenizer (padded embeddings), over a 32-token word

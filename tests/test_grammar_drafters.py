@@ -29,12 +29,12 @@ from test_grammar import (
 from tiny_models import make_model
 
 from selfspec import SpeculativeEngine
+from selfspec.core.sampling import SamplingParams
 from selfspec.drafting import list_drafters
 from selfspec.drafting.base import choose_draft_token
-from selfspec.drafting.medusa import MedusaHeads
-from selfspec.eagle import EagleHead, EagleHeadConfig
-from selfspec.grammar import json_schema_constraint
-from selfspec.sampling import SamplingParams
+from selfspec.drafting.eagle.head import EagleHead, EagleHeadConfig
+from selfspec.drafting.medusa.drafter import MedusaHeads
+from selfspec.serving.grammar import json_schema_constraint
 
 MAX_NEW = 40
 

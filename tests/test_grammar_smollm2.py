@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from selfspec import SpeculativeEngine
-from selfspec.eagle import SHIPPED_HEADS
-from selfspec.grammar import json_schema_constraint, tool_call_constraint
+from selfspec.drafting.eagle.head import SHIPPED_HEADS
+from selfspec.serving.grammar import json_schema_constraint, tool_call_constraint
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +55,7 @@ MAX_NEW = 48
 @pytest.fixture(scope="module")
 def engines(smollm2_path: Path) -> dict[str, SpeculativeEngine]:
     """``auto`` with SmolLM2's plan, and plain decoding, over one float32 model."""
-    from selfspec.loading import load_model_and_tokenizer
+    from selfspec.modeling.loading import load_model_and_tokenizer
 
     model, tokenizer, _ = load_model_and_tokenizer(smollm2_path, dtype="float32", device="cpu")
     auto = SpeculativeEngine(model, tokenizer, drafter="auto", calibration={"plan": SMOLLM2_PLAN})
@@ -110,7 +110,7 @@ def test_serve_with_auto_answers_structured_requests_like_plain(engines: dict[st
     pytest.importorskip("uvicorn")
     import httpx
 
-    from selfspec.server import serve_in_background
+    from selfspec.serving.server import serve_in_background
 
     requests = {
         "json_schema": {"messages": ASK_PERSON, "response_format": {

@@ -148,7 +148,7 @@ def _encode(body: Any) -> bytes:
 def client(demo_engine: Any) -> Any:
     from fastapi.testclient import TestClient
 
-    from selfspec.server import create_app
+    from selfspec.serving.server import create_app
 
     app = create_app(demo_engine, model_id=MODEL)
     # raise_server_exceptions=False: a crash is seen as the client sees it (a status), and counted

@@ -16,7 +16,7 @@ import pytest
 
 import selfspec
 
-HEAVY = ("torch", "transformers", "selfspec.engine", "openai", "llguidance")
+HEAVY = ("torch", "transformers", "selfspec.decoding.engine", "openai", "llguidance")
 
 
 def _modules_after(statement: str) -> set[str]:
@@ -42,14 +42,14 @@ def test_importing_does_not_import_torch(statement: str) -> None:
 
 def test_the_first_use_of_a_name_imports_its_module() -> None:
     loaded = _modules_after("from selfspec import SpeculativeEngine, get_engine")
-    assert {"torch", "selfspec.engine", "selfspec.registry"} <= loaded
+    assert {"torch", "selfspec.decoding.engine", "selfspec.serving.engines"} <= loaded
 
 
 def test_every_public_name_resolves_and_is_listed() -> None:
     for name in selfspec.__all__:
         assert getattr(selfspec, name) is not None, name
     assert set(selfspec.__all__) <= set(dir(selfspec))
-    assert selfspec.SpeculativeEngine.__module__ == "selfspec.engine"
-    assert selfspec.engine.SpeculativeEngine is selfspec.SpeculativeEngine  # submodules as before
+    assert selfspec.SpeculativeEngine.__module__ == "selfspec.decoding.engine"
+    assert selfspec.decoding.engine.SpeculativeEngine is selfspec.SpeculativeEngine  # submodules as before
     with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
         _ = selfspec.no_such_name

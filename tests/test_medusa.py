@@ -25,9 +25,9 @@ from tiny_models import make_model, reference_greedy, scale_deep_layers
 
 from selfspec import SpeculativeEngine
 from selfspec.cli import build_parser, engine_kwargs, main
-from selfspec.drafting.medusa import MedusaDrafter, MedusaHeads, build_candidate_tree, load_medusa_heads
+from selfspec.core.sampling import SamplingParams
+from selfspec.drafting.medusa.drafter import MedusaDrafter, MedusaHeads, build_candidate_tree, load_medusa_heads
 from selfspec.errors import ConfigurationError, ModelNotFoundError, UnsafeCheckpointError
-from selfspec.sampling import SamplingParams
 
 HIDDEN, TINY_VOCAB = 32, 96  # tiny_models' sizes
 
@@ -325,7 +325,7 @@ def test_train_medusa_cli_end_to_end(tmp_path, capsys) -> None:
 def test_cli_and_adapters_pass_medusa_heads() -> None:
     args = build_parser().parse_args(["generate", "-m", "m", "--drafter", "medusa", "--medusa-heads", "h/", "hi"])
     assert engine_kwargs(args)["drafter"] == "medusa" and engine_kwargs(args)["medusa_heads"] == "h/"
-    from selfspec.registry import engine_args
+    from selfspec.serving.engines import engine_args
 
     class Fields:
         drafter = "medusa"

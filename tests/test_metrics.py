@@ -11,8 +11,8 @@ from fastapi.testclient import TestClient
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from selfspec.server import create_app
-from selfspec.server.metrics import CONTENT_TYPE, Metrics
+from selfspec.serving.server import create_app
+from selfspec.serving.server.metrics import CONTENT_TYPE, Metrics
 
 MODEL = "selfspec-demo"
 

@@ -17,8 +17,8 @@ from selfspec.errors import (
     ModelNotFoundError,
     UnsupportedArchitectureError,
 )
-from selfspec.loading import load_model_and_tokenizer
-from selfspec.realmodels import fetch_model, model_path
+from selfspec.modeling.loading import load_model_and_tokenizer
+from selfspec.modeling.realmodels import fetch_model, model_path
 
 #: Prompts with something to copy (RAG, a code edit) and without (chat).
 PROMPTS = [

@@ -1,8 +1,8 @@
 """The early stop on degenerate repetition inside a constrained JSON string.
 
 A small greedy model can loop inside a JSON string that the grammar cannot end
-(``"cat_joke_fun_fun_fun..."``); :class:`selfspec.stopping.RepetitionDetector` notices the loop
-and :class:`selfspec.requests.RequestPlan` stops the call there, with ``finish_reason
+(``"cat_joke_fun_fun_fun..."``); :class:`selfspec.decoding.stopping.RepetitionDetector` notices the loop
+and :class:`selfspec.serving.requests.RequestPlan` stops the call there, with ``finish_reason
 "repetition"`` and a clear message, instead of spending the whole budget. Greedy output is not
 changed: what is emitted is the unguarded output's prefix.
 """
@@ -14,8 +14,8 @@ import json
 import pytest
 
 from selfspec import SpeculativeEngine
-from selfspec.requests import cut_off_message, plan_request
-from selfspec.stopping import RepetitionDetector
+from selfspec.decoding.stopping import RepetitionDetector
+from selfspec.serving.requests import cut_off_message, plan_request
 
 
 def _pushed(text: str, piece: int = 5) -> RepetitionDetector:

@@ -1,4 +1,4 @@
-"""The request planner (selfspec.requests): budget, tools, constraints, prompts, and the async bridge."""
+"""The request planner (selfspec.serving.requests): budget, tools, constraints, prompts, and the async bridge."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from selfspec import SpeculativeEngine
 from selfspec.errors import InvalidPromptError
-from selfspec.requests import (
+from selfspec.serving.requests import (
     DEFAULT_MAX_TOKENS,
     SCHEMA_INSTRUCTION,
     TOOLS_INSTRUCTION,
@@ -88,7 +88,7 @@ def test_the_default_is_the_same_in_both_adapters_and_the_server() -> None:
     from langchain_selfspec import ChatSpeculative
     from llama_index.llms.selfspec import SpeculativeLLM
 
-    from selfspec.server import app
+    from selfspec.serving.server import app
 
     assert ChatSpeculative().max_tokens is None  # None means DEFAULT_MAX_TOKENS (plan_request)
     assert SpeculativeLLM().max_new_tokens == DEFAULT_MAX_TOKENS
@@ -255,7 +255,7 @@ def test_a_pydantic_class_and_its_schema_are_stated_alike() -> None:
     """Pydantic's generated property titles are left out of the stated schema (issue 19, SmolLM2's JSON mode)."""
     from pydantic import BaseModel, Field
 
-    from selfspec.requests import schema_instruction
+    from selfspec.serving.requests import schema_instruction
 
     class Joke(BaseModel):
         """Joke to tell user."""

@@ -15,7 +15,7 @@ uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from selfspec.server import serve_in_background  # noqa: E402
+from selfspec.serving.server import serve_in_background  # noqa: E402
 
 MODEL = "selfspec-demo"
 KEY = "test-key"
@@ -293,7 +293,7 @@ def test_tools_render_through_the_template_and_forced_calls_parse(client: Any, d
 def test_serve_command_line() -> None:
     import argparse
 
-    from selfspec.server import add_serve_parser, cmd_serve
+    from selfspec.serving.server import add_serve_parser, cmd_serve
 
     parser = argparse.ArgumentParser(prog="selfspec")
     add_serve_parser(parser.add_subparsers(dest="command", required=True))
@@ -534,7 +534,7 @@ def test_internal_errors_get_a_request_id_and_no_exception_text(demo_engine: Any
     """A fault inside the server: a generic 500 naming the request id, one traceback in the log."""
     from fastapi.testclient import TestClient
 
-    from selfspec.server import create_app
+    from selfspec.serving.server import create_app
 
     app = create_app(demo_engine, model_id=MODEL)
     server = app.state.selfspec
@@ -543,7 +543,8 @@ def test_internal_errors_get_a_request_id_and_no_exception_text(demo_engine: Any
         raise RuntimeError("secret internal detail")
 
     server.prepare_completion = broken
-    with TestClient(app, base_url="http://127.0.0.1") as http, caplog.at_level("ERROR", logger="selfspec.server"):
+    logger = "selfspec.serving.server"
+    with TestClient(app, base_url="http://127.0.0.1") as http, caplog.at_level("ERROR", logger=logger):
         response = http.post("/v1/completions", json=GOOD)
         assert response.status_code == 500
         error = response.json()["error"]
@@ -558,7 +559,7 @@ def test_internal_errors_get_a_request_id_and_no_exception_text(demo_engine: Any
 
 
 def test_queue_full_is_429_with_retry_after(demo_engine: Any, good_text: str) -> None:
-    from selfspec.server.limits import ServerLimits
+    from selfspec.serving.server.limits import ServerLimits
 
     limits = ServerLimits(max_concurrent=1, max_queue=0, retry_after=3)
     with serve_in_background(demo_engine, model_id=MODEL, limits=limits) as root:
@@ -580,7 +581,7 @@ def test_queue_full_is_429_with_retry_after(demo_engine: Any, good_text: str) ->
 
 
 def test_cors_is_off_unless_asked(demo_engine: Any, base_url: str) -> None:
-    from selfspec.server.limits import ServerLimits
+    from selfspec.serving.server.limits import ServerLimits
 
     preflight = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST"}
     off = httpx.options(f"{base_url}/v1/completions", headers=preflight)
@@ -597,7 +598,7 @@ def test_slow_and_broken_clients_on_a_real_server(demo_engine: Any, good_text: s
     """Against uvicorn on loopback: incomplete headers, a body that never ends, a client that drops mid-upload."""
     import socket
 
-    from selfspec.server.limits import ServerLimits
+    from selfspec.serving.server.limits import ServerLimits
 
     limits = ServerLimits(header_timeout=1.0, body_timeout=1.0, keep_alive_timeout=1.0)
     with serve_in_background(demo_engine, model_id=MODEL, limits=limits) as root:

@@ -13,7 +13,7 @@ from tiny_models import make_model
 from tiny_tokenizer import make_tokenizer
 
 from selfspec import SpeculativeEngine
-from selfspec.stopping import IncrementalDetokenizer, StopStringMatcher
+from selfspec.decoding.stopping import IncrementalDetokenizer, StopStringMatcher
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from selfspec.tools import (
+from selfspec.serving.tools import (
     ContentDelta,
     InvalidToolCall,
     ToolCall,

@@ -24,12 +24,10 @@ from test_distribution import PROMPT, chi_square_pvalue, exact_distribution, sam
 from test_distribution import model as distribution_model  # noqa: F401  (a fixture)
 from tiny_models import ARCHITECTURES, make_model, reference_greedy
 
-import selfspec.loop
+import selfspec.decoding.loop
 from selfspec import GenerationRequest, SpeculativeEngine
-from selfspec.drafting import DecodeState, Draft, Drafter
-from selfspec.errors import ConfigurationError
-from selfspec.sampling import SamplingParams
-from selfspec.tree import (
+from selfspec.core.sampling import SamplingParams
+from selfspec.core.tree import (
     TreeAcceptance,
     TreeMask,
     accept_tree_greedy,
@@ -40,6 +38,8 @@ from selfspec.tree import (
     tree_depths,
     tree_paths,
 )
+from selfspec.drafting import DecodeState, Draft, Drafter
+from selfspec.errors import ConfigurationError
 
 # ------------------------------------------------------------------ pure tree helpers
 
@@ -356,7 +356,7 @@ def test_tree_sampling_follows_target(distribution_model, drafter: str, params: 
 
 @pytest.mark.slow
 def test_the_engine_test_rejects_a_lossy_tree_acceptance(distribution_model, monkeypatch) -> None:  # noqa: F811
-    monkeypatch.setattr(selfspec.loop, "accept_tree_sampled", accept_without_residual)
+    monkeypatch.setattr(selfspec.decoding.loop, "accept_tree_sampled", accept_without_residual)
     params = SamplingParams(1.0)
     engine = SpeculativeEngine(distribution_model, drafter=IIDTreeDrafter(), num_draft_tokens=2)
     counts = sampled_counts(engine, params)
@@ -422,7 +422,7 @@ def test_cli_tree_nodes_option(capsys) -> None:
 
 
 def test_calibration_races_trees_and_auto_uses_the_choice(tmp_path) -> None:
-    from selfspec.calibrate import calibrate, choose_tree_nodes
+    from selfspec.calibration.measure import calibrate, choose_tree_nodes
 
     assert choose_tree_nodes({"chain": 10.0, "4": 10.1, "8": 9.0}) is None  # within the margin
     assert choose_tree_nodes({"chain": 10.0, "4": 12.0, "8": 13.0}) == 8

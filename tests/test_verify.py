@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from selfspec.acceptance import accept_greedy, accept_sampled
+from selfspec.core.acceptance import accept_greedy, accept_sampled
 
 
 def one_hot_logits(tokens: list[int], vocab: int = 6) -> torch.Tensor:

@@ -15,7 +15,10 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .constraints import TokenConstraint
+    from .core.constraints import TokenConstraint
+    from .decoding.engine import SpeculativeEngine
+    from .decoding.generation import GenerationRequest, GenerationStream
+    from .decoding.outputs import GenerationOutput, GenerationStats
     from .drafting import (
         DecodeState,
         Draft,
@@ -30,7 +33,6 @@ if TYPE_CHECKING:
         list_drafters,
         register_drafter,
     )
-    from .engine import SpeculativeEngine
     from .errors import (
         ConfigurationError,
         GenerationMemoryError,
@@ -42,11 +44,9 @@ if TYPE_CHECKING:
         UnsafeCheckpointError,
         UnsupportedArchitectureError,
     )
-    from .generation import GenerationRequest, GenerationStream
-    from .loading import DEMO_MODEL, demo_model_path
     from .modeling import SUPPORTED_ARCHITECTURES, ModelAdapter, ModelRunner
-    from .outputs import GenerationOutput, GenerationStats
-    from .registry import clear_engines, get_engine
+    from .modeling.loading import DEMO_MODEL, demo_model_path
+    from .serving.engines import clear_engines, get_engine
 
 try:
     __version__ = version("selfspec")
@@ -55,7 +55,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 #: Where each public name lives (imported by :func:`__getattr__` on first use).
 _LAZY: dict[str, str] = {
-    "TokenConstraint": ".constraints",
+    "TokenConstraint": ".core.constraints",
     "DecodeState": ".drafting",
     "Draft": ".drafting",
     "Drafter": ".drafting",
@@ -68,7 +68,7 @@ _LAZY: dict[str, str] = {
     "PromptLookupDrafter": ".drafting",
     "list_drafters": ".drafting",
     "register_drafter": ".drafting",
-    "SpeculativeEngine": ".engine",
+    "SpeculativeEngine": ".decoding.engine",
     "ConfigurationError": ".errors",
     "GenerationMemoryError": ".errors",
     "InvalidPromptError": ".errors",
@@ -78,17 +78,17 @@ _LAZY: dict[str, str] = {
     "SelfSpecError": ".errors",
     "UnsafeCheckpointError": ".errors",
     "UnsupportedArchitectureError": ".errors",
-    "GenerationRequest": ".generation",
-    "GenerationStream": ".generation",
-    "DEMO_MODEL": ".loading",
-    "demo_model_path": ".loading",
+    "GenerationRequest": ".decoding.generation",
+    "GenerationStream": ".decoding.generation",
+    "DEMO_MODEL": ".modeling.loading",
+    "demo_model_path": ".modeling.loading",
     "SUPPORTED_ARCHITECTURES": ".modeling",
     "ModelAdapter": ".modeling",
     "ModelRunner": ".modeling",
-    "GenerationOutput": ".outputs",
-    "GenerationStats": ".outputs",
-    "clear_engines": ".registry",
-    "get_engine": ".registry",
+    "GenerationOutput": ".decoding.outputs",
+    "GenerationStats": ".decoding.outputs",
+    "clear_engines": ".serving.engines",
+    "get_engine": ".serving.engines",
 }
 
 __all__ = [
@@ -133,7 +133,7 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     """Import a public name's module on first use (PEP 562)."""
     module = _LAZY.get(name)
-    if module is None:  # a submodule (``selfspec.engine``), as when this file imported them all
+    if module is None:  # a submodule (``selfspec.decoding.engine``), as when this file imported them all
         try:
             return importlib.import_module(f".{name}", __name__)
         except ModuleNotFoundError as error:

@@ -4,10 +4,10 @@ Where each part lives:
 
 - the engine, loaded once per distinct set of engine arguments: :func:`selfspec.get_engine`;
 - reading the model's tool calls, streaming them, normalising tool schemas:
-  :mod:`selfspec.tools` (shared with the LlamaIndex adapter);
-- forced tool calls and structured output by constrained decoding: :mod:`selfspec.grammar`;
+  :mod:`selfspec.serving.tools` (shared with the LlamaIndex adapter);
+- forced tool calls and structured output by constrained decoding: :mod:`selfspec.serving.grammar`;
 - endpoint mode (``base_url=...``: an OpenAI-compatible server instead of a local engine):
-  :mod:`selfspec.endpoint` (shared with the LlamaIndex adapter);
+  :mod:`selfspec.serving.endpoint` (shared with the LlamaIndex adapter);
 - here: LangChain messages to chat-template messages (:func:`to_engine_messages`), one
   request per call (:meth:`ChatSpeculative._request`, :meth:`ChatSpeculative._endpoint_body`),
   and the one place that builds messages and chunks (:func:`_ai_message`, :func:`_chunk`,
@@ -47,9 +47,9 @@ from langchain_core.utils import secret_from_env
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, model_validator
-from selfspec.endpoint import API_KEY_ENV_VARS, EndpointClient, EndpointResult, chat_body
 from selfspec.errors import ConfigurationError
-from selfspec.requests import (
+from selfspec.serving.endpoint import API_KEY_ENV_VARS, EndpointClient, EndpointResult, chat_body
+from selfspec.serving.requests import (
     INCOMPLETE_REASONS,
     RequestPlan,
     agenerate,
@@ -59,7 +59,7 @@ from selfspec.requests import (
     normalize_tool_choice,
     plan_request,
 )
-from selfspec.tools import (
+from selfspec.serving.tools import (
     ContentDelta,
     InvalidToolCall,
     StreamEvent,
@@ -296,7 +296,7 @@ class ChatSpeculative(BaseChatModel):
     one forward; ``"auto"`` uses the calibrated choice."""
 
     batching: bool = False
-    """Decode concurrent calls on the shared engine together (``selfspec.batching``): each call
+    """Decode concurrent calls on the shared engine together (``selfspec.decoding.batching``): each call
     keeps the text it gets alone; more throughput when many threads or tasks share the model."""
 
     trust_remote_code: bool = False
@@ -328,7 +328,7 @@ class ChatSpeculative(BaseChatModel):
     """Sampling temperature: 0 for greedy decoding, > 0 samples."""
 
     max_tokens: int | None = None
-    """Most new tokens per answer; ``None``: ``selfspec.requests.DEFAULT_MAX_TOKENS`` (256, the
+    """Most new tokens per answer; ``None``: ``selfspec.serving.requests.DEFAULT_MAX_TOKENS`` (256, the
     default of ``selfspec serve`` and ``SpeculativeLLM`` too), never past the context window."""
 
     top_p: float | None = None
@@ -432,7 +432,7 @@ class ChatSpeculative(BaseChatModel):
     # ------------------------------------------------------------------ engine
     def _engine_args(self) -> dict[str, Any]:
         """The arguments of ``SpeculativeEngine.from_pretrained`` (they key the shared engine)."""
-        from selfspec.registry import engine_args  # the engine (torch, transformers) loads on first use
+        from selfspec.serving.engines import engine_args  # the engine (torch, transformers) loads on first use
 
         return engine_args(self)
 
@@ -629,7 +629,7 @@ class ChatSpeculative(BaseChatModel):
         return body
 
     def _plan(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> RequestPlan:
-        """One call planned by :func:`selfspec.requests.plan_request` on this model's engine."""
+        """One call planned by :func:`selfspec.serving.requests.plan_request` on this model's engine."""
         _check_call_args(kwargs)
         return plan_request(
             self.get_engine(kwargs.get("model") or self.model),
@@ -886,7 +886,7 @@ def _joined(chunks: list[Any]) -> Any:
 @functools.lru_cache(maxsize=8)
 def _local_tokenizer(model: str, trust_remote_code: bool) -> Any:
     """The tokenizer of ``model`` read from disk (endpoint mode counts tokens with it)."""
-    from selfspec.loading import resolve_model_path
+    from selfspec.modeling.loading import resolve_model_path
     from transformers import AutoTokenizer
 
     try:

@@ -41,7 +41,7 @@ def require_demo_model() -> None:
     from selfspec import demo_model_path
 
     if not (demo_model_path() / "model.safetensors").is_file():
-        pytest.fail("the bundled demo model is missing: run python -m selfspec.training.demo")
+        pytest.fail("the bundled demo model is missing: run python -m demo_model.demo")
 
 
 @pytest.fixture(scope="session")
@@ -64,7 +64,7 @@ def selfspec_server(demo_engine: Any) -> Any:
     Yields the endpoint-mode arguments: ``{"base_url": "http://127.0.0.1:PORT/v1", "api_key": ...}``.
     """
     pytest.importorskip("uvicorn")
-    from selfspec.server import serve_in_background
+    from selfspec.serving.server import serve_in_background
 
     with serve_in_background(demo_engine, model_id="selfspec-demo", api_key=SERVER_KEY) as root:
         yield {"base_url": f"{root}/v1", "api_key": SERVER_KEY}

@@ -25,7 +25,7 @@ def demo_llm():
     from llama_index.llms.selfspec import SpeculativeLLM
 
     if not (demo_model_path() / "model.safetensors").is_file():
-        pytest.fail("the bundled demo model is missing: run python -m selfspec.training.demo")
+        pytest.fail("the bundled demo model is missing: run python -m demo_model.demo")
     return SpeculativeLLM(model="selfspec-demo", max_new_tokens=MAX_NEW_TOKENS)
 
 
@@ -40,7 +40,7 @@ def selfspec_server(demo_llm):
     Yields the endpoint-mode arguments: ``{"base_url": "http://127.0.0.1:PORT/v1", "api_key": ...}``.
     """
     pytest.importorskip("uvicorn")
-    from selfspec.server import serve_in_background
+    from selfspec.serving.server import serve_in_background
 
     with serve_in_background(demo_llm.engine, model_id="selfspec-demo", api_key=SERVER_KEY) as root:
         yield {"base_url": f"{root}/v1", "api_key": SERVER_KEY}

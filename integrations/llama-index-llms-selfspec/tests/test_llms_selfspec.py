@@ -133,7 +133,7 @@ def test_messages_render_tool_calls_and_results():
 
 def _assistant_message(text, parse_tools=True):
     """The assistant message the adapter builds from a local answer (the one response builder)."""
-    from selfspec.tools import ParsedOutput, parse_tool_calls
+    from selfspec.serving.tools import ParsedOutput, parse_tool_calls
 
     parsed = parse_tool_calls(text) if parse_tools else ParsedOutput(content=text)
     answer = selfspec_base._Answer(parsed.content, parsed.tool_calls, parsed.invalid_tool_calls, "stop", {}, {}, "m", 8)
@@ -198,7 +198,7 @@ def test_tool_schemas_and_forced_choice():
     schemas = [selfspec_base.tool_schema(t) for t in (FunctionTool.from_defaults(fn=multiply), Person, multiply)]
     assert [s["function"]["name"] for s in schemas] == ["multiply", "Person", "multiply"]
     assert schemas[0]["function"]["parameters"]["required"] == ["x", "y"]
-    from selfspec.requests import forced_tool, normalize_tool_choice
+    from selfspec.serving.requests import forced_tool, normalize_tool_choice
 
     names = [s["function"]["name"] for s in schemas]
 

@@ -33,7 +33,7 @@ class Person(BaseModel):
 
 def smollm2_path() -> str:
     from selfspec.errors import ModelNotFoundError
-    from selfspec.realmodels import fetch_model
+    from selfspec.modeling.realmodels import fetch_model
 
     try:
         return str(fetch_model())
@@ -43,7 +43,7 @@ def smollm2_path() -> str:
 
 @pytest.fixture(scope="module")
 def llms() -> dict[str, SpeculativeLLM]:
-    from selfspec.eagle import SHIPPED_HEADS
+    from selfspec.drafting.eagle.head import SHIPPED_HEADS
 
     path = smollm2_path()
     auto = SpeculativeLLM(model=path, drafter="auto", calibrate=False, max_new_tokens=48)
@@ -58,7 +58,7 @@ def llms() -> dict[str, SpeculativeLLM]:
 @pytest.fixture(scope="module")
 def remote(llms: dict[str, SpeculativeLLM]) -> Any:
     pytest.importorskip("uvicorn")
-    from selfspec.server import serve_in_background
+    from selfspec.serving.server import serve_in_background
 
     with serve_in_background(llms["auto"].engine, model_id="smollm2", api_key=SERVER_KEY) as root:
         yield SpeculativeLLM(model="smollm2", base_url=f"{root}/v1", api_key=SERVER_KEY, max_new_tokens=48,

@@ -155,7 +155,7 @@ def test_a_cancelled_call_stops_within_one_round(path: str, batching: bool) -> N
 # ------------------------------------------------------------------------------- repetition (issue 19)
 def test_a_json_loop_stopped_early_is_a_clear_value_error(demo_llm: SpeculativeLLM) -> None:
     """A call stopped on a loop inside a JSON string is reported as the cut-off is (a clear ValueError)."""
-    from selfspec.requests import plan_request
+    from selfspec.serving.requests import plan_request
 
     from llama_index.llms.selfspec.base import _final_response, _local_answer, _validate_json
 

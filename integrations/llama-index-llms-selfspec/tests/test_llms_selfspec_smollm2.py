@@ -1,6 +1,6 @@
 """SpeculativeLLM on a real model, SmolLM2-135M-Instruct: a RAG answer's content and streamed structured output.
 
-Greedy, on the GGUF checkpoint ``selfspec.realmodels.fetch_model()`` fetches (offline afterwards).
+Greedy, on the GGUF checkpoint ``selfspec.modeling.realmodels.fetch_model()`` fetches (offline afterwards).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class Person(BaseModel):
 @pytest.fixture(scope="module")
 def smollm2() -> SpeculativeLLM:
     from selfspec.errors import ModelNotFoundError
-    from selfspec.realmodels import fetch_model
+    from selfspec.modeling.realmodels import fetch_model
 
     try:
         path = str(fetch_model())

@@ -5,7 +5,7 @@
 - :mod:`.plan`: :class:`Plan` and the ``drafter="auto"`` that runs it;
 - :mod:`.guard`: the online :class:`DraftController` (draft length, pause when slower).
 
-``selfspec.calibrate`` and ``selfspec.adaptive`` re-export their old names from here.
+``selfspec.calibration.measure`` and ``selfspec.decoding.controller`` re-export their old names from here.
 """
 
 from .store import (  # isort: skip
@@ -17,8 +17,9 @@ from .store import (  # isort: skip
     machine_fingerprint,
     save_calibration,
 )
-from .guard import CostModel, DraftController  # isort: skip
-from .plan import PLAIN_MARGIN, PLAN_METHODS, Plan, plan_of  # isort: skip  (registers drafter="auto")
+from ..core.speed import CostModel  # isort: skip
+from ..decoding.controller import DraftController  # isort: skip
+from ..drafting.auto import PLAIN_MARGIN, PLAN_METHODS, Plan, plan_of  # isort: skip  (registers drafter="auto")
 from .measure import (  # isort: skip
     DEFAULT_CALIBRATION_PROMPTS,
     TREE_CANDIDATES,

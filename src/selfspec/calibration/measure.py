@@ -9,10 +9,10 @@ of verifying ``k`` drafts, relative to one plain step. A replay of the continuat
 predicts each candidate's speed (tokens per plain-step cost): plain decoding (1.0), early exit
 per layer and draft length, layer skip, prompt lookup, hybrid (lookup where the text
 repeats, else the early exit), and, when an EAGLE head fits the model
-(:func:`~selfspec.eagle.find_eagle_head`), the head's chains alone and with lookup copies where
+(:func:`~selfspec.drafting.eagle.head.find_eagle_head`), the head's chains alone and with lookup copies where
 the text repeats (``eagle`` / ``eagle_hybrid``): their acceptance is measured by decoding the prompts with
 the head (a chain's accepted length per round), their draft cost from the same runs. The
-fastest becomes the :class:`~selfspec.calibration.plan.Plan` that ``drafter="auto"`` runs,
+fastest becomes the :class:`~selfspec.drafting.auto.Plan` that ``drafter="auto"`` runs,
 and plain decoding when nothing beats it by a margin.
 
 The classic estimate is kept as :func:`expected_speedup`: with per-token acceptance ``a``,
@@ -36,12 +36,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm.auto import tqdm
 
-from .guard import CostModel
-from .plan import PLAIN_MARGIN, Plan
+from ..core.speed import CostModel, expected_tokens
+from ..drafting.auto import PLAIN_MARGIN, Plan
 from .store import machine_fingerprint, save_calibration
 
 if TYPE_CHECKING:
-    from ..engine import SpeculativeEngine
+    from ..decoding.engine import SpeculativeEngine
 
 logger = logging.getLogger(__name__)
 
@@ -89,10 +89,10 @@ def default_prompts(engine: SpeculativeEngine) -> list[Any]:
         return [[1, 2, 3, 4, 5, 6, 7, 8], [5, 9, 5, 9, 11, 5, 9, 5]]
     if getattr(tokenizer, "chat_template", None) is None:
         return list(DEFAULT_CALIBRATION_PROMPTS)
-    from ..loading import DEMO_MODEL, demo_model_path
+    from ..modeling.loading import DEMO_MODEL, demo_model_path
 
     if engine.name_or_path in (DEMO_MODEL, str(demo_model_path())):  # trained on Austen: its own kind of text
-        from ..bench_prompts import PASSAGES
+        from ..prompts import PASSAGES
 
         return [
             *DEFAULT_CALIBRATION_PROMPTS[:4],
@@ -119,7 +119,7 @@ class CalibrationResult:
         tree_speed: with ``trees=True``: measured greedy tokens per second of the chain and
             of each early-exit tree node budget.
         tree_nodes: with ``trees=True``: the fastest, ``None`` when the chain was fastest.
-        plan: what ``drafter="auto"`` runs (:class:`~selfspec.calibration.plan.Plan`).
+        plan: what ``drafter="auto"`` runs (:class:`~selfspec.drafting.auto.Plan`).
         candidates: every candidate's predicted speedup over plain decoding.
         cost_checks: how many times the cost curves were re-measured for not being monotonic,
             and whether they were finally made monotonic by hand.
@@ -194,9 +194,7 @@ def plan_costs(
 
 def expected_speedup(agreement: float, draft_cost: float, verify_cost: float, num_draft: int) -> float:
     """Expected tokens per unit of plain-step cost: ``(1 - a^(k+1)) / ((1 - a)(k c + v))``."""
-    a = min(max(agreement, 0.0), 0.999)
-    tokens_per_round = (1 - a ** (num_draft + 1)) / (1 - a)
-    return tokens_per_round / (num_draft * draft_cost + verify_cost)
+    return expected_tokens(agreement, num_draft) / (num_draft * draft_cost + verify_cost)
 
 
 def choose(
@@ -235,7 +233,7 @@ def generate_continuations(
     engine: SpeculativeEngine, prompt_ids: Sequence[list[int]], max_new_tokens: int
 ) -> Continuations:
     """Plain greedy continuations of each prompt (what any lossless method must reproduce)."""
-    engine_class = type(engine)  # sibling engines of the caller's class: no import back to selfspec.engine
+    engine_class = type(engine)  # sibling engines of the caller's class: no import back to selfspec.decoding.engine
 
     plain = engine_class(engine.model, engine.tokenizer, drafter="none", calibration={})
     sequences = [ids + plain.generate_ids(ids, max_new_tokens=max_new_tokens).token_ids for ids in prompt_ids]
@@ -506,11 +504,11 @@ def measure_eagle(
         prompt_ids: the calibration prompts' ids.
         max_new_tokens: tokens generated per prompt.
         step_seconds: one plain step's seconds (:func:`measure_costs`).
-        head: a head folder or loaded :class:`~selfspec.eagle.EagleHead`; ``None`` looks for one
-            (:func:`~selfspec.eagle.find_eagle_head`).
+        head: a head folder or loaded :class:`~selfspec.drafting.eagle.head.EagleHead`; ``None`` looks for one
+            (:func:`~selfspec.drafting.eagle.head.find_eagle_head`).
         num_draft_tokens: the chains' length.
     """
-    from ..eagle import find_eagle_head
+    from ..drafting.eagle.head import find_eagle_head
     from ..errors import ConfigurationError, ModelNotFoundError
 
     if head is None:
@@ -518,7 +516,7 @@ def measure_eagle(
         if found is None:
             return {}
         head = str(found)
-    engine_class = type(engine)  # sibling engines of the caller's class: no import back to selfspec.engine
+    engine_class = type(engine)  # sibling engines of the caller's class: no import back to selfspec.decoding.engine
     try:
         eagle = engine_class(
             engine.model,
@@ -595,7 +593,7 @@ def search_skip_layers(
     Returns:
         ``(layers, agreement, num_draft_tokens, expected speedup)``.
     """
-    engine_class = type(engine)  # sibling engines of the caller's class: no import back to selfspec.engine
+    engine_class = type(engine)  # sibling engines of the caller's class: no import back to selfspec.decoding.engine
 
     adapter = engine.adapter
     plain = engine_class(engine.model, engine.tokenizer, drafter="none")
@@ -654,7 +652,7 @@ def measure_tree_speed(
 
     Interleaved: each pass runs every variant on every prompt, in a rotated order.
     """
-    engine_class = type(engine)  # sibling engines of the caller's class: no import back to selfspec.engine
+    engine_class = type(engine)  # sibling engines of the caller's class: no import back to selfspec.decoding.engine
 
     variants = [("chain", None), *((str(n), n) for n in candidates)]
     engines = {
@@ -856,7 +854,7 @@ def calibrate(
             the chain at the best exit layer and draft length, and save the fastest as
             ``tree_nodes`` (``None``: the chain), which ``tree_nodes="auto"`` uses.
         eagle_head: an EAGLE head (folder or loaded head) to measure; ``None`` measures the
-            one :func:`~selfspec.eagle.find_eagle_head` finds for the model, if any;
+            one :func:`~selfspec.drafting.eagle.head.find_eagle_head` finds for the model, if any;
             ``False`` skips EAGLE.
         methods: let the plan choose only among these methods (and plain decoding);
             ``None``: every measured one.

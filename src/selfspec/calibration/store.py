@@ -18,7 +18,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from ..paths import cache_dir
+from ..artifacts import BUNDLED_MODELS, cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def _cpu_name() -> str:
 
 def _bundled(name_or_path: str | os.PathLike[str]) -> bool:
     """Whether the path is one of the models bundled inside the package (never written to)."""
-    models = Path(__file__).resolve().parents[1] / "models"
+    models = BUNDLED_MODELS.resolve()
     try:
         return models in Path(name_or_path).resolve().parents
     except OSError:
@@ -63,8 +63,8 @@ def calibration_path(name_or_path: str | os.PathLike[str] | None) -> Path | None
     path = Path(name_or_path)
     if path.is_dir() and not _bundled(path):
         return path / CALIBRATION_FILE
-    if path.suffix.lower() == ".gguf":  # beside its dequantized copy (selfspec.loading)
-        from ..loading import dequantized_folder
+    if path.suffix.lower() == ".gguf":  # beside its dequantized copy (selfspec.modeling.loading)
+        from ..modeling.loading import dequantized_folder
 
         return dequantized_folder(str(path.parent), path.name) / CALIBRATION_FILE
     if path.is_dir():  # a bundled model: the user cache, by folder name

@@ -14,8 +14,8 @@ from .prompt_lookup import NgramIndex, PromptLookupDrafter  # isort: skip
 from .hybrid import HybridDrafter, graft  # isort: skip
 from .layer_skip import LayerSkipDrafter, contiguous_runs, default_skip_layers  # isort: skip
 from .draft_model import DraftModelDrafter  # isort: skip
-from .medusa import MedusaDrafter, MedusaHeads  # isort: skip
-from .eagle import EagleDrafter  # isort: skip
+from .medusa.drafter import MedusaDrafter, MedusaHeads  # isort: skip
+from .eagle.drafter import EagleDrafter  # isort: skip
 
 
 def _make_none(engine: object, **options: object) -> NoDrafter:

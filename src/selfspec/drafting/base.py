@@ -1,9 +1,9 @@
 """The drafting contract: what a drafter is given, what it returns, and how it joins a batch.
 
 A drafter proposes; it never decides (``../DESIGN.md``). Each round the loop
-(:mod:`selfspec.loop`) calls :meth:`Drafter.propose` with the generation's
+(:mod:`selfspec.decoding.loop`) calls :meth:`Drafter.propose` with the generation's
 :class:`DecodeState` and a token budget, verifies the returned :class:`Draft` in one target
-forward (:mod:`selfspec.verify`), keeps an accepted prefix (:mod:`selfspec.acceptance`) and
+forward (:mod:`selfspec.decoding.verify`), keeps an accepted prefix (:mod:`selfspec.core.acceptance`) and
 tells the drafter how it went (:meth:`Drafter.observe`): the two-method contract of
 transformers' candidate generators.
 
@@ -12,10 +12,10 @@ What a :class:`Draft` must hold:
 * ``tokens``: the proposed token ids (at most ``max_tokens`` of them for a chain; for a tree,
   at most ``max_tokens`` levels). An empty draft makes the round a plain decoding step.
 * ``draft_probs``: when the tokens were *sampled*, the ``[k, vocab]`` distributions they were
-  drawn from, processed like the target's (:func:`selfspec.sampling.logits_to_probs`); leave
+  drawn from, processed like the target's (:func:`selfspec.core.sampling.logits_to_probs`); leave
   it ``None`` for deterministic picks (greedy drafts, copies): the verifier then treats them
   as one-hot, which is exact.
-* ``parents`` (optional): a token tree, see :mod:`selfspec.tree`. A drafter that drafts trees
+* ``parents`` (optional): a token tree, see :mod:`selfspec.core.tree`. A drafter that drafts trees
   sets a ``tree_nodes`` attribute (the most nodes it proposes), so the cache has room.
 * ``exit_states`` / ``exit_layer`` (optional): the target's own hidden states after its first
   ``exit_layer`` layers, when the drafter computed them (early exit). The verifier then runs
@@ -31,7 +31,7 @@ n-gram index, a draft model's cache) lives in ``state.memory(self, factory)``, n
 drafter object, which is shared by every generation of an engine.
 
 Batching: a drafter whose rounds may run in a batch sets ``can_batch = True``. The scheduler
-(:mod:`selfspec.batching`) then calls :meth:`Drafter.propose_batch` with every active row;
+(:mod:`selfspec.decoding.batching`) then calls :meth:`Drafter.propose_batch` with every active row;
 the default runs :meth:`Drafter.propose` row by row, which is right for drafters that only
 read the token history (their drafts are verified together in one forward). A drafter that
 runs the model (the early exit) overrides it to draft every row in the same forwards. A
@@ -51,8 +51,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from ..constraints import TokenConstraint, apply_mask
-from ..sampling import SamplingParams, logits_to_probs, sample
+from ..core.constraints import TokenConstraint, apply_mask
+from ..core.sampling import SamplingParams, logits_to_probs, sample
+from ..core.speed import worth_drafting
 
 if TYPE_CHECKING:
     from ..modeling.runner import ModelRunner
@@ -134,7 +135,7 @@ class Draft:
             runs the last draft token through those layers itself). A batched drafter may
             hand over all ``k + 1`` states (the last draft's included).
         exit_layer: the layer those states come from.
-        parents: ``None`` for a chain; for a token tree (:mod:`selfspec.tree`), the index in
+        parents: ``None`` for a chain; for a token tree (:mod:`selfspec.core.tree`), the index in
             ``tokens`` of each node's parent, or ``-1`` when its parent is the root
             (``last_token``). Nodes are in topological order; node ``i`` sits at position
             ``P + depth(i)``. A tree's ``exit_states`` are ``[1, 1 + m, hidden]``: the root
@@ -240,18 +241,6 @@ def choose_draft_token(
     return choose_token(logits, params, generator)
 
 
-def worth_drafting(reach: float, expected: float, drafted: int, round_cost: Callable[[int], float]) -> bool:
-    """Whether drafting one more token raises a round's expected tokens per unit of cost.
-
-    The round has drafted ``drafted`` tokens, expects ``expected`` tokens from them (the bonus
-    token included) and would reach the next one with probability ``reach``. The token is worth
-    drafting when its marginal rate beats the round's average rate so far:
-    ``reach / (C(n + 1) - C(n)) >= expected / C(n)`` with ``C = round_cost``.
-    """
-    before, after = round_cost(drafted), round_cost(drafted + 1)
-    return reach * before >= (after - before) * expected
-
-
 def top_probability(logits: torch.Tensor, probs: torch.Tensor | None) -> float:
     """The draft distribution's top probability: of ``probs`` when sampling, else of ``logits`` (one host read)."""
     return float(probs.max() if probs is not None else torch.softmax(logits, dim=-1).max())
@@ -278,7 +267,7 @@ def draft_autoregressively(
             sits at position ``state.position + j`` (it runs the drafter's model there).
         confidence: stop early once the draft's top probability falls below this.
         round_cost: ``n -> `` the predicted cost of a round that drafts ``n`` tokens, relative
-            to a plain step (:meth:`~selfspec.calibration.guard.CostModel.round_cost`). With it,
+            to a plain step (:meth:`~selfspec.decoding.controller.CostModel.round_cost`). With it,
             a token is drafted only if it raises the round's expected tokens per unit of cost
             (:func:`worth_drafting`, judged on the draft's top probabilities): a round may then
             draft nothing and run as a plain step.

@@ -4,7 +4,7 @@ The draft head is the target's final norm and LM head applied to the exit layer'
 (Elhoushi et al. 2024, "LayerSkip: Enabling Early Exit Inference and Self-Speculative
 Decoding"). Drafting writes the shallow layers' KV cache for the draft positions and keeps the
 exit states, so verification starts at ``exit_layer`` and the first layers never run twice on
-the same token. An optional trained exit adapter (:mod:`selfspec.drafting.exit_adapter`)
+the same token. An optional trained exit adapter (:mod:`selfspec.drafting.exit_adapter.adapter`)
 changes the draft logits only.
 """
 
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .base import DecodeState, Draft, Drafter, below_confidence, choose_token, draft_autoregressively
-from .exit_adapter import ExitAdapter
+from .exit_adapter.adapter import ExitAdapter
 from .registry import register_drafter
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ class EarlyExitDrafter(Drafter):
             nodes and at most ``max_tokens`` levels (:mod:`selfspec.drafting.early_exit_tree`).
             A round with a grammar constraint drafts a chain.
         tree_shape: ``"dynamic"`` (EAGLE-2: expand the most probable nodes) or ``"static"``.
-        exit_adapter: optional trained :class:`~selfspec.drafting.exit_adapter.ExitAdapter`
+        exit_adapter: optional trained :class:`~selfspec.drafting.exit_adapter.adapter.ExitAdapter`
             (for this exit layer) applied before the shared norm and head; it changes the
             draft logits only, never the exit states handed to verification.
     """

@@ -13,7 +13,7 @@ Two shapes:
   all candidates are reranked by cumulative probability down to the node budget. When
   sampling, a sampled child scores as its parent, so the tree always contains the chain a
   chain draft would have proposed (up to the budget) and can only accept more.
-* **static**: a fixed shape from :func:`selfspec.tree.static_tree` (a child of rank ``r`` is
+* **static**: a fixed shape from :func:`selfspec.core.tree.static_tree` (a child of rank ``r`` is
   the ``r``-th most probable token), the same every round.
 
 Children and losslessness: greedy children are the top tokens of the exit layer's
@@ -22,7 +22,7 @@ distribution (its ``draft_probs`` row is that distribution) and is always kept; 
 children are the most probable remaining tokens, chosen deterministically (one-hot rows).
 Each child is then drawn from its row given everything drafted before it, and whether the
 sampled child exists never depends on its value, so recursive rejection sampling
-(:func:`selfspec.tree.accept_tree_sampled`) stays exact.
+(:func:`selfspec.core.tree.accept_tree_sampled`) stays exact.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
+from ..core.sampling import logits_to_probs, sample
+from ..core.tree import TreeMask, default_tree_width, static_tree
 from ..errors import ConfigurationError
-from ..sampling import logits_to_probs, sample
-from ..tree import TreeMask, default_tree_width, static_tree
 from .base import DecodeState, Draft
 from .fitting import select_nodes
 
@@ -103,7 +103,7 @@ def draft_early_exit_tree(
         max_depth: the deepest level (the longest path that can be accepted).
         shape: ``"dynamic"`` or ``"static"``.
         width: children per expanded node and nodes expanded per depth (default
-            :func:`~selfspec.tree.default_tree_width`).
+            :func:`~selfspec.core.tree.default_tree_width`).
         exit_adapter: an optional trained exit adapter applied to ``h_E`` for the draft logits
             only (the raw states are what verification continues from).
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..tree import check_tree, tree_children, tree_depths
+from ..core.tree import check_tree, tree_children, tree_depths
 from .base import DecodeState, Draft
 
 

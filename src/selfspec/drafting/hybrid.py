@@ -8,7 +8,7 @@ from typing import Any
 from ..modeling.runner import ModelRunner
 from .base import DecodeState, Draft, Drafter
 from .early_exit import EarlyExitDrafter
-from .exit_adapter import ExitAdapter
+from .exit_adapter.adapter import ExitAdapter
 from .prompt_lookup import PromptLookupDrafter
 from .registry import register_drafter
 

@@ -2,7 +2,7 @@
 
 :mod:`.runner` is the architecture adapter (:class:`ModelRunner`: embed, layers, norm, head,
 masks, rotary), :mod:`.fastpath` the lean layer path it uses where it applies, and
-:mod:`.cache` the caches. Loading checkpoints stays in :mod:`selfspec.loading`.
+:mod:`.cache` the caches. Loading checkpoints stays in :mod:`selfspec.modeling.loading`.
 """
 
 from .cache import BatchedKVCache, KVCache, StaticKVCache

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core.tree import TreeMask
 from ..errors import ConfigurationError, UnsupportedArchitectureError
-from ..tree import TreeMask
 from .cache import BatchedKVCache, StaticKVCache
 from .fastpath import build_fast_layers, fast_path_default, layer_forward
 
@@ -161,7 +161,7 @@ class ModelRunner:
             positions: ``[q]`` absolute positions of the new states; in a chain they follow
                 the cached positions of layer ``start`` directly.
             cache: the generation's cache; every layer in the range must hold the same length.
-            tree: for token-tree nodes (:mod:`selfspec.tree`): which of the tree nodes at the
+            tree: for token-tree nodes (:mod:`selfspec.core.tree`): which of the tree nodes at the
                 end of the cache each query sees; ``None`` is plain causal attention.
 
         Returns:

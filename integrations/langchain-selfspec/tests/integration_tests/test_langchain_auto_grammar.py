@@ -37,7 +37,7 @@ class Person(BaseModel):
 
 def smollm2_path() -> str:
     from selfspec.errors import ModelNotFoundError
-    from selfspec.realmodels import fetch_model
+    from selfspec.modeling.realmodels import fetch_model
 
     try:
         return str(fetch_model())
@@ -48,7 +48,7 @@ def smollm2_path() -> str:
 @pytest.fixture(scope="module")
 def models() -> dict[str, ChatSpeculative]:
     """``auto`` with SmolLM2's plan (set on the shared engine), and plain decoding."""
-    from selfspec.eagle import SHIPPED_HEADS
+    from selfspec.drafting.eagle.head import SHIPPED_HEADS
 
     path = smollm2_path()
     auto = ChatSpeculative(model=path, drafter="auto", calibrate=False, max_tokens=48)
@@ -63,7 +63,7 @@ def models() -> dict[str, ChatSpeculative]:
 @pytest.fixture(scope="module")
 def remote(models: dict[str, ChatSpeculative]) -> Any:
     pytest.importorskip("uvicorn")
-    from selfspec.server import serve_in_background
+    from selfspec.serving.server import serve_in_background
 
     with serve_in_background(models["auto"].get_engine(), model_id="smollm2", api_key=SERVER_KEY) as root:
         yield ChatSpeculative(model="smollm2", base_url=f"{root}/v1", api_key=SERVER_KEY, max_tokens=48, max_retries=0)

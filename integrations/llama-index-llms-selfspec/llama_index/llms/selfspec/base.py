@@ -9,12 +9,12 @@ greedy), only sooner. Weights load on first use, and every ``SpeculativeLLM`` (a
 Where things live:
 
 - chat messages -> the tokenizer's chat template: :func:`to_engine_messages`;
-- tool schemas, forced tool calls, parsing the model's tool calls: :mod:`selfspec.tools` and
-  :mod:`selfspec.grammar` (shared with the LangChain adapter);
+- tool schemas, forced tool calls, parsing the model's tool calls: :mod:`selfspec.serving.tools` and
+  :mod:`selfspec.serving.grammar` (shared with the LangChain adapter);
 - response objects, streamed or not: :meth:`SpeculativeLLM._chat_response` and
   :meth:`SpeculativeLLM._completion_response` (the sync, async and streaming paths all end there);
 - endpoint mode (``base_url=...``: an OpenAI-compatible server instead of a local engine):
-  :mod:`selfspec.endpoint` (shared with the LangChain adapter) and
+  :mod:`selfspec.serving.endpoint` (shared with the LangChain adapter) and
   :meth:`SpeculativeLLM._endpoint_body`; its answers end in the same two response builders.
 """
 
@@ -54,9 +54,9 @@ from llama_index.core.llms.utils import parse_partial_json
 from llama_index.core.program.utils import FlexibleModel, create_flexible_model
 from llama_index.core.types import PydanticProgramMode
 
-from selfspec.endpoint import EndpointClient, EndpointResult, chat_body, text_body
 from selfspec.errors import ConfigurationError
-from selfspec.requests import (
+from selfspec.serving.endpoint import EndpointClient, EndpointResult, chat_body, text_body
+from selfspec.serving.requests import (
     DEFAULT_MAX_TOKENS,
     INCOMPLETE_REASONS,
     RequestPlan,
@@ -67,7 +67,14 @@ from selfspec.requests import (
     normalize_tool_choice,
     plan_request,
 )
-from selfspec.tools import ContentDelta, InvalidToolCall, StreamEvent, ToolCall, ToolCallChunk, ToolCallStreamParser
+from selfspec.serving.tools import (
+    ContentDelta,
+    InvalidToolCall,
+    StreamEvent,
+    ToolCall,
+    ToolCallChunk,
+    ToolCallStreamParser,
+)
 
 if TYPE_CHECKING:  # the engine imports torch: imported on first use (model load)
     from llama_index.core.prompts import BasePromptTemplate
@@ -175,7 +182,7 @@ class SpeculativeLLM(FunctionCallingLLM):
     )
     batching: bool = Field(
         default=False,
-        description="Decode concurrent calls on the shared engine together (selfspec.batching): each call "
+        description="Decode concurrent calls on the shared engine together (selfspec.decoding.batching): each call "
         "keeps the text it gets alone; more throughput when many threads or tasks share the model.",
     )
     device: str = Field(default="auto", description="'auto' (CUDA when available), 'cpu' or 'cuda[:N]'.")
@@ -213,7 +220,7 @@ class SpeculativeLLM(FunctionCallingLLM):
     max_new_tokens: int = Field(
         default=DEFAULT_MAX_TOKENS,
         gt=0,
-        description="The most new tokens per response (default: selfspec.requests.DEFAULT_MAX_TOKENS, "
+        description="The most new tokens per response (default: selfspec.serving.requests.DEFAULT_MAX_TOKENS, "
         "the default of selfspec serve and ChatSpeculative too); never past the context window.",
     )
     top_k: int | None = Field(default=None, gt=0, description="Sample among the top_k most likely tokens.")
@@ -314,7 +321,7 @@ class SpeculativeLLM(FunctionCallingLLM):
 
     def _engine_args(self) -> dict[str, Any]:
         """The arguments of ``SpeculativeEngine.from_pretrained`` (they key the shared engine)."""
-        from selfspec.registry import engine_args  # the engine (torch, transformers) loads on first use
+        from selfspec.serving.engines import engine_args  # the engine (torch, transformers) loads on first use
 
         return engine_args(self)
 
@@ -667,7 +674,7 @@ class SpeculativeLLM(FunctionCallingLLM):
         return options
 
     def _plan(self, prompt: _Prompt, options: dict[str, Any]) -> RequestPlan:
-        """The call planned on the local engine (:func:`selfspec.requests.plan_request`)."""
+        """The call planned on the local engine (:func:`selfspec.serving.requests.plan_request`)."""
         return plan_request(
             self.engine,
             prompt,
@@ -978,9 +985,9 @@ def tool_schema(tool: Any) -> dict[str, Any]:
     """An OpenAI-style ``{"type": "function", "function": {...}}`` schema of a tool.
 
     Accepts LlamaIndex tools, plain functions (wrapped as ``FunctionTool``), Pydantic models
-    and the dict forms :func:`selfspec.tools.tool_schema` reads.
+    and the dict forms :func:`selfspec.serving.tools.tool_schema` reads.
     """
-    from selfspec.tools import tool_schema as normalize
+    from selfspec.serving.tools import tool_schema as normalize
 
     metadata = getattr(tool, "metadata", None)
     if metadata is not None and hasattr(metadata, "to_openai_tool"):
@@ -1033,7 +1040,7 @@ class _PartialObjects:
 @functools.lru_cache(maxsize=64)
 def _config_context_window(model: str, trust_remote_code: bool) -> int:
     """``max_position_embeddings`` from the model's config (the weights are not loaded)."""
-    from selfspec.loading import load_config, resolve_model_path
+    from selfspec.modeling.loading import load_config, resolve_model_path
 
     config = load_config(resolve_model_path(model), trust_remote_code=trust_remote_code)
     return int(getattr(config, "max_position_embeddings", None) or DEFAULT_CONTEXT_WINDOW)

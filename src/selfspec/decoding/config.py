@@ -1,0 +1,219 @@
+"""The engine's settings: validated once, with every ``"auto"`` resolved in one place.
+
+:class:`EngineConfig` is what the parts of an engine read (the drafter factories in
+particular: ``engine.config.exit_layer``, ``engine.config.tree_nodes``, ...). It is built from
+the constructor's arguments, the model and the saved calibration by :meth:`EngineConfig.resolve`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core.validation import check_num_draft_tokens, check_tree_nodes
+from ..drafting import Drafter, drafter_spec, list_drafters
+from ..drafting.auto import plan_settings
+from ..drafting.exit_adapter.adapter import ExitAdapter, engine_exit_adapter
+from ..drafting.medusa.drafter import MedusaHeads
+from ..drafting.registry import drafters_using, drafters_with, names_in_words
+from ..errors import ConfigurationError
+from ..modeling.runner import ModelRunner
+
+#: Draft length used when ``num_draft_tokens="auto"`` finds no calibration.
+DEFAULT_NUM_DRAFT_TOKENS = 4
+#: With ``num_draft_tokens="auto"``, the early exit stops drafting below this top probability.
+DEFAULT_DRAFT_CONFIDENCE = 0.3
+#: Node budget used when ``tree_nodes="auto"`` finds no calibration (``None``: a chain).
+DEFAULT_TREE_NODES: int | None = None
+
+
+def default_exit_layer(num_layers: int) -> int:
+    """The exit layer used when ``exit_layer="auto"`` finds no calibration: ``L // 4``."""
+    return max(1, num_layers // 4)
+
+
+def check_arguments(exit_layer: Any, num_draft_tokens: Any, drafter: Any, tree_nodes: Any = None) -> None:
+    """Reject malformed engine arguments (before any weights are loaded)."""
+    if exit_layer != "auto" and (isinstance(exit_layer, bool) or not isinstance(exit_layer, int)):
+        raise ConfigurationError(f"exit_layer must be 'auto' or an int, got {exit_layer!r}")
+    check_num_draft_tokens(num_draft_tokens)  # 'auto' or an int in [1, MAX_DRAFT_TOKENS]
+    if not isinstance(drafter, Drafter):
+        if not isinstance(drafter, str):
+            raise ConfigurationError(f"unknown drafter {drafter!r}; choose one of {', '.join(list_drafters())}")
+        drafter_spec(drafter)  # raises on an unknown name
+    check_tree_nodes(tree_nodes)  # None, 'auto' or an int in [1, MAX_TREE_NODES]
+
+
+def wants_calibration(exit_layer: Any, num_draft_tokens: Any, drafter: Any, tree_nodes: Any) -> bool:
+    """Whether ``"auto"`` settings of a calibrated drafter would read a measured calibration."""
+    if isinstance(drafter, Drafter) or "auto" not in (exit_layer, num_draft_tokens, tree_nodes):
+        return False
+    return drafter_spec(drafter).calibrated
+
+
+@dataclass
+class EngineConfig:
+    """An engine's resolved settings (see :class:`~selfspec.SpeculativeEngine` for each argument).
+
+    Attributes:
+        drafter: the drafter's registered name, or the user's :class:`~selfspec.drafting.Drafter`.
+        exit_layer: the early exit's layer (``1 .. num_layers - 1``).
+        num_draft_tokens: the (starting) draft length.
+        adaptive: whether the draft length adapts (``num_draft_tokens="auto"``).
+        draft_confidence: the early exit's confidence stop (``0``: none).
+        tree_nodes: the token-tree node budget, or ``None`` for chains.
+        calibration: the measured settings the ``"auto"`` values came from (may be empty).
+        exit_adapter: the trained exit adapter the drafter uses, if any.
+        draft_model: the separate draft model (``drafter="draft_model"``).
+        draft_tokenizer: its tokenizer, checked against the target's.
+        medusa_heads: Medusa heads or their folder (``drafter="medusa"``).
+        eagle_head: an EAGLE head, its folder or ``"auto"`` (``drafter="eagle"``; ``None``: auto).
+        drafter_options: keyword options passed to the drafter's factory.
+        batching: whether concurrent calls are decoded together.
+        fast_path: whether the lean layer path is used where it applies.
+    """
+
+    drafter: str | Drafter
+    exit_layer: int
+    num_draft_tokens: int
+    adaptive: bool
+    draft_confidence: float
+    tree_nodes: int | None
+    calibration: dict[str, Any] = field(default_factory=dict)
+    exit_adapter: ExitAdapter | None = None
+    draft_model: Any = None
+    draft_tokenizer: Any = None
+    medusa_heads: str | os.PathLike[str] | MedusaHeads | None = None
+    eagle_head: Any = None
+    drafter_options: dict[str, Any] = field(default_factory=dict)
+    batching: bool = False
+    fast_path: bool = True
+
+    @property
+    def drafter_name(self) -> str:
+        """The drafter's registered name (a user's instance: its ``name``)."""
+        return self.drafter.name if isinstance(self.drafter, Drafter) else self.drafter
+
+    @classmethod
+    def resolve(
+        cls,
+        runner: ModelRunner,
+        name_or_path: str,
+        calibration: dict[str, Any],
+        *,
+        exit_layer: int | str = "auto",
+        num_draft_tokens: int | str = "auto",
+        drafter: str | Drafter = "early_exit",
+        draft_confidence: float | None = None,
+        draft_model: Any = None,
+        draft_tokenizer: Any = None,
+        exit_adapter: str | os.PathLike[str] | ExitAdapter | None = None,
+        medusa_heads: str | os.PathLike[str] | MedusaHeads | None = None,
+        eagle_head: Any = None,
+        tree_nodes: int | str | None = None,
+        drafter_options: dict[str, Any] | None = None,
+        batching: bool = False,
+    ) -> EngineConfig:
+        """Validate the engine's arguments and resolve every ``"auto"`` against ``calibration``.
+
+        Raises:
+            ConfigurationError: an argument is malformed or does not fit the model or drafter.
+        """
+        check_arguments(exit_layer, num_draft_tokens, "none", tree_nodes)
+        adapter_module = engine_exit_adapter(exit_adapter, runner, name_or_path, exit_layer, drafter)
+        if adapter_module is not None:
+            exit_layer = adapter_module.exit_layer  # the layer the adapter was trained for
+        adaptive = num_draft_tokens == "auto"
+        if draft_confidence is not None and not 0.0 <= draft_confidence < 1.0:
+            raise ConfigurationError(f"draft_confidence must be in [0, 1), got {draft_confidence!r}")
+        confidence = DEFAULT_DRAFT_CONFIDENCE if draft_confidence is None else draft_confidence
+        check_arguments("auto", "auto", drafter)
+        _check_drafter_options(drafter, draft_model=draft_model, medusa_heads=medusa_heads, eagle_head=eagle_head)
+        if drafter_options is not None and not isinstance(drafter_options, dict):
+            raise ConfigurationError(f"drafter_options must be a dict or None, got {drafter_options!r}")
+        if not isinstance(batching, bool):
+            raise ConfigurationError(f"batching must be True or False, got {batching!r}")
+        planned = plan_settings(calibration) if drafter == "auto" else calibration  # drafter="auto": the plan's E, k
+        return cls(
+            drafter=drafter,
+            exit_layer=_resolve_exit_layer(exit_layer, runner.num_layers, planned),
+            num_draft_tokens=_resolve_num_draft_tokens(num_draft_tokens, planned),
+            adaptive=adaptive,
+            draft_confidence=confidence if adaptive else 0.0,
+            tree_nodes=_resolve_tree_nodes(tree_nodes, drafter, calibration),
+            calibration=calibration,
+            exit_adapter=adapter_module,
+            draft_model=draft_model,
+            draft_tokenizer=draft_tokenizer,
+            medusa_heads=medusa_heads,
+            eagle_head=eagle_head,
+            drafter_options=dict(drafter_options or {}),
+            batching=batching,
+            fast_path=runner.fast_layers is not None,
+        )
+
+
+def _resolve_exit_layer(exit_layer: int | str, num_layers: int, calibration: dict[str, Any]) -> int:
+    if exit_layer == "auto":
+        saved = calibration.get("exit_layer")
+        if isinstance(saved, int) and 1 <= saved < num_layers:
+            return saved
+        return default_exit_layer(num_layers)
+    assert isinstance(exit_layer, int)
+    if not 1 <= exit_layer <= num_layers - 1:
+        raise ConfigurationError(
+            f"exit_layer must be in [1, {num_layers - 1}] for this {num_layers}-layer model, got {exit_layer}"
+        )
+    return exit_layer
+
+
+def _resolve_num_draft_tokens(num_draft_tokens: int | str, calibration: dict[str, Any]) -> int:
+    if num_draft_tokens == "auto":
+        saved = calibration.get("num_draft_tokens")
+        return saved if isinstance(saved, int) and saved >= 1 else DEFAULT_NUM_DRAFT_TOKENS
+    assert isinstance(num_draft_tokens, int)
+    return num_draft_tokens
+
+
+def _resolve_tree_nodes(
+    tree_nodes: int | str | None, drafter: str | Drafter, calibration: dict[str, Any]
+) -> int | None:
+    """``"auto"``: the calibrated choice for calibrated tree drafters, the default for other tree drafters."""
+    tree_drafters = drafters_with("trees")
+    if tree_nodes == "auto":
+        if isinstance(drafter, Drafter) or drafter not in tree_drafters:
+            return None  # a drafter that drafts no trees: a chain
+        if not drafter_spec(drafter).calibrated:
+            return DEFAULT_TREE_NODES  # e.g. Medusa's candidate tree (calibration races the early exit's)
+        saved = calibration.get("tree_nodes", DEFAULT_TREE_NODES)
+        return saved if isinstance(saved, int) and not isinstance(saved, bool) and saved >= 1 else None
+    if tree_nodes is not None and (isinstance(drafter, Drafter) or drafter not in tree_drafters):
+        name = drafter.name if isinstance(drafter, Drafter) else drafter
+        raise ConfigurationError(
+            f"tree_nodes drafts trees with the {names_in_words(tree_drafters)} drafters, not {name!r}; "
+            "a Drafter instance returns trees through Draft.parents itself"
+        )
+    assert tree_nodes is None or isinstance(tree_nodes, int)
+    return tree_nodes
+
+
+def _check_drafter_options(drafter: str | Drafter, **given: Any) -> None:
+    """Engine arguments that only some drafters use must not be given with another one."""
+    for option, value in given.items():
+        users = drafters_using(option)
+        if value is not None and drafter not in users:
+            wanted = " or ".join(f"drafter={name!r}" for name in users)
+            raise ConfigurationError(f"{option}= is only used with {wanted}")
+
+
+def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    """The end-of-sequence tokens: the generation config's, else the tokenizer's, else the model config's."""
+    eos: Any = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None:
+        return frozenset()
+    return frozenset(int(e) for e in eos) if isinstance(eos, (list, tuple)) else frozenset({int(eos)})

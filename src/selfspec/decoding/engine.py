@@ -1,0 +1,398 @@
+"""The speculative decoding engine: builds the parts (``../DESIGN.md``) and exposes generate / stream.
+
+Parts: the model runner (:mod:`selfspec.modeling`), a registered drafter (:mod:`selfspec.drafting`),
+the loop's numbered steps (:mod:`selfspec.decoding.loop`), the batching scheduler
+(:mod:`selfspec.decoding.batching`), validated settings (:mod:`selfspec.decoding.config`) and a call's
+state and stream (:mod:`selfspec.decoding.generation`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Generator, Sequence
+from typing import Any
+
+import torch
+
+from ..calibration import calibrate_on_first_load, load_calibration
+from ..core.constraints import TokenConstraint
+from ..drafting import Drafter, drafter_spec
+from ..drafting.auto import UNCALIBRATED_PLAN, Plan, plan_of
+from ..drafting.exit_adapter.adapter import ExitAdapter
+from ..drafting.medusa.drafter import MedusaHeads, load_medusa_heads
+from ..drafting.registry import drafters_using
+from ..errors import ConfigurationError
+from ..modeling.runner import ModelRunner
+from .batching import BatchScheduler
+from .config import EngineConfig, check_arguments, eos_token_ids, wants_calibration
+from .controller import DraftController
+from .generation import Generation, GenerationRequest, GenerationStream, Prompt, encode_prompt
+from .loop import decode
+from .outputs import FinishReason, GenerationOutput
+
+#: The :class:`EngineConfig` fields an engine exposes as its own attributes.
+_SETTINGS = frozenset("exit_layer num_draft_tokens adaptive draft_confidence tree_nodes calibration".split())
+_SETTINGS |= frozenset("exit_adapter batching draft_model medusa_heads eagle_head".split())
+
+
+class SpeculativeEngine:
+    """Lossless self-speculative decoding around a transformers causal LM.
+
+    The model drafts tokens with its own first ``exit_layer`` layers (shared final norm and
+    LM head) and verifies the whole draft in one forward of the remaining layers. Greedy
+    output is token-identical to ``model.generate(do_sample=False)``; sampled output follows
+    the model's own distribution exactly.
+
+    Args:
+        model: a loaded transformers ``*ForCausalLM`` of a supported architecture.
+        tokenizer: its tokenizer; optional for token-level use (:meth:`generate_ids`).
+        exit_layer: layers the draft runs, ``1 .. num_layers - 1``; ``"auto"`` uses the
+            saved calibration, else ``num_layers // 4``.
+        num_draft_tokens: tokens drafted per round, ``>= 1``; ``"auto"`` uses the saved
+            calibration, else 4.
+        drafter: the name of a registered drafter (:func:`selfspec.list_drafters`; default
+            ``"early_exit"``, ``"none"`` is plain decoding; ``docs/drafters.md``), or a
+            :class:`~selfspec.drafting.Drafter` instance.
+        draft_confidence: with ``num_draft_tokens="auto"``, the early exit stops drafting
+            when its top probability falls below this (default 0.3); ignored for a fixed
+            draft length. With ``"auto"`` the draft length also adapts to recent
+            acceptance, and speculation pauses while it is measured slower than plain
+            decoding.
+        calibration: measured settings to use instead of the saved ``selfspec.json``
+            (the ``"exit_layer"`` and ``"num_draft_tokens"`` keys are read).
+        draft_model: with ``drafter="draft_model"``, the loaded draft model (sharing the
+            target's tokenizer); :meth:`from_pretrained` also takes a name.
+        draft_tokenizer: the draft model's tokenizer, checked against the target's.
+        exit_adapter: a trained :class:`~selfspec.drafting.exit_adapter.adapter.ExitAdapter` for the
+            early-exit and hybrid drafters (``selfspec train-adapter``): a folder, a loaded
+            adapter, ``"auto"`` (the one saved beside the model, if any) or ``None`` (default:
+            none). It changes the drafts only, never the text. With ``exit_layer="auto"`` the
+            adapter's exit layer is used; an explicit, different ``exit_layer`` is an error
+            (with ``"auto"``, the saved adapter is then left out).
+        medusa_heads: with ``drafter="medusa"``, a folder of heads in the published Medusa
+            layout (``config.json`` + ``medusa_lm_head.safetensors``) or loaded
+            :class:`~selfspec.drafting.MedusaHeads`; ``None`` uses the heads saved beside the
+            model (the demo model ships some; ``selfspec train-medusa`` trains them).
+        eagle_head: with ``drafter="eagle"`` (or ``"eagle_hybrid"``), an EAGLE-style head
+            (``selfspec train-eagle``): its folder, a loaded :class:`~selfspec.drafting.eagle.head.EagleHead`,
+            or ``"auto"``/``None`` (the head saved beside the model, in the user cache, or
+            shipped with selfspec for the model; ``docs/eagle.md``).
+        tree_nodes: ``None`` (default) drafts a chain; an int ``N >= 1`` makes the early-exit
+            drafter (also inside ``"hybrid"``) draft a token tree of at most ``N`` nodes and at
+            most ``num_draft_tokens`` levels, verified in one forward
+            (``docs/trees.md``); ``"auto"`` uses the calibrated choice (chain or tree, and
+            the node budget), else :data:`~selfspec.decoding.config.DEFAULT_TREE_NODES`. With
+            ``drafter="medusa"`` the heads' candidates are verified as a tree of at most ``N``
+            nodes (``"auto"``: :data:`~selfspec.decoding.config.DEFAULT_TREE_NODES`).
+        batching: decode concurrent calls together: a background thread runs each round
+            for all active generations in the same forwards, each keeping its own text
+            (see :mod:`selfspec.decoding.batching`; generations with a constraint, or a drafter
+            without a batched path, run alone).
+        drafter_options: keyword options for the drafter's factory (``factory(engine, **options)``).
+        fast_path: use the lean layer path where it applies (``None``: on, unless the
+            environment sets ``SELFSPEC_FAST_PATH=0``).
+
+    Example:
+        >>> from selfspec import SpeculativeEngine
+        >>> engine = SpeculativeEngine.from_pretrained("selfspec-demo")
+        >>> out = engine.generate("It is a truth universally acknowledged", max_new_tokens=16)
+        >>> out.finish_reason
+        'length'
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any = None,
+        *,
+        exit_layer: int | str = "auto",
+        num_draft_tokens: int | str = "auto",
+        drafter: str | Drafter = "early_exit",
+        draft_confidence: float | None = None,
+        calibration: dict[str, Any] | None = None,
+        draft_model: Any = None,
+        draft_tokenizer: Any = None,
+        exit_adapter: str | os.PathLike[str] | ExitAdapter | None = None,
+        medusa_heads: str | os.PathLike[str] | MedusaHeads | None = None,
+        eagle_head: Any = None,
+        tree_nodes: int | str | None = None,
+        batching: bool = False,
+        drafter_options: dict[str, Any] | None = None,
+        fast_path: bool | None = None,
+    ) -> None:
+        arguments = dict(locals())  # every argument but the model's own parts is a setting (see configure)
+        for name in ("self", "model", "tokenizer", "calibration", "fast_path"):
+            del arguments[name]
+        self._arguments: dict[str, Any] = arguments
+        self.model = model
+        self.tokenizer = tokenizer
+        self.runner = ModelRunner(model, fast_path=fast_path)
+        model.eval()
+        self.name_or_path: str = str(getattr(model.config, "_name_or_path", "") or "")
+        self.eos_token_ids = eos_token_ids(model, tokenizer)
+        self._lock = threading.RLock()
+        self.configure(calibration if calibration is not None else (load_calibration(self.name_or_path) or {}))
+
+    def configure(self, calibration: dict[str, Any]) -> None:
+        """(Re)build the settings, the drafter, the controller and the scheduler from ``calibration``."""
+        self.config = EngineConfig.resolve(self.runner, self.name_or_path, calibration, **self._arguments)
+        self.drafter = self._make_drafter()
+        self.controller = DraftController(
+            self.config.num_draft_tokens, adaptive=self.config.adaptive, costs=self.config.calibration.get("costs")
+        )
+        self._batcher = BatchScheduler(self) if self.config.batching else None
+
+    def _make_drafter(self) -> Drafter:
+        """The configured drafter: a user's instance, or the registered factory's product."""
+        chosen = self.config.drafter
+        if isinstance(chosen, Drafter):
+            return chosen
+        drafter = drafter_spec(chosen).factory(self, **self.config.drafter_options)
+        if not isinstance(drafter, Drafter):
+            raise ConfigurationError(f"the factory of drafter {chosen!r} returned {drafter!r}, not a Drafter")
+        return drafter
+
+    @property
+    def plan(self) -> Plan | None:
+        """What ``drafter="auto"`` runs and why (:class:`~selfspec.calibration.Plan`), else ``None``."""
+        if self.config.drafter_name != "auto":
+            return None
+        return plan_of(self.config.calibration) or UNCALIBRATED_PLAN
+
+    @property
+    def adapter(self) -> ModelRunner:
+        """The model runner (its name before ``runner``)."""
+        return self.runner
+
+    def __getattr__(self, name: str) -> Any:
+        """Settings read through to :attr:`config`: ``engine.exit_layer`` is ``engine.config.exit_layer``.
+
+        So are ``num_draft_tokens``, ``adaptive``, ``draft_confidence``, ``tree_nodes``,
+        ``calibration``, ``exit_adapter``, ``batching``, ``draft_model`` and ``medusa_heads``.
+        """
+        config = self.__dict__.get("config")
+        if name in _SETTINGS and config is not None:
+            return getattr(config, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    # ----------------------------------------------------------------- construction
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str | os.PathLike[str],
+        *,
+        quantization: str | None = None,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device = "auto",
+        exit_layer: int | str = "auto",
+        num_draft_tokens: int | str = "auto",
+        drafter: str | Drafter = "early_exit",
+        draft_confidence: float | None = None,
+        trust_remote_code: bool = False,
+        allow_pickle: bool = False,
+        calibrate: bool = True,
+        gguf_file: str | None = None,
+        draft_model: Any = None,
+        exit_adapter: str | os.PathLike[str] | ExitAdapter | None = None,
+        medusa_heads: str | os.PathLike[str] | MedusaHeads | None = None,
+        eagle_head: Any = None,
+        tree_nodes: int | str | None = None,
+        batching: bool = False,
+    ) -> SpeculativeEngine:
+        """Load a model from the hub, a local folder, or ``"selfspec-demo"``.
+
+        Args:
+            name_or_path: a hub id, a local folder with ``config.json`` and safetensors
+                weights, or ``"selfspec-demo"`` (the small model bundled with the package).
+            quantization: ``None``, ``"4bit"`` (bitsandbytes NF4) or ``"8bit"``.
+            dtype: ``"auto"`` (float32 on CPU, the checkpoint's half precision on GPU),
+                a name such as ``"bfloat16"``, or a ``torch.dtype``.
+            device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda[:N]"``.
+            exit_layer: see :class:`SpeculativeEngine`.
+            num_draft_tokens: see :class:`SpeculativeEngine`.
+            drafter: see :class:`SpeculativeEngine`.
+            draft_confidence: see :class:`SpeculativeEngine`.
+            exit_adapter: see :class:`SpeculativeEngine`.
+            tree_nodes: see :class:`SpeculativeEngine`.
+            batching: see :class:`SpeculativeEngine`.
+            trust_remote_code: allow checkpoints that ship their own Python code.
+            allow_pickle: allow ``.bin`` (pickle) weights when no safetensors exist.
+            gguf_file: the name of a ``.gguf`` file inside the folder ``name_or_path`` (a
+                ``.gguf`` path works without it); needs ``pip install 'selfspec[gguf]'``.
+            draft_model: with ``drafter="draft_model"``: a loaded model, or a name or folder
+                loaded like the target (same quantization, dtype and device).
+            calibrate: when ``exit_layer`` or ``num_draft_tokens`` is ``"auto"`` and the
+                model has no saved calibration, measure one now (a few seconds, with a
+                progress bar) and save it beside the model or in the user cache.
+            medusa_heads: with ``drafter="medusa"``: see :class:`SpeculativeEngine` (a
+                ``medusa_lm_head.pt`` pickle loads only with ``allow_pickle=True``).
+            eagle_head: with ``drafter="eagle"``: see :class:`SpeculativeEngine`.
+
+        Raises:
+            ModelNotFoundError: no such folder or hub model (an ``OSError``).
+            UnsupportedArchitectureError: the architecture has no adapter.
+            QuantizationError: the requested quantization cannot run here.
+        """
+        from ..modeling.loading import load_model_and_tokenizer
+
+        check_arguments(exit_layer, num_draft_tokens, drafter, tree_nodes)
+        loading: dict[str, Any] = {
+            "quantization": quantization,
+            "dtype": dtype,
+            "device": device,
+            "trust_remote_code": trust_remote_code,
+            "allow_pickle": allow_pickle,
+        }
+        model, tokenizer, path = load_model_and_tokenizer(name_or_path, gguf_file=gguf_file, **loading)
+        model.config._name_or_path = path
+        draft_tokenizer = None
+        if isinstance(draft_model, (str, os.PathLike)):
+            draft_model, draft_tokenizer, _ = load_model_and_tokenizer(draft_model, **loading)
+        if allow_pickle and isinstance(medusa_heads, (str, os.PathLike)) and drafter in drafters_using("medusa_heads"):
+            medusa_heads = load_medusa_heads(medusa_heads, allow_pickle=True)
+        engine = cls(
+            model,
+            tokenizer,
+            exit_layer=exit_layer,
+            num_draft_tokens=num_draft_tokens,
+            drafter=drafter,
+            draft_confidence=draft_confidence,
+            draft_model=draft_model,
+            draft_tokenizer=draft_tokenizer,
+            exit_adapter=exit_adapter,
+            medusa_heads=medusa_heads,
+            eagle_head=eagle_head,
+            tree_nodes=tree_nodes,
+            batching=batching,
+        )
+        auto = wants_calibration(exit_layer, num_draft_tokens, drafter, tree_nodes)
+        if calibrate and auto and not engine.calibration:
+            calibrate_on_first_load(engine, trees=tree_nodes == "auto")
+        return engine
+
+    def __repr__(self) -> str:
+        return (
+            f"SpeculativeEngine(model={self.name_or_path or type(self.model).__name__!r}, "
+            f"drafter={self.drafter!r}, {f'plan={self.plan.summary()!r}, ' if self.plan else ''}"
+            f"exit_layer={self.exit_layer}, "
+            f"num_draft_tokens={self.num_draft_tokens}{' (adaptive)' if self.adaptive else ''}, "
+            f"{f'tree_nodes={self.tree_nodes}, ' if self.tree_nodes else ''}"
+            f"num_layers={self.runner.num_layers}, {'batching=True, ' if self.batching else ''}"
+            f"device={str(self.runner.device)!r}, dtype={str(self.runner.dtype)!r})"
+        )
+
+    # ----------------------------------------------------------------- prompts
+    @property
+    def context_window(self) -> int | None:
+        """The model's maximum number of positions (prompt plus new tokens)."""
+        return self.runner.max_positions
+
+    def encode_prompt(self, prompt: Prompt, *, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of a prompt.
+
+        A ``str`` is encoded as ``tokenizer(prompt)`` (default special tokens, no template);
+        a list of ``{"role": ..., "content": ...}`` messages goes through the tokenizer's chat
+        template with the generation prompt (and ``tools``, when given).
+        """
+        return encode_prompt(self._require_tokenizer("text prompts"), prompt, tools)
+
+    def _require_tokenizer(self, what: str) -> Any:
+        if self.tokenizer is None:
+            raise ConfigurationError(
+                f"{what} need a tokenizer: pass tokenizer= to SpeculativeEngine, or use generate_ids"
+            )
+        return self.tokenizer
+
+    # ----------------------------------------------------------------- public API
+    def generate(
+        self, prompt: Prompt, *, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int | None = None,
+        top_p: float | None = None, stop: str | list[str] | None = None, seed: int | None = None,
+        constraint: TokenConstraint | None = None, truncate_prompt: bool = False,
+    ) -> GenerationOutput:  # fmt: skip
+        """Generate text for a prompt.
+
+        Args:
+            prompt: text, or a list of chat messages (rendered by the chat template).
+            max_new_tokens: the most new tokens to generate (``>= 1``).
+            temperature: 0 for greedy decoding; > 0 samples.
+            top_k: sample only among the ``top_k`` most likely tokens.
+            top_p: nucleus sampling threshold in ``(0, 1]``.
+            stop: strings that end the generation; they are not part of the returned text.
+            seed: seed of the random generator, for reproducible sampling.
+            constraint: restrict the allowed tokens (grammar-constrained decoding).
+            truncate_prompt: when the prompt plus ``max_new_tokens`` exceeds the context
+                window, keep only the prompt's last tokens instead of raising
+                :class:`~selfspec.errors.InvalidPromptError`.
+
+        Returns:
+            The text, new token ids, finish reason and speculation statistics.
+        """
+        ids = self.encode_prompt(prompt)
+        return self.generate_ids(ids, **_options(max_new_tokens, temperature, top_k, top_p, stop, seed, constraint,
+                                                 truncate_prompt))  # fmt: skip
+
+    def generate_ids(
+        self, prompt_ids: Sequence[int] | torch.Tensor, *, max_new_tokens: int = 256, temperature: float = 0.0,
+        top_k: int | None = None, top_p: float | None = None, stop: str | list[str] | None = None,
+        seed: int | None = None, constraint: TokenConstraint | None = None, truncate_prompt: bool = False,
+    ) -> GenerationOutput:  # fmt: skip
+        """Like :meth:`generate`, from token ids (no tokenizer needed unless ``stop`` is given)."""
+        run = self._start(GenerationRequest(prompt_ids, max_new_tokens, temperature, top_k, top_p, stop, seed,
+                                            constraint, truncate_prompt))  # fmt: skip
+        for _ in run.deltas():
+            pass
+        return run.output()
+
+    def stream(
+        self, prompt: Prompt, *, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int | None = None,
+        top_p: float | None = None, stop: str | list[str] | None = None, seed: int | None = None,
+        constraint: TokenConstraint | None = None, truncate_prompt: bool = False,
+    ) -> GenerationStream:  # fmt: skip
+        """Stream the text of :meth:`generate` as ``str`` deltas (same arguments).
+
+        The deltas join to exactly ``generate(...).text``. Call ``.close()`` to abandon the
+        stream early; ``.stats`` and ``.output`` are set once it is exhausted or closed.
+        """
+        ids = self.encode_prompt(prompt)
+        return self.stream_ids(ids, **_options(max_new_tokens, temperature, top_k, top_p, stop, seed, constraint,
+                                               truncate_prompt))  # fmt: skip
+
+    def stream_ids(
+        self, prompt_ids: Sequence[int] | torch.Tensor, *, max_new_tokens: int = 256, temperature: float = 0.0,
+        top_k: int | None = None, top_p: float | None = None, stop: str | list[str] | None = None,
+        seed: int | None = None, constraint: TokenConstraint | None = None, truncate_prompt: bool = False,
+    ) -> GenerationStream:  # fmt: skip
+        """Like :meth:`stream`, from token ids (a tokenizer is needed to produce text)."""
+        self._require_tokenizer("streams")
+        return GenerationStream(self._start(GenerationRequest(prompt_ids, max_new_tokens, temperature, top_k, top_p,
+                                                              stop, seed, constraint, truncate_prompt)))  # fmt: skip
+
+    # ----------------------------------------------------------------- the loop
+    def _start(self, request: GenerationRequest) -> Generation:
+        """Validate a request, then set up its generation (nothing runs yet)."""
+        window, runner = self.context_window, self.runner
+        return Generation.start(
+            self._rounds, self.tokenizer, self.controller, request, runner.vocab_size, window, runner.device
+        )
+
+    def _rounds(self, run: Generation) -> Generator[list[int], None, FinishReason]:
+        """Decode (alone, or in the batching scheduler when it can batch), yielding each round's tokens.
+
+        All state lives in ``run``: calls from several threads each get the text they would get alone.
+        """
+        if self._batcher is not None and self._batcher.accepts(run):
+            return (yield from self._batcher.rounds(run))
+        # a tree drafter's nodes need slots beyond the text (a drafter may say how many)
+        tree_slots = self.tree_nodes or getattr(self.drafter, "tree_nodes", None) or 0
+        cache = self.runner.new_cache(len(run.prompt_ids) + run.max_new_tokens + tree_slots)
+        return (yield from decode(self.runner, self.drafter, run, cache, self._lock, self.eos_token_ids))
+
+
+def _options(
+    max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None, stop: str | list[str] | None,
+    seed: int | None, constraint: TokenConstraint | None, truncate_prompt: bool,
+) -> dict[str, Any]:  # fmt: skip
+    """A call's keyword options, passed on from a text entry point to its token-id twin."""
+    return dict(zip(GenerationRequest.OPTIONS, (max_new_tokens, temperature, top_k, top_p, stop, seed, constraint,
+                                                truncate_prompt), strict=True))  # fmt: skip

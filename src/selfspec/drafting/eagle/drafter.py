@@ -1,0 +1,343 @@
+"""``drafter="eagle"``: an EAGLE-style feature head drafts chains or EAGLE-2 dynamic trees.
+
+The head (:class:`~selfspec.drafting.eagle.head.EagleHead`: ``fc`` + one decoder layer over the target's own
+features, sharing its embedding, final norm and LM head) keeps its own KV cache per
+generation, one entry per position ``t`` for the pair ``(f_t, x_{t+1})``. Each round:
+
+1. **Catch up.** The verifier of the previous round (or the prefill) computed the target's last
+   layer at every position it committed; the loop hands those states over
+   (``state.pending_hidden``), so the head's cache is rebuilt from *true* target features for the
+   accepted text. Entries the head wrote for its own draft last round are dropped first (the
+   cache is cropped to the settled entries): no stale draft entry survives a round. No extra
+   target work is done: the features come from the forward that already ran.
+2. **Draft.** The last entry's output is the predicted feature ``f̂_P`` of the root
+   (``state.last_token``'s position); its logits give the first draft token. Each further
+   token feeds ``(f̂, token)`` back into the head (a chain), or, with ``tree_nodes``, every node
+   chosen for expansion at a depth goes through the head in one forward with a tree attention
+   mask (EAGLE-2: expand the most probable nodes, rerank all to the node budget).
+
+Lossless as every drafter: greedy drafts are verified by exact match; sampled drafts carry the
+head's own processed distribution ``q`` (zero outside the head's draft vocabulary) and go
+through the rejection sampler; tree children follow the same rule as the early-exit tree
+(:mod:`selfspec.drafting.early_exit_tree`: a sampled first child, deterministic extras).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...core.sampling import logits_to_probs, sample
+from ...core.speed import CostModel
+from ...core.tree import default_tree_width
+from ...errors import ConfigurationError
+from ..base import DecodeState, Draft, Drafter, draft_autoregressively
+from ..early_exit_tree import _Node, rerank
+from ..prompt_lookup import PromptLookupDrafter
+from ..registry import register_drafter
+from .head import EagleHead, HeadCache, check_fits, find_eagle_head, load_eagle_head
+
+
+@dataclass
+class _HeadMemory:
+    """One generation's head state: its KV cache and how many entries hold true target features."""
+
+    cache: HeadCache
+    settled: int = 0  # cache slots built from the target's own features (the accepted text)
+    next_position: int = 0  # the position of the next true entry
+
+
+class EagleDrafter(Drafter):
+    """Drafts with an EAGLE-style head over the target's own features.
+
+    Args:
+        head: the loaded :class:`~selfspec.drafting.eagle.head.EagleHead` (on the target's device and dtype).
+        tree_nodes: ``None`` drafts a chain; an int drafts an EAGLE-2 dynamic tree of at most
+            that many nodes (and at most ``max_tokens`` levels).
+        confidence: chains stop drafting once the head's top probability falls below this.
+        tree_width: children per expanded node and nodes expanded per depth (default
+            :func:`~selfspec.core.tree.default_tree_width`).
+        costs: the calibrated cost model (:class:`~selfspec.decoding.controller.CostModel`: the
+            head's draft step and the verify curve, relative to a plain step). With it a chain
+            drafts a token only while that raises the round's expected tokens per unit of cost,
+            judged on the head's own top probabilities (well calibrated on SmolLM2: a top
+            probability of 0.2-0.3 was accepted 26% of the time, 0.8-1.0 94%), so a round
+            where the head is unsure drafts nothing and costs a plain step.
+        lookup: also look the text's last n-gram up in the prompt and output (prompt lookup):
+            in a greedy chain round where the text repeats, the round drafts the copied
+            continuation alone (at least :attr:`COPY_TOKENS` tokens) and the head drafts only
+            where nothing repeats (``drafter="eagle_hybrid"``). Verifying the head's chain beside
+            a copy costs more rows than it saves on CPU (measured on SmolLM2-135M: summarization
+            24.7-25.3 tok/s with copy-only rounds, 21.4-21.8 with the chain grafted beside).
+    """
+
+    name = "eagle"
+    #: The shortest copy a lookup round drafts (the head's calibrated chain is often 1-2 tokens).
+    COPY_TOKENS = 4
+    needs_hidden = True
+    needs_committed_hidden = True
+
+    def __init__(
+        self,
+        head: EagleHead,
+        *,
+        tree_nodes: int | None = None,
+        confidence: float = 0.0,
+        tree_width: int | None = None,
+        costs: CostModel | None = None,
+        lookup: bool = False,
+    ) -> None:
+        self.head = head
+        self.tree_nodes = tree_nodes
+        self.confidence = confidence
+        self.tree_width = tree_width
+        self.costs = costs
+        self.lookup = PromptLookupDrafter(max_ngram=3, min_ngram=2) if lookup else None
+        if lookup:
+            self.name = "eagle_hybrid"
+
+    def __repr__(self) -> str:
+        tree = f", tree_nodes={self.tree_nodes}" if self.tree_nodes else ""
+        lookup = ", lookup=True" if self.lookup is not None else ""
+        return f"EagleDrafter({self.head!r}{tree}{lookup})"
+
+    # ------------------------------------------------------------------ step 1: catch up
+    def _root_feature(self, state: DecodeState) -> tuple[_HeadMemory, torch.Tensor]:
+        """Feed the newly committed positions' true features; return ``f̂_P`` ``[1, 1, H]``."""
+        head = self.head
+        room = int(getattr(state.cache, "max_length", 0)) + (self.tree_nodes or 0) + 2
+        memory = state.memory(self, lambda: _HeadMemory(HeadCache(room)))
+        memory.cache.crop_to(memory.settled)  # drop last round's draft entries
+        pending = state.pending_hidden
+        if pending is None or pending.shape[1] == 0:
+            raise ConfigurationError(
+                "the EAGLE drafter needs the target's features of the accepted text (state.pending_hidden); "
+                "it runs only inside the engine's loop"
+            )
+        state.pending_hidden = None
+        count = pending.shape[1]
+        start = state.position - count  # the first pending position
+        device = pending.device
+        if start < memory.next_position:  # never happens in the loop; keep the newest view
+            raise ConfigurationError(f"EAGLE head out of step: features from {start}, expected {memory.next_position}")
+        features = head.target_features(pending)  # [1, m, H] after the final norm
+        next_tokens = torch.tensor([state.token_ids[start + 1 : state.position + 1]], device=device)
+        positions = torch.arange(start, state.position, device=device)[None]
+        out = head(features.to(head.fc.weight.dtype), next_tokens, positions, memory.cache)
+        memory.settled = memory.cache.length
+        memory.next_position = state.position
+        return memory, out[:, -1:]
+
+    # ------------------------------------------------------------------ step 2: draft
+    def propose(self, state: DecodeState, max_tokens: int) -> Draft:
+        """Draft up to ``max_tokens`` tokens (a chain) or tree levels (with ``tree_nodes``)."""
+        memory, root = self._root_feature(state)
+        if max_tokens <= 0:
+            return Draft()
+        if self.tree_nodes and state.constraint is None:
+            return self._tree(state, memory, root, max_tokens)
+        if self.lookup is not None and state.params.greedy and state.constraint is None:
+            copied = self.lookup.lookup(state, max(max_tokens, self.COPY_TOKENS))
+            if copied:  # the text repeats: a copy-only round
+                return Draft(tokens=copied)
+        head, position = self.head, state.position
+        device = root.device
+        feature = [root]
+
+        def next_logits(token: int, j: int) -> torch.Tensor:
+            if j > 0:  # the entry (f̂ at P + j - 1, the token drafted there)
+                ids = torch.full((1, 1), token, device=device)
+                feature[0] = head(feature[0], ids, torch.full((1, 1), position + j - 1, device=device), memory.cache)
+            return head.full_logits(feature[0])[0, 0]
+
+        round_cost = self.costs.round_cost if self.costs is not None else None
+        return draft_autoregressively(state, max_tokens, next_logits, self.confidence, round_cost)
+
+    def _tree(self, state: DecodeState, memory: _HeadMemory, root_feature: torch.Tensor, max_depth: int) -> Draft:
+        """An EAGLE-2 dynamic tree: expand the most probable nodes depth by depth, rerank to the budget."""
+        head, params = self.head, state.params
+        assert self.tree_nodes is not None
+        tree_nodes = self.tree_nodes
+        width = min(self.tree_width or default_tree_width(tree_nodes), tree_nodes)
+        max_depth = min(max_depth, tree_nodes)
+        device, start = root_feature.device, state.position
+        nodes: list[_Node] = []
+        root = _Node(token=state.last_token, parent=-1, depth=0, log_prob=0.0, row=None)
+        node_features: dict[int, torch.Tensor] = {}  # expanded node -> its predicted feature [H]
+        node_slot: dict[int, int] = {}  # expanded node -> its head cache slot
+        ancestors: dict[int, list[int]] = {-1: []}  # node -> head cache slots of its expanded ancestors
+        frontier = [-1]
+        logits = head.full_logits(root_feature)[0]  # [1, vocab]: the root's children
+        for depth in range(1, max_depth + 1):
+            probs = torch.softmax(logits, dim=-1) if params.greedy else logits_to_probs(logits, params)
+            new = self._children(state, nodes, root, frontier, probs, width, depth)
+            if depth == max_depth:
+                break
+            expand = [i for i in new if nodes[i].token not in state.eos_token_ids]
+            expand = sorted(sorted(expand, key=lambda i: -nodes[i].log_prob)[:width])
+            room = memory.cache.max_length - memory.cache.length
+            expand = expand[:room]
+            if not expand:
+                break
+            # one head forward over the nodes to expand: entry (parent's f̂, node token) at P + depth - 1
+            parent_features = torch.stack(
+                [root_feature[0, 0] if nodes[i].parent < 0 else node_features[nodes[i].parent] for i in expand]
+            )[None]  # [1, q, H]
+            base = memory.cache.length
+            allowed = torch.zeros(len(expand), base + len(expand), dtype=torch.bool, device=device)
+            allowed[:, : memory.settled] = True
+            for row, i in enumerate(expand):
+                node_slot[i] = base + row
+                ancestors[i] = [*ancestors[nodes[i].parent], base + row]
+                allowed[row, ancestors[i]] = True
+            ids = torch.tensor([[nodes[i].token for i in expand]], device=device)
+            positions = torch.full((1, len(expand)), start + depth - 1, device=device)
+            predicted = head(parent_features, ids, positions, memory.cache, allowed=allowed[None])  # [1, q, H]
+            for row, i in enumerate(expand):
+                node_features[i] = predicted[0, row]
+            logits = head.full_logits(predicted)[0]  # [q, vocab]
+            frontier = expand
+        memory.cache.crop_to(memory.settled)
+        order = list(range(len(nodes)))
+        if len(nodes) > tree_nodes:
+            order = rerank(nodes, root, tree_nodes)
+        index = {old: new for new, old in enumerate(order)}
+        tokens = [nodes[i].token for i in order]
+        parents = [index[nodes[i].parent] if nodes[i].parent >= 0 else -1 for i in order]
+        draft_probs = None
+        if not params.greedy and order:
+            draft_probs = torch.stack([nodes[i].row for i in order])  # type: ignore[misc]
+        return Draft(tokens=tokens, parents=parents, draft_probs=draft_probs)
+
+    @staticmethod
+    def _children(
+        state: DecodeState,
+        nodes: list[_Node],
+        root: _Node,
+        frontier: list[int],
+        probs: torch.Tensor,
+        width: int,
+        depth: int,
+    ) -> list[int]:
+        """Add ``width`` children to each frontier node (row ``r`` of ``probs`` is node ``frontier[r]``'s).
+
+        Greedy: the top tokens. Sampling: the first child is sampled from the node's processed
+        distribution (its ``draft_probs`` row) and always kept; the others are the most probable
+        remaining tokens, chosen deterministically (one-hot rows), as in the early-exit tree.
+        """
+        params = state.params
+        added = []
+        for row, parent in enumerate(frontier):
+            parent_log_prob = 0.0 if parent < 0 else nodes[parent].log_prob
+            row_probs = probs[row]
+            picked: list[int] = []
+            first_row: torch.Tensor | None = None
+            if not params.greedy:
+                picked.append(int(sample(row_probs.unsqueeze(0), state.generator)[0]))
+                first_row = row_probs
+                rest = row_probs.clone()
+                rest[picked[0]] = 0.0
+            else:
+                rest = row_probs
+            top = torch.topk(rest, min(width - len(picked), rest.shape[-1]))
+            picked += [t for t, p in zip(top.indices.tolist(), top.values.tolist(), strict=True) if p > 0]
+            for rank, (token, prob) in enumerate(zip(picked, row_probs[picked].tolist(), strict=True)):
+                sampled_first = rank == 0 and first_row is not None
+                row_out: torch.Tensor | None = None
+                if sampled_first:
+                    row_out, prob = first_row, 1.0  # a sampled child scores as its parent: the chain stays whole
+                elif not params.greedy:
+                    row_out = torch.zeros_like(row_probs)
+                    row_out[token] = 1.0
+                if sampled_first:
+                    (nodes[parent] if parent >= 0 else root).first_child = len(nodes)
+                nodes.append(
+                    _Node(
+                        token=token,
+                        parent=parent,
+                        depth=depth,
+                        log_prob=parent_log_prob + math.log(max(prob, 1e-30)),
+                        row=row_out,
+                    )
+                )
+                added.append(len(nodes) - 1)
+        return added
+
+
+def engine_eagle_head(engine: Any, eagle_head: Any = None) -> EagleHead:
+    """The head for ``drafter="eagle"``, checked against the model.
+
+    ``eagle_head=`` is a folder, a loaded :class:`~selfspec.drafting.eagle.head.EagleHead`, or ``"auto"`` /
+    ``None`` (:func:`~selfspec.drafting.eagle.head.find_eagle_head`).
+    """
+    model = engine.runner.model
+    choice = eagle_head if eagle_head is not None else getattr(engine.config, "eagle_head", None)
+    if choice is None or choice == "auto":
+        folder = find_eagle_head(engine.name_or_path, model)
+        if folder is None:
+            where = "beside this model (its eagle_head/ folder), in the user cache, or among the heads selfspec ships"
+            raise ConfigurationError(
+                f"drafter='eagle' needs a trained head: none was found {where}. Train one with "
+                "`selfspec train-eagle --model M` (a few minutes), or pass eagle_head= the folder of a head "
+                "trained for this model."
+            )
+        choice = folder
+    if isinstance(choice, EagleHead):
+        check_fits(choice.head_config, model)
+        weight = model.model.embed_tokens.weight
+        return choice.to(device=weight.device, dtype=weight.dtype)
+    if not isinstance(choice, (str, os.PathLike)):
+        raise ConfigurationError(f"eagle_head must be a folder, a loaded EagleHead or 'auto', got {choice!r}")
+    from .published import is_published_head, load_published_head
+
+    if is_published_head(choice):  # a published EAGLE-1/EAGLE-2 head folder (config.json + model.safetensors)
+        return load_published_head(choice, model)
+    return load_eagle_head(choice, model)
+
+
+def make_eagle(engine: Any, **options: Any) -> EagleDrafter:
+    """The EAGLE drafter: the engine's head (``eagle_head=``), a tree with ``tree_nodes``."""
+    head = engine_eagle_head(engine, options.pop("eagle_head", None))
+    settings = engine.config
+    options = {
+        "tree_nodes": settings.tree_nodes,
+        "confidence": settings.draft_confidence,
+        "costs": eagle_costs(settings.calibration),
+        **options,
+    }
+    return EagleDrafter(head, **options)
+
+
+def eagle_costs(calibration: dict[str, Any] | None) -> CostModel | None:
+    """The head's cost model from a calibration (its measured draft step and verify curve), if it has one."""
+    calibration = calibration or {}
+    eagle = calibration.get("eagle")
+    verify = calibration.get("verify_cost")
+    if not isinstance(eagle, dict) or not isinstance(verify, dict) or not verify:
+        return None
+    return CostModel.from_json({"draft": eagle.get("draft_cost"), "verify": verify})
+
+
+def make_eagle_hybrid(engine: Any, **options: Any) -> EagleDrafter:
+    """The EAGLE drafter with prompt-lookup copies where the text repeats (``lookup=True``)."""
+    return make_eagle(engine, **{"lookup": True, **options})
+
+
+register_drafter(
+    "eagle",
+    make_eagle,
+    description="an EAGLE-style feature head trained on the model's own text (eagle_head=, selfspec train-eagle)",
+    trees=True,
+    engine_options=("eagle_head",),
+)
+register_drafter(
+    "eagle_hybrid",
+    make_eagle_hybrid,
+    description="prompt-lookup copies where the text repeats, else the EAGLE head (eagle_head=)",
+    trees=True,
+    engine_options=("eagle_head",),
+)

@@ -1,0 +1,419 @@
+"""Published EAGLE heads: load an EAGLE-1 / EAGLE-2 checkpoint folder as a selfspec draft head.
+
+The EAGLE authors (SafeAILab/EAGLE) publish their heads as a folder with ``config.json`` (a
+Llama config with ``num_hidden_layers: 1`` and an optional ``bias`` key for ``fc``) and
+``pytorch_model.bin`` or ``model.safetensors``; SGLang (``llama_eagle.py``) and vLLM
+(``llama_eagle.py``) read the same folders. EAGLE-2 uses EAGLE-1's heads unchanged (only the
+draft tree differs). The head computes, at position ``t``::
+
+    x = fc([embed(x_{t+1}), f_t])       # fc.weight [H, 2H] (+ fc.bias): embedding first, then feature
+    f_{t+1} ~ layers.0(x)                 # a Llama decoder layer WITHOUT its input norm
+    draft logits = lm_head(f_{t+1})       # the target's LM head, with no norm in front of it
+
+where ``f_t`` is the target's last hidden state after its final norm. Unlike selfspec's own
+heads (:class:`~selfspec.drafting.eagle.head.EagleHead`), the layer has no input norm, the output does not go
+through the target's final norm, and the layer's norm eps and rotary embedding come from the
+head's own ``config.json``. The weights are ``fc.weight``, ``fc.bias`` (optional),
+``layers.0.{self_attn,mlp,post_attention_layernorm}.*`` and (optionally) ``embed_tokens.weight``,
+a copy of the target's embedding that is only shape-checked: the target's own embedding and LM
+head are used, as SGLang and vLLM do.
+
+EAGLE-3 heads (``midlayer.*``, ``fc`` over three target layers' features, their own ``norm``,
+``lm_head`` and ``d2t``/``t2d`` draft vocabulary) are recognised and refused: selfspec's drafter
+captures only the last layer's features. Facts and sources: ``docs/eagle.md`` ("Published heads").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...errors import ConfigurationError, ModelNotFoundError, UnsafeCheckpointError
+from .head import EagleHead, EagleHeadConfig
+
+#: The files of a published head folder.
+PUBLISHED_CONFIG = "config.json"
+PUBLISHED_WEIGHTS = "model.safetensors"
+PUBLISHED_INDEX = "model.safetensors.index.json"
+PUBLISHED_PICKLE = "pytorch_model.bin"
+#: The ``format`` of the :class:`~selfspec.drafting.eagle.head.EagleHeadConfig` of a loaded published head.
+PUBLISHED_FORMAT = "eagle-1"
+#: Weights a published EAGLE-1 head may hold beside ``fc`` and ``layers.0``: the target's own
+#: modules (shape-checked, then the target's are used) and the input norm that EAGLE's layer 0
+#: does not apply (SafeAILab/EAGLE cnets1.py; vLLM and SGLang replace it by the identity).
+_SHARED_WEIGHTS = ("embed_tokens.weight", "lm_head.weight")
+_IGNORED_WEIGHTS = ("layers.0.input_layernorm.weight", "layers.0.self_attn.rotary_emb.inv_freq")
+#: The layer's weight names (HF LlamaDecoderLayer) that a published head must hold.
+_LAYER_WEIGHTS = (
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "post_attention_layernorm.weight",
+)
+_CONVERT = (
+    "import torch, safetensors.torch as st; "
+    "state = torch.load('pytorch_model.bin', map_location='cpu', weights_only=True); "
+    "st.save_file({k: v.contiguous() for k, v in state.items()}, 'model.safetensors')"
+)
+
+
+def is_published_head(folder: str | os.PathLike[str]) -> bool:
+    """Whether ``folder`` looks like a published EAGLE checkpoint (``config.json``, no selfspec head files)."""
+    from .head import HEAD_CONFIG
+
+    path = Path(folder).expanduser()
+    return path.is_dir() and (path / PUBLISHED_CONFIG).is_file() and not (path / HEAD_CONFIG).is_file()
+
+
+class PublishedEagleHead(EagleHead):
+    """An EAGLE-1 / EAGLE-2 head in the published layout, drafting like any selfspec head.
+
+    The drafter (:class:`~selfspec.drafting.eagle.drafter.EagleDrafter`) uses it exactly as an
+    :class:`~selfspec.drafting.eagle.head.EagleHead`: it reads the target's post-norm features and predicts the
+    next feature, which the target's LM head scores. What differs is inside: ``fc`` may have no
+    bias, the decoder layer is a Llama layer built from the head's own ``config.json`` with its
+    input norm removed, positions are rotated by the head's own rotary embedding (its
+    ``rope_theta`` / ``rope_scaling``, as EAGLE's reference does), and the predicted feature goes
+    to the LM head with no norm.
+
+    Args:
+        model: the target (a Llama-layout transformers causal LM, like :class:`EagleHead`'s).
+        config: the head's selfspec config (shapes the head must fit; ``format`` "eagle-1").
+        layer_config: a ``LlamaConfig`` of the head's decoder layer, from its ``config.json``.
+        fc_bias: whether ``fc`` has a bias.
+        source: the folder the head came from (for messages).
+    """
+
+    def __init__(self, model: Any, config: EagleHeadConfig, layer_config: Any, fc_bias: bool, source: str = "") -> None:
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+        super().__init__(model, config, init_from_last_layer=False)
+        hidden = config.hidden_size
+        self.source = source
+        self.fc = nn.Linear(2 * hidden, hidden, bias=fc_bias)
+        self.layer = LlamaDecoderLayer(layer_config, layer_idx=0)
+        self.layer.input_layernorm = nn.Identity()  # EAGLE's layer 0 has no input norm
+        self.head_rotary = LlamaRotaryEmbedding(layer_config)
+        self.attn_implementation = layer_config._attn_implementation
+        weight = model.model.embed_tokens.weight
+        self.to(device=weight.device, dtype=weight.dtype if weight.is_floating_point() else torch.float32)
+
+    def __repr__(self) -> str:
+        return (
+            f"PublishedEagleHead(source={self.source!r}, hidden_size={self.head_config.hidden_size}, "
+            f"fc_bias={self.fc.bias is not None}, parameters={self.num_parameters()})"
+        )
+
+    def rotary(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's own rotary embedding (its config's ``rope_theta`` / ``rope_scaling``)."""
+        cos_sin: tuple[torch.Tensor, torch.Tensor] = self.head_rotary(x, position_ids)
+        return cos_sin
+
+    def forward(
+        self,
+        features: torch.Tensor,
+        next_tokens: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: Any,
+        allowed: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Predict the next features (as :meth:`EagleHead.forward`, with EAGLE-1's layer and no output norm).
+
+        Args:
+            features: ``[B, q, H]`` features ``f_t`` (the target's post-norm features, or predictions).
+            next_tokens: ``[B, q]`` the tokens ``x_{t+1}`` that follow them.
+            position_ids: ``[B, q]`` positions ``t``.
+            cache: the head's KV cache.
+            allowed: ``[B, q, kv]`` which cached entries each query sees (``None``: causal).
+
+        Returns:
+            ``[B, q, H]`` predicted features ``f_{t+1}``, scored by the target's LM head as they are.
+        """
+        x = self.fc(torch.cat([self.embed(next_tokens).to(features.dtype), features], dim=-1))  # [B, q, H]
+        if allowed is None and x.shape[1] > 1:
+            past = cache.get_seq_length(0)
+            q = x.shape[1]
+            allowed = (
+                torch.ones(q, past + q, dtype=torch.bool, device=x.device).tril(past)[None].expand(x.shape[0], -1, -1)
+            )
+        mask = None if allowed is None else self._format_mask(allowed, x.dtype)
+        out: torch.Tensor = self.layer(
+            x,
+            attention_mask=mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=True,
+            position_embeddings=self.rotary(x, position_ids),
+        )
+        return out
+
+    def save(self, folder: str | os.PathLike[str], dtype: torch.dtype = torch.float16) -> Path:
+        """Write the head back in the published layout (``config.json`` + ``model.safetensors``)."""
+        from safetensors.torch import save_file
+
+        path = Path(folder)
+        path.mkdir(parents=True, exist_ok=True)
+        tensors = {
+            name.replace("layer.", "layers.0.", 1): value.detach().to(dtype).cpu().contiguous()
+            for name, value in self.state_dict().items()
+        }
+        save_file(tensors, str(path / PUBLISHED_WEIGHTS))
+        layer_config = self.layer.self_attn.config
+        config = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "num_hidden_layers": 1,
+            "bias": self.fc.bias is not None,
+            **{name: getattr(layer_config, name) for name in _CONFIG_DEFAULTS if name != "rope_theta"},
+            "rope_theta": layer_config.rope_parameters["rope_theta"],
+            "rope_scaling": _rope_scaling(layer_config),
+        }
+        (path / PUBLISHED_CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        return path
+
+
+#: The ``config.json`` fields a published EAGLE-1 head's layer is built from, with the defaults of
+#: EAGLE's own config class (SafeAILab/EAGLE eagle/model/configs.py ``EConfig``) where a field is absent.
+_CONFIG_DEFAULTS: dict[str, Any] = {
+    "hidden_size": None,
+    "vocab_size": None,
+    "intermediate_size": None,
+    "num_attention_heads": None,
+    "num_key_value_heads": None,  # EConfig: num_attention_heads
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 2048,
+    "rope_theta": 10000.0,  # EAGLE's LlamaRotaryEmbedding base when the config has none
+}
+
+
+def _rope_scaling(layer_config: Any) -> dict[str, Any] | None:
+    params = dict(getattr(layer_config, "rope_parameters", None) or {})
+    if params.get("rope_type", "default") == "default":
+        return None
+    params.pop("rope_theta", None)
+    return params
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    """The head's ``config.json`` (malformed JSON or no object: a clear error, as for model folders)."""
+    from ...modeling.loading import _read_local_config
+
+    raw = _read_local_config(str(path))
+    if raw is None:
+        raise ConfigurationError(f"{path / PUBLISHED_CONFIG} is missing: a published EAGLE head folder needs it")
+    return raw
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a published head; clear errors for pickle-only or empty folders."""
+    if (path / PUBLISHED_WEIGHTS).is_file():
+        return [path / PUBLISHED_WEIGHTS]
+    if (path / PUBLISHED_INDEX).is_file():
+        try:
+            weight_map = json.loads((path / PUBLISHED_INDEX).read_text(encoding="utf-8"))["weight_map"]
+            files = sorted({path / str(name) for name in weight_map.values()})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ConfigurationError(f"{path / PUBLISHED_INDEX} is not a readable safetensors index ({exc})") from exc
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ModelNotFoundError(f"{path / PUBLISHED_INDEX} names missing files: {', '.join(missing)}")
+        return files
+    pickles = sorted(p.name for p in path.glob("*.bin"))
+    if pickles:
+        raise UnsafeCheckpointError(
+            f"the EAGLE head in {path} holds only pickle weights ({', '.join(pickles)}); selfspec loads "
+            f"safetensors only (pickle can run arbitrary code when loaded). Convert it once, in that folder: "
+            f'python -c "{_CONVERT}"'
+        )
+    raise ModelNotFoundError(
+        f"{path} has a {PUBLISHED_CONFIG} but no head weights ({PUBLISHED_WEIGHTS}); a published EAGLE head "
+        f"folder holds config.json and model.safetensors, a selfspec head eagle_config.json and "
+        "eagle_head.safetensors (`selfspec train-eagle`)"
+    )
+
+
+def _weight_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
+    """Every tensor's name and shape, read from the safetensors headers (no weights loaded yet)."""
+    from safetensors import SafetensorError, safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as reader:
+                for name in reader.keys():
+                    shapes[name] = tuple(reader.get_slice(name).get_shape())
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ConfigurationError(f"{file} is not a readable safetensors file ({exc})") from exc
+    return shapes
+
+
+def _read_weights(files: list[Path], wanted: set[str]) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError, safe_open
+
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as reader:
+                for name in wanted & set(reader.keys()):
+                    state[name] = reader.get_tensor(name)
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ConfigurationError(f"{file} is not a readable safetensors file ({exc})") from exc
+    return state
+
+
+def _eagle3_reason(raw: dict[str, Any], names: set[str], hidden: int, fc_shape: tuple[int, ...] | None) -> str:
+    """Why this folder is an EAGLE-3 head (empty when it is not one)."""
+    architectures = " ".join(str(a) for a in raw.get("architectures") or [])
+    if "eagle3" in architectures.lower():
+        return f"architectures {raw.get('architectures')}"
+    if any(name.startswith("midlayer.") for name in names):
+        return "midlayer.* weights"
+    if {"d2t", "t2d"} & names or "draft_vocab_size" in raw:
+        return "a reduced draft vocabulary (d2t/t2d, draft_vocab_size)"
+    if fc_shape is not None and len(fc_shape) == 2 and fc_shape[1] != 2 * hidden and fc_shape[1] % 3 == 0:
+        return f"fc.weight {list(fc_shape)} (fused features of three target layers)"
+    return ""
+
+
+def load_published_head(folder: str | os.PathLike[str], model: Any) -> PublishedEagleHead:
+    """Load a published EAGLE-1 / EAGLE-2 head folder for ``model`` (on its device and dtype).
+
+    Args:
+        folder: a folder with ``config.json`` and ``model.safetensors`` (or a safetensors index)
+            in the layout of SafeAILab/EAGLE's EAGLE-1 heads (read by SGLang and vLLM too).
+        model: the target, a loaded Llama-layout transformers causal LM.
+
+    Raises:
+        ModelNotFoundError: no such folder, or no weights in it.
+        UnsafeCheckpointError: the folder holds only pickle weights (the message shows how to
+            convert them to safetensors).
+        ConfigurationError: the head does not fit the model (hidden size, vocabulary, layer
+            shapes), its files are unreadable, its weights are not the EAGLE-1 layout, or it is an
+            EAGLE-3 head (not supported yet).
+    """
+    from transformers import LlamaConfig
+
+    path = Path(folder).expanduser()
+    if not path.is_dir():
+        raise ModelNotFoundError(f"no EAGLE head folder at {os.fspath(folder)!r}")
+    raw = _read_config(path)
+    files = _weight_files(path)
+    shapes = _weight_shapes(files)
+    names = set(shapes)
+    target = model.config
+    target_hidden, target_vocab = int(target.hidden_size), int(target.vocab_size)
+    where = f"the EAGLE head in {path}"
+    fc_shape = shapes.get("fc.weight")
+    eagle3 = _eagle3_reason(raw, names, int(raw.get("hidden_size") or target_hidden), fc_shape)
+    if eagle3:
+        raise ConfigurationError(
+            f"{where} is an EAGLE-3 head ({eagle3}). EAGLE-3 heads read the fused hidden states of three target "
+            "layers (fc [H, 3H]) and score their own draft vocabulary (norm, lm_head, d2t); selfspec's EAGLE drafter "
+            "captures only the last layer's features, so EAGLE-3 heads are not supported yet. Use an EAGLE-1/EAGLE-2 "
+            "head, or train one for this model with `selfspec train-eagle --model M`."
+        )
+    if fc_shape is None:
+        raise ConfigurationError(
+            f"{where} has no fc.weight: it is not an EAGLE-1/EAGLE-2 head (config.json + model.safetensors with "
+            "fc.weight [H, 2H] and layers.0.*), nor a selfspec head (eagle_config.json, `selfspec train-eagle`)"
+        )
+    if raw.get("add_para_norm"):
+        raise ConfigurationError(f"{where} normalises its inputs (add_para_norm, HASS); only EAGLE-1/2 heads load")
+
+    # 1. the head must fit the target
+    settings = {name: default if raw.get(name) is None else raw[name] for name, default in _CONFIG_DEFAULTS.items()}
+    problems = []
+    for name, theirs in (("hidden_size", target_hidden), ("vocab_size", target_vocab)):
+        if settings[name] is None:
+            settings[name] = theirs  # EAGLE's configs are copies of the target's; fc and the weights are checked below
+        elif int(settings[name]) != theirs:
+            problems.append(f"{name.replace('_', ' ')} {settings[name]} vs the model's {theirs}")
+    if fc_shape != (target_hidden, 2 * target_hidden):
+        problems.append(f"fc.weight {list(fc_shape)} vs [{target_hidden}, {2 * target_hidden}] for this model")
+    for name in _SHARED_WEIGHTS:
+        if name in shapes and shapes[name] != (target_vocab, target_hidden):
+            problems.append(f"{name} {list(shapes[name])} vs the model's [{target_vocab}, {target_hidden}]")
+    if problems:
+        raise ConfigurationError(
+            f"{where} does not fit this model: {'; '.join(problems)}. Use a head trained for this model, or train "
+            "one with `selfspec train-eagle --model M`."
+        )
+    layers = sorted({n.split(".")[1] for n in names if n.startswith("layers.") and n.count(".") > 1})
+    if layers != ["0"] or raw.get("num_hidden_layers", 1) != 1:
+        raise ConfigurationError(
+            f"{where} has decoder layers {layers or 'none'} (num_hidden_layers {raw.get('num_hidden_layers')}); "
+            "selfspec drafts with one-layer EAGLE heads (layers.0)"
+        )
+
+    # 2. the head's own layer, from its config (EAGLE's defaults where a field is absent)
+    for name in ("intermediate_size", "num_attention_heads"):
+        if settings[name] is None:
+            raise ConfigurationError(f"{path / PUBLISHED_CONFIG} has no {name}")
+    settings["num_key_value_heads"] = settings["num_key_value_heads"] or settings["num_attention_heads"]
+    qkv_bias = "layers.0.self_attn.q_proj.bias" in names
+    mlp_bias = "layers.0.mlp.gate_proj.bias" in names
+    fc_bias = "fc.bias" in names
+    if "bias" in raw and bool(raw["bias"]) != fc_bias:
+        raise ConfigurationError(
+            f"{where}: config.json says bias={raw['bias']} but fc.bias is {'present' if fc_bias else 'absent'}"
+        )
+    implementation = getattr(target, "_attn_implementation", None)
+    fields: dict[str, Any] = {
+        **{name: settings[name] for name in _CONFIG_DEFAULTS},
+        "rope_scaling": raw.get("rope_scaling"),  # EAGLE's own rotary: the head's rope_theta and rope_scaling
+        "num_hidden_layers": 1,
+        "attention_bias": qkv_bias,  # q/k/v biases (EAGLE's qkv_bias); o_proj's is set to zero below
+        "mlp_bias": mlp_bias,
+        "attn_implementation": implementation if implementation in ("eager", "sdpa") else "sdpa",
+    }
+    try:
+        layer_config = LlamaConfig(**fields)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ConfigurationError(f"{path / PUBLISHED_CONFIG} does not describe a Llama layer ({exc})") from exc
+    config = EagleHeadConfig(
+        target=f"published EAGLE head {path.name}",
+        model_type=str(target.model_type),
+        hidden_size=target_hidden,
+        vocab_size=target_vocab,
+        num_target_layers=int(target.num_hidden_layers),
+        feature_layers=[int(target.num_hidden_layers)],
+        layer={},  # the layer is the head's own (from its config), not a copy of the target's
+        training={"source": str(path), "architectures": raw.get("architectures")},
+        format=PUBLISHED_FORMAT,
+    )
+    head = PublishedEagleHead(model, config, layer_config, fc_bias=fc_bias, source=str(path))
+
+    # 3. the weights, by their published names
+    expected = {f"layers.0.{name}" for name in _LAYER_WEIGHTS} | {"fc.weight"}
+    missing = sorted(expected - names)
+    unknown = sorted(names - set(_published_names(head).values()) - set(_SHARED_WEIGHTS) - set(_IGNORED_WEIGHTS))
+    if missing or unknown:
+        detail = "; ".join(([f"missing {missing}"] if missing else []) + ([f"unexpected {unknown}"] if unknown else []))
+        raise ConfigurationError(f"{where} is not in the EAGLE-1 layout: {detail}")
+    dtype = next(head.parameters()).dtype
+    published = _published_names(head)
+    state = _read_weights(files, set(published.values()))
+    loaded = {mine: state[theirs].to(dtype) for mine, theirs in published.items() if theirs in state}
+    if qkv_bias and "layer.self_attn.o_proj.bias" not in loaded:  # EAGLE's o_proj has no bias
+        loaded["layer.self_attn.o_proj.bias"] = torch.zeros_like(head.layer.self_attn.o_proj.bias)
+    try:
+        head.load_state_dict(loaded, strict=True)
+    except RuntimeError as exc:
+        raise ConfigurationError(f"the weights in {path} do not match its {PUBLISHED_CONFIG}: {exc}") from exc
+    head.eval().requires_grad_(False)
+    return head
+
+
+def _published_names(head: PublishedEagleHead) -> dict[str, str]:
+    """The head's state-dict names -> their published names (``layer.*`` -> ``layers.0.*``)."""
+    return {name: name.replace("layer.", "layers.0.", 1) for name in head.state_dict()}

@@ -1,0 +1,4 @@
+"""Exit adapters (Kangaroo-style).
+
+The adapter (:mod:`.adapter`), its training (:mod:`.train`) and ``train-adapter`` (:mod:`.cli`).
+"""

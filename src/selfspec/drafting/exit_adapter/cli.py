@@ -1,0 +1,78 @@
+"""``selfspec train-adapter``: the command line of :mod:`selfspec.drafting.exit_adapter.train`.
+
+Kept apart from the training code so that building the ``selfspec`` parser imports no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+#: Defaults shared with :class:`~selfspec.drafting.exit_adapter.train.AdapterTrainConfig`.
+DEFAULTS = {"steps": 400, "rank": 64, "sequences": 128, "seq_len": 128, "batch_size": 8, "lr": 3e-3}
+
+
+def add_train_adapter_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``train-adapter`` to the ``selfspec`` command's subparsers."""
+    parser = subparsers.add_parser(
+        "train-adapter",
+        help="self-distil an exit adapter for the early-exit drafter (no dataset needed)",
+        description="Self-distil an exit adapter: the model teaches its own early exit, no dataset needed.",
+    )
+    parser.add_argument("--model", "-m", required=True, help="hub id, local folder, or 'selfspec-demo'")
+    parser.add_argument("--exit-layer", type=int, default=None, help="default: the calibrated one, else L // 4")
+    parser.add_argument("--steps", type=int, default=DEFAULTS["steps"])
+    parser.add_argument("--rank", type=int, default=DEFAULTS["rank"])
+    parser.add_argument("--sequences", type=int, default=DEFAULTS["sequences"], help="self-generated texts")
+    parser.add_argument("--seq-len", type=int, default=DEFAULTS["seq_len"])
+    parser.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"])
+    parser.add_argument("--lr", type=float, default=DEFAULTS["lr"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--data", type=Path, default=None, help="optional UTF-8 text file mixed into the training text")
+    parser.add_argument("--out", type=Path, default=None, help="default: <model folder>/exit_adapter")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    parser.set_defaults(func=cmd_train_adapter)
+    return parser
+
+
+def cmd_train_adapter(args: argparse.Namespace) -> int:
+    """Train an exit adapter for ``--model`` and save it beside the model (or in ``--out``)."""
+    from ...calibration import load_calibration
+    from ...decoding.config import default_exit_layer
+    from ...modeling.loading import load_model_and_tokenizer
+    from .adapter import exit_adapter_path
+    from .train import AdapterTrainConfig, train_exit_adapter
+
+    model, tokenizer, path = load_model_and_tokenizer(
+        args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code
+    )
+    exit_layer = args.exit_layer
+    if exit_layer is None:
+        saved = (load_calibration(path) or {}).get("exit_layer")
+        exit_layer = saved if isinstance(saved, int) else default_exit_layer(int(model.config.num_hidden_layers))
+    texts = [args.data.read_text(encoding="utf-8")] if args.data is not None else []
+    config = AdapterTrainConfig(
+        exit_layer=exit_layer,
+        steps=args.steps,
+        rank=args.rank,
+        sequences=args.sequences,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        seed=args.seed,
+    )
+    result = train_exit_adapter(model, config, tokenizer=tokenizer, texts=texts)
+    out = args.out if args.out is not None else exit_adapter_path(path)
+    assert out is not None
+    result.adapter.config.training["model"] = args.model
+    result.adapter.save(out)
+    print(
+        f"exit layer {exit_layer}: greedy agreement with the last layer {result.agreement_before:.3f} -> "
+        f"{result.agreement_after:.3f} (held-out self-generated text), KL {result.kl_first:.3f} -> "
+        f"{result.kl_last:.3f}, {result.seconds:.0f}s\nsaved to {out}"
+    )
+    return 0

@@ -1,0 +1,473 @@
+"""Loading models: name resolution, safe checkpoints, GGUF files, dtype/device, bitsandbytes quantization."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..artifacts import BUNDLED_MODELS
+from ..errors import (
+    ConfigurationError,
+    MissingDependencyError,
+    ModelNotFoundError,
+    QuantizationError,
+    UnsafeCheckpointError,
+    UnsupportedArchitectureError,
+)
+from .runner import SUPPORTED_ARCHITECTURES, check_architecture
+
+logger = logging.getLogger(__name__)
+
+#: The name of the small model bundled with the package.
+DEMO_MODEL = "selfspec-demo"
+#: A smaller model bundled as its draft model (same tokenizer, trained without early-exit losses).
+DEMO_DRAFT_MODEL = "selfspec-demo-draft"
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float64": torch.float64,
+}
+
+
+def demo_model_path(name: str = DEMO_MODEL) -> Path:
+    """The folder of a bundled model (the demo model by default)."""
+    return BUNDLED_MODELS / name
+
+
+def resolve_model_path(name_or_path: str | os.PathLike[str]) -> str:
+    """Map ``"selfspec-demo"`` (and ``"selfspec-demo-draft"``) to the bundled folder; check local paths."""
+    name = os.fspath(name_or_path)
+    if not name or not isinstance(name, str):
+        raise ModelNotFoundError("model name must be a non-empty string (a hub id or a folder)")
+    if name in (DEMO_MODEL, DEMO_DRAFT_MODEL):
+        path = demo_model_path(name)
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"the bundled demo model is missing from {path}; reinstall selfspec")
+        return str(path)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return str(path)
+    # a hub id is "name" or "org/name"; anything else that does not exist is a missing folder
+    looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name
+    if looks_local or path.exists():
+        raise ModelNotFoundError(
+            f"no model folder at {name!r}: the path does not exist or is not a folder. Pass an "
+            f"existing folder with config.json and *.safetensors, a hub id, or {DEMO_MODEL!r}."
+        )
+    return name
+
+
+#: The first four bytes of every GGUF file.
+GGUF_MAGIC = b"GGUF"
+#: How to install the GGUF reader.
+GGUF_EXTRA = "pip install 'selfspec[gguf]'"
+
+
+def split_gguf(name_or_path: str | os.PathLike[str], gguf_file: str | None = None) -> tuple[str, str | None]:
+    """Split a GGUF checkpoint into ``(folder or hub id, file name)``; other models pass through.
+
+    A path ending in ``.gguf`` (or any existing file) is a GGUF file: it must exist and start
+    with the GGUF magic bytes. With ``gguf_file=`` the first argument is the folder (or hub id)
+    that holds it. Anything else returns ``(name_or_path, None)``.
+
+    Raises:
+        ModelNotFoundError: the file does not exist, or is not a GGUF file.
+    """
+    name = os.fspath(name_or_path)
+    if gguf_file is not None:
+        if not isinstance(gguf_file, str) or not gguf_file:
+            raise ConfigurationError(f"gguf_file must be a file name inside the model folder, got {gguf_file!r}")
+        folder = Path(name).expanduser()
+        if folder.is_dir():
+            check_gguf_file(folder / gguf_file)
+            return str(folder), gguf_file
+        return name, gguf_file  # a hub repository holding the file
+    if not isinstance(name, str) or not name:
+        return name, None
+    path = Path(name).expanduser()
+    if path.is_file() or name.lower().endswith(".gguf"):
+        check_gguf_file(path)
+        return str(path.parent), path.name
+    return name, None
+
+
+def check_gguf_file(path: Path) -> None:
+    """Raise a clear :class:`ModelNotFoundError` unless ``path`` is a readable GGUF file."""
+    if not path.is_file():
+        raise ModelNotFoundError(
+            f"no GGUF file at {str(path)!r}: the path does not exist or is not a file. Pass an existing "
+            f".gguf file (or a folder plus gguf_file=), a model folder, a hub id, or {DEMO_MODEL!r}."
+        )
+    try:
+        with open(path, "rb") as handle:
+            magic = handle.read(4)
+    except OSError as exc:
+        raise ModelNotFoundError(f"cannot read {str(path)!r}: {exc}") from exc
+    if magic != GGUF_MAGIC:
+        raise ModelNotFoundError(
+            f"{str(path)!r} is not a GGUF file (it does not start with the GGUF magic bytes); pass a .gguf "
+            "checkpoint, or a folder with config.json and *.safetensors"
+        )
+
+
+def require_gguf() -> None:
+    """Raise :class:`MissingDependencyError` naming the ``gguf`` extra when the package is missing."""
+    try:
+        import gguf  # noqa: F401
+    except ImportError as exc:
+        raise MissingDependencyError(f"loading a .gguf checkpoint needs the gguf package: {GGUF_EXTRA}") from exc
+
+
+def dequantized_folder(folder: str, gguf_file: str) -> Path:
+    """Where the dequantized copy of a GGUF checkpoint is kept in the user cache.
+
+    ``<cache>/gguf/<file stem>-<key>/``, the key a hash of the file's absolute path, size and
+    modification time (of ``repo/file`` for a hub repository), so an edited file gets a new copy.
+    """
+    from ..artifacts import cache_dir
+
+    local = Path(folder) / gguf_file
+    if local.is_file():
+        info = local.resolve().stat()
+        ident = f"{local.resolve()}|{info.st_size}|{info.st_mtime_ns}"
+    else:
+        ident = f"hub:{folder}/{gguf_file}"
+    key = hashlib.sha256(ident.encode()).hexdigest()[:12]
+    return cache_dir() / "gguf" / f"{Path(gguf_file).stem}-{key}"
+
+
+def ensure_dequantized(folder: str, gguf_file: str, *, trust_remote_code: bool = False) -> Path:
+    """A folder with the GGUF checkpoint dequantized to safetensors (plus config and tokenizer).
+
+    transformers' GGUF reader takes about half a minute for a 135M model and refuses a
+    bitsandbytes ``quantization_config``; the first load therefore converts the file once into
+    the user cache (logged), and every load then reads plain safetensors from there.
+
+    Raises:
+        MissingDependencyError: the ``gguf`` package is missing (and nothing is cached).
+        UnsupportedArchitectureError: the file's architecture is not supported.
+    """
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    target = dequantized_folder(folder, gguf_file)
+    if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
+        return target
+    require_gguf()
+    config = load_config(folder, trust_remote_code=trust_remote_code, gguf_file=gguf_file)
+    check_architecture(config)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            folder,
+            gguf_file=gguf_file,
+            dtype=torch.float32,
+            device_map={"": "cpu"},
+            trust_remote_code=trust_remote_code,
+        )
+    except (ValueError, NotImplementedError, KeyError) as exc:
+        raise UnsupportedArchitectureError(f"transformers could not load {gguf_file}: {exc}") from exc
+    except OSError as exc:
+        raise ModelNotFoundError(f"could not load the weights of {gguf_file}: {exc}") from exc
+    _drop_gguf_marker(model)
+    tokenizer = _load_tokenizer(folder, trust_remote_code=trust_remote_code, gguf_file=gguf_file)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".converting-", dir=target.parent) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        (Path(tmp) / "SOURCE").write_text(f"{Path(folder) / gguf_file}\n", encoding="utf-8")
+        if target.exists():  # a half-written copy from an interrupted run
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    logger.warning("dequantized %s once into %s (later loads read it from there)", gguf_file, target)
+    return target
+
+
+def _drop_gguf_marker(model: Any) -> None:
+    """Forget that the weights came from GGUF: they are plain dequantized tensors now.
+
+    transformers marks a GGUF-loaded model as quantized, which makes ``save_pretrained``
+    refuse it; the marker carries no information the model needs.
+    """
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    for attr in ("is_quantized", "quantization_method"):
+        if attr in vars(model):
+            delattr(model, attr)
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``"auto"`` is CUDA when available, else CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigurationError(f"unknown device {device!r}: use 'auto', 'cpu' or 'cuda[:N]'") from exc
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device, config: Any) -> torch.dtype:
+    """``"auto"``: float32 on CPU (half precision is slow there), the checkpoint's dtype on GPU."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if isinstance(saved, str):
+            saved = _DTYPES.get(saved)
+        if saved in (torch.float16, torch.bfloat16):
+            return saved
+        return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float16
+    if dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise ConfigurationError(f"unknown dtype {dtype!r}: use 'auto', {', '.join(sorted(_DTYPES))}")
+
+
+def load_config(path_or_id: str, *, trust_remote_code: bool, gguf_file: str | None = None) -> Any:
+    """Load a model config, turning hub, GGUF and remote-code failures into clear errors."""
+    from transformers import AutoConfig
+
+    extra: dict[str, Any] = {}
+    if gguf_file is not None:
+        require_gguf()
+        extra["gguf_file"] = gguf_file
+    local_config = _read_local_config(path_or_id) if gguf_file is None else None  # issue 18: honest errors
+    try:
+        config = AutoConfig.from_pretrained(path_or_id, trust_remote_code=trust_remote_code, **extra)
+    except OSError as exc:
+        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+        hint = " (HF_HUB_OFFLINE is set: only locally cached models can load)" if offline else ""
+        raise ModelNotFoundError(
+            f"could not load model {path_or_id!r}: it is not a local folder with config.json, "
+            f"and the hub has no such model or cannot be reached{hint}. Check the name, or pass "
+            f"a local folder, or {DEMO_MODEL!r}."
+        ) from exc
+    except (ValueError, NotImplementedError) as exc:
+        if gguf_file is not None and ("not supported" in str(exc) or "Unknown gguf" in str(exc)):
+            supported = ", ".join(f"{k} ({v})" for k, v in SUPPORTED_ARCHITECTURES.items())
+            raise UnsupportedArchitectureError(
+                f"{gguf_file} is not supported by selfspec (transformers: {exc}); supported architectures: "
+                f"{supported}. Use one of these, or decode this model with transformers' generate."
+            ) from exc
+        if "trust_remote_code" in str(exc):
+            raise UnsafeCheckpointError(
+                f"model {path_or_id!r} needs its own Python code from the hub; selfspec refuses "
+                "to run remote code unless you pass trust_remote_code=True"
+            ) from exc
+        if local_config is not None:  # an unknown or missing model_type: not an architecture we run
+            supported = ", ".join(f"{k} ({v})" for k, v in SUPPORTED_ARCHITECTURES.items())
+            model_type = local_config.get("model_type")
+            raise UnsupportedArchitectureError(
+                f"{path_or_id}: model_type {model_type!r} is not supported by selfspec (transformers: "
+                f"{str(exc).splitlines()[0]}); supported architectures: {supported}"
+            ) from exc
+        raise
+    return config
+
+
+def _read_local_config(path_or_id: str) -> dict[str, Any] | None:
+    """A local folder's config.json as a dict (``None`` for hub ids); a malformed file is a clear error."""
+    import json
+
+    path = Path(path_or_id) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ConfigurationError(f"{path} is not valid JSON ({exc}); fix or replace the file") from None
+    if not isinstance(data, dict):
+        raise ConfigurationError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def check_weights(path: str, *, allow_pickle: bool) -> bool:
+    """For a local folder, check it holds safetensors weights; return whether pickle is used."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return False
+    if any(folder.glob("*.safetensors")):
+        return False
+    pickles = sorted(p.name for p in [*folder.glob("*.bin"), *folder.glob("*.pt")])
+    if pickles:
+        if allow_pickle:
+            return True
+        shown = ", ".join(pickles[:3]) + (", ..." if len(pickles) > 3 else "")
+        raise UnsafeCheckpointError(
+            f"{path} holds only pickle weights ({shown}); they can run arbitrary code when loaded. "
+            "Convert them to safetensors, or pass allow_pickle=True if you trust the files."
+        )
+    raise ModelNotFoundError(f"{path} has a config.json but no weights (*.safetensors)")
+
+
+def _quantized_out_features(config: Any) -> list[tuple[str, int]]:
+    """Output sizes of the linear layers bitsandbytes would quantize (all but the LM head)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights():
+        skeleton = AutoModelForCausalLM.from_config(config)
+    return [
+        (name, module.out_features)
+        for name, module in skeleton.named_modules()
+        if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head")
+    ]
+
+
+def quantization_config(quantization: str | None, config: Any, device: torch.device, compute_dtype: torch.dtype) -> Any:
+    """A ``BitsAndBytesConfig`` for ``"4bit"`` (NF4) or ``"8bit"``, after checking it can run."""
+    if quantization is None:
+        return None
+    if quantization not in ("4bit", "8bit"):
+        raise ConfigurationError(f"quantization must be None, '4bit' or '8bit', got {quantization!r}")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise QuantizationError(f"{quantization} quantization needs bitsandbytes: pip install 'bitsandbytes>=0.45'")
+    if device.type not in ("cpu", "cuda"):
+        raise QuantizationError(
+            f"no bitsandbytes backend for device {device.type!r}; use 'cpu' or 'cuda', or no quantization"
+        )
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import bitsandbytes  # noqa: F401
+    except Exception as exc:
+        raise QuantizationError(f"bitsandbytes is installed but cannot load: {exc}") from exc
+    from transformers import BitsAndBytesConfig
+
+    if quantization == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    if device.type == "cpu":
+        bad = [(n, f) for n, f in _quantized_out_features(config) if f % 32]
+        if bad:
+            name, size = bad[0]
+            raise QuantizationError(
+                f"4-bit on CPU needs every quantized linear layer's output size to be a multiple "
+                f"of 32, but {name} has {size} ({len(bad)} layers affected). Use quantization="
+                "'8bit', no quantization, or a GPU."
+            )
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_compute_dtype=compute_dtype,
+        bnb_4bit_use_double_quant=False,
+    )
+
+
+def silence_bitsandbytes_warnings() -> None:
+    """Bitsandbytes' 8-bit matmul logs a dtype-cast warning on every call on CPU."""
+    logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=".*MatMul8bitLt.*")
+
+
+def load_model_and_tokenizer(
+    name_or_path: str | os.PathLike[str],
+    *,
+    quantization: str | None = None,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "auto",
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
+    gguf_file: str | None = None,
+) -> tuple[Any, Any, str]:
+    """Load a supported causal LM and its tokenizer.
+
+    Args:
+        name_or_path: a hub id, a local folder, ``"selfspec-demo"``, or a ``.gguf`` file.
+        quantization: ``None``, ``"4bit"`` or ``"8bit"`` (bitsandbytes; for a GGUF file,
+            applied after dequantization).
+        dtype: see :func:`resolve_dtype`.
+        device: see :func:`resolve_device`.
+        trust_remote_code: allow checkpoints that ship their own Python code.
+        allow_pickle: allow ``.bin`` weights when no safetensors exist.
+        gguf_file: the name of a ``.gguf`` file inside the folder (or hub repository)
+            ``name_or_path`` (needs the ``gguf`` package: ``pip install 'selfspec[gguf]'``).
+
+    Returns:
+        ``(model, tokenizer, resolved path or hub id)``; the tokenizer is ``None`` when the
+        checkpoint has none. For a GGUF checkpoint the resolved path is the ``.gguf`` file.
+    """
+    from transformers import AutoModelForCausalLM
+
+    path, gguf = split_gguf(name_or_path, gguf_file)
+    if gguf is None:
+        path = resolve_model_path(path)
+        shown = path
+    else:  # loaded from its dequantized copy in the user cache; named by the .gguf file
+        shown = str(Path(path) / gguf) if Path(path).is_dir() else f"{path}/{gguf}"
+        path = str(ensure_dequantized(path, gguf, trust_remote_code=trust_remote_code))
+    config = load_config(path, trust_remote_code=trust_remote_code)
+    check_architecture(config)
+    uses_pickle = check_weights(path, allow_pickle=allow_pickle)
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device, config)
+    quant = quantization_config(quantization, config, torch_device, torch_dtype)
+    if quantization == "8bit":
+        silence_bitsandbytes_warnings()
+    attn = "eager" if config.model_type == "gemma2" else "sdpa"
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=torch_dtype,
+            device_map={"": str(torch_device)},
+            quantization_config=quant,
+            use_safetensors=not uses_pickle,
+            trust_remote_code=trust_remote_code,
+            attn_implementation=attn,
+        )
+    except OSError as exc:
+        raise ModelNotFoundError(f"could not load the weights of {path!r}: {exc}") from exc
+    model.eval()
+    tokenizer = _load_tokenizer(path, trust_remote_code=trust_remote_code)
+    if quant is not None:
+        _smoke_test(model, quantization or "")
+    return model, tokenizer, shown
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _load_tokenizer(path: str, *, trust_remote_code: bool, gguf_file: str | None = None) -> Any:
+    """The checkpoint's tokenizer, or ``None`` (token-level use only) when it has none."""
+    from transformers import AutoTokenizer
+
+    if gguf_file is not None:  # the tokenizer (and chat template) are inside the file
+        try:
+            return AutoTokenizer.from_pretrained(path, gguf_file=gguf_file, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError, KeyError) as exc:
+            logger.warning("could not load the tokenizer of %s (%s); token-level use only", gguf_file, exc)
+            return None
+    folder = Path(path)
+    if folder.is_dir() and not any((folder / f).is_file() for f in _TOKENIZER_FILES):
+        logger.info("%s has no tokenizer files; token-level use only", path)
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        logger.warning("could not load the tokenizer of %s (%s); token-level use only", path, exc)
+        return None
+
+
+def _smoke_test(model: Any, quantization: str) -> None:
+    """Run one token through a quantized model so a missing kernel fails here, clearly."""
+    try:
+        with torch.inference_mode():
+            ids = torch.zeros((1, 1), dtype=torch.long, device=model.device)
+            model(input_ids=ids)
+    except Exception as exc:
+        raise QuantizationError(f"{quantization} model loaded, but bitsandbytes could not run it here: {exc}") from exc

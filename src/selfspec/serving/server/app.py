@@ -1,0 +1,751 @@
+"""An OpenAI-compatible HTTP server around one :class:`~selfspec.decoding.engine.SpeculativeEngine`.
+
+Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (server-sent events when
+``stream`` is true), ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus).
+Every generation runs in a worker thread, so the event loop never waits on the model; the
+engine serialises concurrent generations round by round, and each gets the text it would get
+alone. A client that goes away cancels its generation.
+
+The ``selfspec`` key of each response (and of the last streamed chunk) holds the engine's
+:class:`~selfspec.decoding.outputs.GenerationStats` under the same field names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import re
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ...decoding.engine import GenerationStream, SpeculativeEngine
+from ...decoding.outputs import GenerationOutput
+from ..engines import get_engine
+from ..requests import DEFAULT_MAX_TOKENS, encode_request, plan_constraint, token_budget  # noqa: F401 - re-exported
+from ..tools import ContentDelta, ToolCallChunk, ToolCallStreamParser, parse_tool_calls
+from .limits import (
+    PromptLengthCheck,
+    RequestGuard,
+    ServerLimits,
+    host_allow_list,
+    internal_error,
+    parse_json,
+    text_chars,
+    uvicorn_config,
+    uvicorn_settings,
+)
+from .metrics import CONTENT_TYPE, Metrics
+from .protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    engine_error_param,
+    engine_messages,
+    error_body,
+    read_tools,
+    response_schema,
+)
+
+logger = logging.getLogger("selfspec.serving.server")
+
+#: Worker threads (template rendering, tokenization, generations); admission control
+#: (:class:`~selfspec.serving.server.limits.ServerLimits`) decides how many requests get in.
+MAX_WORKERS = 64
+
+_Body = TypeVar("_Body", bound=BaseModel)
+_END = object()  # the worker's last queue item
+
+try:  # chat templates are jinja2; a template that rejects the messages is a bad request
+    from jinja2.exceptions import TemplateError as _TemplateError
+except ImportError:  # pragma: no cover - jinja2 comes with transformers' chat templates
+    _TemplateError = ValueError  # type: ignore[assignment,misc]
+
+
+# ------------------------------------------------------------------------------- generation jobs
+class _Job:
+    """One generation, run by a worker thread that can be told to stop between deltas."""
+
+    def __init__(self, stream: GenerationStream, parse_tools: bool) -> None:
+        self.stream = stream
+        self.parse_tools = parse_tools
+        self.cancelled = threading.Event()
+        self.error: BaseException | None = None
+        self.output: GenerationOutput | None = None
+        self._queue: asyncio.Queue[object] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def run(self, metrics: Metrics) -> GenerationOutput | None:
+        """Decode to the end (or until cancelled), sending deltas to the queue when streaming."""
+        started = time.perf_counter()
+        metrics.generation_started()
+        try:
+            while not self.cancelled.is_set():  # checked before every delta, the first one included
+                delta = next(self.stream, None)
+                if delta is None:
+                    break
+                self._emit(delta)
+        except Exception as error:  # reported to the client; the engine stays usable
+            logger.exception("generation failed")
+            self.error = error
+        finally:
+            self.stream.close()  # cancels the generation when it stopped early
+            self.output = self.stream.output
+            if self.output is not None and self.error is None:
+                metrics.generation_done(self.output, time.perf_counter() - started)
+            else:
+                metrics.generation_failed()
+            self._emit(_END)
+        return self.output
+
+    def stream_to(self, loop: asyncio.AbstractEventLoop) -> asyncio.Queue[object]:
+        """Have :meth:`run` send its deltas to a queue read on ``loop``."""
+        self._loop, self._queue = loop, asyncio.Queue()
+        return self._queue
+
+    def _emit(self, item: object) -> None:
+        if self._loop is None or self._queue is None:
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the event loop has closed (server shutting down)
+            self.cancelled.set()
+
+
+def _finish_reason(output: GenerationOutput, tool_calls: bool) -> str:
+    """OpenAI's finish reason: ``length``, ``tool_calls`` or ``stop``."""
+    if output.finish_reason == "length":
+        return "length"
+    return "tool_calls" if tool_calls else "stop"
+
+
+def _usage(output: GenerationOutput) -> dict[str, int]:
+    completion = len(output.token_ids)
+    return {
+        "prompt_tokens": output.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": output.prompt_tokens + completion,
+    }
+
+
+# ------------------------------------------------------------------------------- response bodies
+class _Render:
+    """Builds every body of one answer, streamed or not, so that the two cannot drift.
+
+    Args:
+        kind: ``"chat"`` or ``"text"``.
+        model: the model id to report.
+        job: the generation.
+        include_usage: end a stream with a usage chunk.
+    """
+
+    def __init__(self, kind: str, model: str, job: _Job, include_usage: bool) -> None:
+        self.kind = kind
+        self.model = model
+        self.job = job
+        self.include_usage = include_usage
+        self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.parser = ToolCallStreamParser() if job.parse_tools else None
+        self.saw_tool_call = False
+
+    def _envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
+        kind = "chat.completion" if self.kind == "chat" else "text_completion"
+        body: dict[str, Any] = {
+            "id": self.id,
+            "object": f"{kind}.chunk" if chunk and self.kind == "chat" else kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if chunk and self.include_usage:
+            body["usage"] = None
+        return body
+
+    def _chunk(self, piece: dict[str, Any] | str, finish_reason: str | None = None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
+        if self.kind == "chat":
+            choice["delta"] = piece
+        else:
+            choice["text"] = piece
+        choice.update({"logprobs": None, "finish_reason": finish_reason})
+        return self._envelope([choice], chunk=True)
+
+    # -- streaming
+    def first(self) -> list[dict[str, Any]]:
+        """The chunks sent before any text (chat: the assistant role)."""
+        return [self._chunk({"role": "assistant", "content": ""})] if self.kind == "chat" else []
+
+    def delta(self, text: str) -> list[dict[str, Any]]:
+        """The chunks of one text delta (tool-call markup becomes ``tool_calls`` deltas)."""
+        if self.kind == "text":
+            return [self._chunk(text)]
+        events = self.parser.feed(text) if self.parser is not None else [ContentDelta(text)]
+        return [self._event_chunk(event) for event in events]
+
+    def last(self, output: GenerationOutput) -> list[dict[str, Any]]:
+        """The closing chunks: held-back text, the finish reason with stats, then usage."""
+        chunks = []
+        if self.parser is not None:
+            chunks = [self._event_chunk(event) for event in self.parser.finish()]
+        final = self._chunk({} if self.kind == "chat" else "", _finish_reason(output, self.saw_tool_call))
+        final["selfspec"] = output.stats.to_dict()
+        chunks.append(final)
+        if self.include_usage:
+            usage = self._envelope([], chunk=True)
+            usage["usage"] = _usage(output)
+            chunks.append(usage)
+        return chunks
+
+    def _event_chunk(self, event: ContentDelta | ToolCallChunk) -> dict[str, Any]:
+        if isinstance(event, ContentDelta):
+            return self._chunk({"content": event.text})
+        self.saw_tool_call = True
+        call: dict[str, Any] = {"index": event.index}
+        function: dict[str, Any] = {"arguments": event.arguments}
+        if event.id is not None:
+            call.update({"id": event.id, "type": "function"})
+            function["name"] = event.name or ""
+        call["function"] = function
+        return self._chunk({"tool_calls": [call]})
+
+    # -- whole answers
+    def response(self, output: GenerationOutput) -> dict[str, Any]:
+        """The non-streamed body."""
+        text = output.text or ""
+        choice: dict[str, Any] = {"index": 0}
+        if self.kind == "text":
+            choice.update({"text": text, "logprobs": None, "finish_reason": _finish_reason(output, False)})
+        else:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            calls: list[dict[str, Any]] = []
+            if self.job.parse_tools:
+                parsed = parse_tool_calls(text)
+                calls = [
+                    _tool_call(call.id, call.name, json.dumps(call.arguments, ensure_ascii=False))
+                    for call in parsed.tool_calls
+                ] + [_tool_call(bad.id, bad.name or "", bad.arguments) for bad in parsed.invalid_tool_calls]
+                message["content"] = parsed.content or (None if calls else "")
+            if calls:
+                message["tool_calls"] = calls
+            choice.update({"message": message, "logprobs": None, "finish_reason": _finish_reason(output, bool(calls))})
+        body = self._envelope([choice], chunk=False)
+        body["usage"] = _usage(output)
+        body["selfspec"] = output.stats.to_dict()
+        return body
+
+
+def _tool_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _sse(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+# ------------------------------------------------------------------------------- the server
+class _Server:
+    """The state behind one app: engine, model id, key, worker threads and metrics."""
+
+    def __init__(
+        self, engine: SpeculativeEngine, model_id: str, api_key: str | None, limits: ServerLimits | None = None
+    ) -> None:
+        self.engine = engine
+        self.model_id = model_id
+        self.api_key = api_key
+        self.limits = limits or ServerLimits()
+        self.prompt_length = PromptLengthCheck(engine.tokenizer, engine.context_window)
+        self.metrics = Metrics()
+        self.created = int(time.time())
+        self._executor: ThreadPoolExecutor | None = None
+        self._executor_lock = threading.Lock()
+        self._jobs: set[_Job] = set()
+
+    @property
+    def executor(self) -> ThreadPoolExecutor:
+        """The worker threads (created on first use, and again after a shutdown)."""
+        with self._executor_lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(MAX_WORKERS, thread_name_prefix="selfspec-server")
+            return self._executor
+
+    def shutdown(self) -> None:
+        """Cancel every generation and wait for the worker threads."""
+        for job in list(self._jobs):
+            job.cancelled.set()
+        with self._executor_lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
+
+    async def in_thread(self, func: Callable[..., Any], *args: Any) -> Any:
+        """Run ``func(*args)`` on a worker thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, func, *args)
+
+    # -- checks
+    async def check_key(self, request: Request) -> None:
+        """Refuse a request without the right ``Authorization: Bearer`` key (when one is set)."""
+        if self.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            message = "Incorrect API key provided." if header else "Missing API key: send 'Authorization: Bearer KEY'."
+            raise APIError(401, message, code="invalid_api_key")
+
+    def check_model(self, model: str) -> None:
+        """Refuse a model id other than the served one."""
+        if model != self.model_id:
+            raise APIError(
+                404,
+                f"The model {model!r} does not exist; this server serves {self.model_id!r}.",
+                param="model",
+                code="model_not_found",
+            )
+
+    # -- preparing generations (on a worker thread: templates, tokenization and grammars take time)
+    def prepare_chat(self, body: ChatCompletionRequest) -> _Job:
+        """Render the messages and set up the generation (nothing is decoded yet)."""
+        tools, forced = read_tools(body)
+        schema = response_schema(body.response_format) if body.response_format else None
+        if forced is not None and schema is not None:
+            raise APIError(400, "a forced tool_choice and a response_format cannot be combined", param="tool_choice")
+        messages = engine_messages(body.messages)
+        engine = self.engine
+        # the adapters' request planner (selfspec.serving.requests): prompt, constraint and budget alike
+        stated = schema if schema != {"type": "object"} else None
+        with _bad_request("messages"):
+            prompt_ids = encode_request(engine, messages, tools, stated, forced)
+        plan = plan_constraint(
+            engine.tokenizer,
+            tools,
+            forced,
+            schema,
+            constrain_tool_calls=body.constrain_tool_calls,
+            parallel_tool_calls=body.parallel_tool_calls is not False,
+        )
+        constraint = None
+        if plan is not None and plan.kind == "json_schema":
+            constraint = self._grammar("json_schema_constraint", schema)
+        elif plan is not None:
+            constraint = self._grammar(
+                "tool_call_constraint", tools, tool_name=plan.tool_name, required=plan.required, parallel=plan.parallel
+            )
+        return self._start(prompt_ids, body.token_limit, body.sampling(), constraint, "messages", bool(tools))
+
+    def prepare_completion(self, body: CompletionRequest) -> _Job:
+        """Encode the prompt and set up the generation."""
+        prompt = body.prompt
+        if not prompt:
+            raise APIError(400, "the prompt is empty; pass some text", param="prompt")
+        if isinstance(prompt, list) and isinstance(prompt[0], str):
+            if len(prompt) > 1:
+                raise APIError(400, "only one prompt per request is supported", param="prompt")
+        with _bad_request("prompt"):
+            if isinstance(prompt, str):
+                prompt_ids = self.engine.encode_prompt(prompt)
+            elif isinstance(prompt[0], str):
+                prompt_ids = self.engine.encode_prompt(str(prompt[0]))
+            else:
+                prompt_ids = [int(token) for token in prompt]
+        return self._start(prompt_ids, body.token_limit, body.sampling(), None, "prompt", False)
+
+    def _start(
+        self,
+        prompt_ids: list[int],
+        limit: int | None,
+        sampling: dict[str, Any],
+        constraint: Any,
+        prompt_field: str,
+        parse_tools: bool,
+    ) -> _Job:
+        engine = self.engine
+        if limit is not None and limit < 1:
+            raise APIError(400, f"max_tokens must be >= 1, got {limit}", param="max_tokens")
+        if limit is None:  # the one default (selfspec.serving.requests.DEFAULT_MAX_TOKENS), never past the window
+            try:
+                limit = token_budget(
+                    None, len(prompt_ids), engine.context_window, truncate_prompt=bool(sampling.get("truncate_prompt"))
+                )
+            except ValueError as error:
+                raise APIError(400, str(error), param=prompt_field) from error
+        with _bad_request(prompt_field):
+            stream = engine.stream_ids(prompt_ids, max_new_tokens=limit, constraint=constraint, **sampling)
+        return _Job(stream, parse_tools)
+
+    def _grammar(self, kind: str, *args: Any, **kwargs: Any) -> Any:
+        """A fresh constraint from :mod:`selfspec.serving.grammar` (``kind`` names its factory)."""
+        engine = self.engine
+        with _bad_request("tools" if kind == "tool_call_constraint" else "response_format"):
+            try:
+                from ... import grammar
+
+                return getattr(grammar, kind)(
+                    engine.tokenizer,
+                    *args,
+                    vocab_size=engine.adapter.vocab_size,
+                    eos_token_ids=engine.eos_token_ids,
+                    **kwargs,
+                )
+            except ImportError as error:  # llguidance is the optional 'grammar' extra
+                raise APIError(
+                    400,
+                    f"constrained output needs llguidance: pip install 'selfspec[grammar]' ({error})",
+                    code="unsupported",
+                ) from error
+
+    # -- answering
+    async def answer(self, request: Request, kind: str, body: ChatCompletionRequest | CompletionRequest) -> Response:
+        """Run one generation request, streamed or whole."""
+        self.check_model(body.model)
+        body.check_supported()
+        self.check_prompt_length(body)
+        request_id = str(request.scope.get("selfspec.request_id", ""))
+        prepare = self.prepare_chat if isinstance(body, ChatCompletionRequest) else self.prepare_completion
+        job: _Job = await self.in_thread(prepare, body)
+        render = _Render(kind, self.model_id, job, body.include_usage)
+        if body.stream:
+            queue = job.stream_to(asyncio.get_running_loop())
+            return StreamingResponse(
+                self._events(job, queue, render, request_id),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        watcher = asyncio.ensure_future(_cancel_on_disconnect(request, job))
+        self._jobs.add(job)
+        try:
+            output = await self.in_thread(job.run, self.metrics)
+        finally:
+            self._jobs.discard(job)
+            watcher.cancel()
+        if job.error is not None or output is None:
+            raise _generation_error(job.error, request_id)
+        return JSONResponse(render.response(output))
+
+    def check_prompt_length(self, body: ChatCompletionRequest | CompletionRequest) -> None:
+        """Refuse, before tokenizing, a prompt with more characters than the context window can hold."""
+        if body.truncate_prompt:
+            return  # the engine keeps the prompt's end
+        if isinstance(body, ChatCompletionRequest):
+            self.prompt_length.check(text_chars(body.messages) + text_chars(body.tools), "messages")
+        elif isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], str)):
+            self.prompt_length.check(text_chars(body.prompt), "prompt")
+        elif self.engine.context_window is not None and len(body.prompt) > self.engine.context_window:
+            raise APIError(
+                400,
+                f"the prompt has {len(body.prompt)} tokens; the context window holds {self.engine.context_window}",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+
+    async def _events(
+        self, job: _Job, queue: asyncio.Queue[object], render: _Render, request_id: str
+    ) -> AsyncIterator[str]:
+        """The server-sent events of a streamed answer; leaving early cancels the generation."""
+        self._jobs.add(job)
+        future = asyncio.get_running_loop().run_in_executor(self.executor, job.run, self.metrics)
+        try:
+            for chunk in render.first():
+                yield _sse(chunk)
+            while (item := await queue.get()) is not _END:
+                assert isinstance(item, str)
+                for chunk in render.delta(item):
+                    yield _sse(chunk)
+            await future
+            if job.error is not None or job.output is None:
+                yield _sse(_generation_error(job.error, request_id).body())
+            else:
+                for chunk in render.last(job.output):
+                    yield _sse(chunk)
+            yield "data: [DONE]\n\n"
+        finally:
+            job.cancelled.set()  # a no-op when finished; else the client has gone
+            self._jobs.discard(job)
+
+
+def _generation_error(error: BaseException | None, request_id: str) -> APIError:
+    """A failed generation's answer.
+
+    Out of memory is a 503 with the engine's advice; anything else a generic 500 (the traceback
+    is in the log, never in the body).
+    """
+    if isinstance(error, MemoryError):
+        return APIError(503, str(error), type="server_error", code="out_of_memory")
+    return internal_error(request_id)
+
+
+@contextmanager
+def _bad_request(prompt_field: str) -> Iterator[None]:
+    """Turn the engine's ``ValueError`` (and chat-template errors) into 400 responses."""
+    try:
+        yield
+    except APIError:
+        raise
+    except (ValueError, _TemplateError) as error:
+        raise APIError(400, str(error), param=engine_error_param(error, prompt_field)) from error
+
+
+async def _cancel_on_disconnect(request: Request, job: _Job) -> None:
+    """Cancel ``job`` when the client of a non-streamed request disconnects."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            job.cancelled.set()
+            return
+
+
+async def _read_body(request: Request, model: type[_Body]) -> _Body:
+    """Parse a JSON body into ``model``; malformed or over-deep JSON, bad text or fields are a 400."""
+    raw = await request.body()
+    server: _Server = request.app.state.selfspec
+    data = parse_json(raw, server.limits.max_json_depth)
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        first = error.errors()[0]
+        # pydantic names the member of a union that failed ("prompt.str"): keep the field's path
+        parts = [str(part) for part in first["loc"] if not _UNION_TAG.match(str(part))]
+        param = ".".join(parts) or None
+        raise APIError(400, f"invalid request: {param}: {first['msg']}", param=param) from error
+
+
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|function-.*)$")
+
+
+# ------------------------------------------------------------------------------- the app
+def create_app(
+    engine_or_model: str | SpeculativeEngine,
+    *,
+    model_id: str | None = None,
+    api_key: str | None = None,
+    batching: bool = False,
+    limits: ServerLimits | None = None,
+    bound_host: str | None = None,
+) -> FastAPI:
+    """Create the OpenAI-compatible ASGI app.
+
+    Args:
+        engine_or_model: an engine, or a model name loaded with :func:`selfspec.get_engine`
+            (a hub id, a local folder, or ``"selfspec-demo"``).
+        model_id: the model id clients send and ``/v1/models`` lists; default: the model
+            name given, else the engine's ``name_or_path``.
+        api_key: when set, ``/v1/*`` requests need ``Authorization: Bearer <api_key>``.
+        batching: load a named model with ``batching=True`` (concurrent requests decode
+            together); an engine passed in keeps its own setting.
+        limits: body size, timeouts, concurrency, accepted hosts and CORS origins
+            (:class:`~selfspec.serving.server.limits.ServerLimits`; default: its safe defaults).
+        bound_host: the address the server binds, accepted in the ``Host`` header besides
+            ``localhost``, ``127.0.0.1``, ``[::1]`` and ``limits.allowed_hosts``.
+
+    Returns:
+        A FastAPI app; run it with any ASGI server (see :func:`serve`). Under uvicorn, pass
+        :func:`~selfspec.serving.server.limits.uvicorn_settings` (``limits``) to ``uvicorn.run`` for the
+        header deadline and keep-alive limits that the app itself cannot apply.
+
+    Example:
+        >>> from selfspec.serving.server import create_app
+        >>> app = create_app("selfspec-demo")  # doctest: +SKIP
+    """
+    if isinstance(engine_or_model, str):
+        engine = get_engine(engine_or_model, batching=batching)
+        model_id = model_id or engine_or_model
+    else:
+        engine = engine_or_model
+        model_id = model_id or engine.name_or_path or "selfspec"
+    limits = limits or ServerLimits()
+    server = _Server(engine, model_id, api_key, limits)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, server.shutdown)
+
+    app = FastAPI(title="selfspec", summary="OpenAI-compatible self-speculative decoding", lifespan=lifespan)
+    app.state.selfspec = server
+    _add_error_handlers(app)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(server.check_key)])
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await server.answer(request, "chat", await _read_body(request, ChatCompletionRequest))
+
+    @v1.post("/completions")
+    async def completions(request: Request) -> Response:
+        return await server.answer(request, "text", await _read_body(request, CompletionRequest))
+
+    def model_card() -> dict[str, Any]:
+        return {"id": server.model_id, "object": "model", "created": server.created, "owned_by": "selfspec"}
+
+    @v1.get("/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @v1.get("/models/{model:path}")
+    async def retrieve_model(model: str) -> dict[str, Any]:
+        server.check_model(model)
+        return model_card()
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": server.model_id}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return PlainTextResponse(server.metrics.render(), media_type=CONTENT_TYPE)
+
+    endpoints = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"})
+
+    def count(path: str, status: int) -> None:
+        server.metrics.request_finished(path if path in endpoints else "other", status)
+
+    if limits.cors_origins:  # inside the guard: the Host check and the counting apply to preflights too
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(limits.cors_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
+    app.add_middleware(
+        RequestGuard,
+        limits=limits,
+        allowed_hosts=host_allow_list(bound_host, limits.allowed_hosts),
+        generation_paths=frozenset({"/v1/chat/completions", "/v1/completions"}),
+        count=count,
+    )
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Answer every error with an OpenAI-style body."""
+
+    async def api_error(_request: Request, error: Exception) -> Response:
+        assert isinstance(error, APIError)
+        headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else {}
+        return JSONResponse(error.body(), status_code=error.status, headers={**headers, **error.headers})
+
+    async def http_error(_request: Request, error: Exception) -> Response:
+        assert isinstance(error, StarletteHTTPException)
+        code = "not_found" if error.status_code == 404 else None
+        return JSONResponse(
+            error_body(str(error.detail), code=code), status_code=error.status_code, headers=error.headers
+        )
+
+    async def validation_error(_request: Request, error: Exception) -> Response:
+        assert isinstance(error, RequestValidationError)
+        return JSONResponse(error_body(f"invalid request: {error.errors()}"), status_code=400)
+
+    async def server_error(request: Request, error: Exception) -> Response:
+        # reached only if an exception escapes the RequestGuard: a generic body, never the error's text
+        request_id = str(request.scope.get("selfspec.request_id", "unknown"))
+        logger.error("request %s failed", request_id, exc_info=error)
+        return JSONResponse(internal_error(request_id).body(), status_code=500)
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(Exception, server_error)
+
+
+def serve(
+    model: str | SpeculativeEngine,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    *,
+    model_id: str | None = None,
+    log_level: str = "info",
+    limits: ServerLimits | None = None,
+    **engine_args: Any,
+) -> None:
+    """Load a model and serve it until interrupted (binds to loopback by default).
+
+    Args:
+        model: a model name (hub id, local folder, ``"selfspec-demo"``) or an engine.
+        host: the interface to bind; ``"0.0.0.0"`` exposes the server to the network.
+        port: the TCP port.
+        api_key: require ``Authorization: Bearer <api_key>`` on ``/v1/*``.
+        model_id: the id clients use (default: ``model`` when it is a name).
+        log_level: uvicorn's log level.
+        limits: the server's limits (:class:`~selfspec.serving.server.limits.ServerLimits`).
+        **engine_args: arguments of :meth:`SpeculativeEngine.from_pretrained`.
+    """
+    import uvicorn
+
+    limits = limits or ServerLimits()
+    if isinstance(model, str):
+        engine = get_engine(model, **engine_args)
+        model_id = model_id or model
+    elif engine_args:
+        raise TypeError(f"engine arguments {sorted(engine_args)} need a model name, not an engine")
+    else:
+        engine = model
+    if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("serving on %s without an API key: anyone who can reach it can use the model", host)
+    if host in ("0.0.0.0", "::") and not limits.allowed_hosts:
+        logger.warning(
+            "serving on %s, but only requests for localhost are accepted: pass --allowed-host NAME "
+            "for each name clients use to reach this server",
+            host,
+        )
+    app = create_app(engine, model_id=model_id, api_key=api_key, limits=limits, bound_host=host)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, **uvicorn_settings(limits))
+
+
+@contextmanager
+def serve_in_background(
+    engine: SpeculativeEngine,
+    *,
+    model_id: str | None = None,
+    api_key: str | None = None,
+    timeout: float = 30.0,
+    limits: ServerLimits | None = None,
+) -> Iterator[str]:
+    """Serve ``engine`` on a free loopback port from a background thread, for tests and benchmarks.
+
+    Yields the server's root URL (``http://127.0.0.1:PORT``; the OpenAI API is under ``/v1``)
+    once it accepts connections, and stops the server when the block ends.
+
+    Raises:
+        RuntimeError: the server did not start within ``timeout`` seconds.
+    """
+    import socket
+
+    import uvicorn
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    limits = limits or ServerLimits()
+    app = create_app(engine, model_id=model_id, api_key=api_key, limits=limits, bound_host="127.0.0.1")
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, limits, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            raise RuntimeError(f"the server on port {port} did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=timeout)

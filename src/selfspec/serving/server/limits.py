@@ -1,0 +1,521 @@
+"""What ``selfspec serve`` refuses, and how fast: limits on hosts, bodies, time and concurrency.
+
+Every request passes through :class:`RequestGuard` (an ASGI middleware) before the routes see
+it. In order, it:
+
+1. gives the request an id (``X-Request-ID`` on every answer; 500 bodies quote it),
+2. checks the ``Host`` header against an allow-list (403; defeats DNS rebinding),
+3. requires ``Content-Type: application/json`` on ``POST`` (415; a browser page cannot send a
+   JSON body across origins without a CORS preflight, which is refused unless ``--cors-origin``),
+4. refuses a declared ``Content-Length`` over the body limit before reading a byte (413), and
+   counts the bytes of a chunked body as they arrive (413 at the limit, nothing more is kept),
+5. gives the whole body a deadline (408),
+6. admits at most ``max_concurrent`` generation requests at once and queues ``max_queue``
+   more; beyond that the answer is 429 with ``Retry-After``,
+7. answers an exception that escaped the app with a generic 500 that names the request id
+   (the traceback goes to the log once, never to the client), and counts a client that went
+   away before its answer under the status label ``499`` instead of as a 500.
+
+Uvicorn's own settings bound the rest (:func:`uvicorn_config`): a header-read timeout (a
+connection whose request headers are not complete in ``header_timeout`` seconds is closed), the
+keep-alive timeout, and the largest request head.
+
+The JSON of a body is checked by :func:`check_json` (depth, lone surrogates, non-finite
+numbers) and a prompt's length in characters by :class:`PromptLengthCheck`, before any
+tokenizer runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import re
+import uuid
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .protocol import APIError
+from .settings import ServerLimits
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+__all__ = ["Admission", "PromptLengthCheck", "RequestGuard", "ServerLimits", "check_json", "parse_json"]
+
+logger = logging.getLogger("selfspec.serving.server")
+
+#: Host names every server accepts (with any port).
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+#: The status label under which requests whose client went away are counted (nginx's 499).
+CLIENT_CLOSED = 499
+#: Refused bodies declared larger than this many times the limit get their connection closed
+#: instead of discarded as they arrive.
+DRAIN_FACTOR = 8
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def normalize_host(host: str) -> str:
+    """A ``Host`` header or bind address without its port, lower case, IPv6 in brackets."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[: host.index("]") + 1] if "]" in host else host
+    if host.count(":") > 1:  # a bare IPv6 address
+        return f"[{host}]"
+    return host.split(":", 1)[0]
+
+
+def host_allow_list(bound_host: str | None, extra: Iterable[str]) -> frozenset[str] | None:
+    """The accepted host names (``None``: any host, when ``*`` is among ``extra``)."""
+    names = set(LOCAL_HOSTS)
+    extra = list(extra)
+    if "*" in extra:
+        return None
+    if bound_host and bound_host not in ("0.0.0.0", "::", ""):
+        names.add(normalize_host(bound_host))
+    names.update(normalize_host(name) for name in extra)
+    return frozenset(names)
+
+
+# ------------------------------------------------------------------------------- JSON bodies
+def check_json(data: Any, max_depth: int) -> None:
+    r"""Refuse a parsed JSON body that nests deeper than ``max_depth`` or holds bad values.
+
+    Walks the body iteratively (no recursion to exhaust) and refuses, naming the field:
+    strings with lone surrogates (JSON's ``"\ud800"`` escapes; no tokenizer can encode
+    them) and numbers that are not finite (``1e400`` parses as infinity).
+
+    Raises:
+        APIError: a 400 for the first problem found.
+    """
+    stack: list[tuple[Any, str, int]] = [(data, "", 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, str):
+            match = None if value.isascii() else _SURROGATE.search(value)  # isascii: a fast C scan
+            if match is not None:
+                raise APIError(
+                    400,
+                    f"{path or 'the body'}: the string holds a lone surrogate {match.group()!r} at character "
+                    f"{match.start()}, which is not valid Unicode text",
+                    param=_param(path),
+                )
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                raise APIError(400, f"{path or 'the body'}: {value} is not a finite number", param=_param(path))
+        elif isinstance(value, (dict, list)):
+            if depth > max_depth:
+                raise APIError(400, f"the JSON body nests deeper than {max_depth} levels")
+            if isinstance(value, dict):
+                for key, item in value.items():
+                    if _SURROGATE.search(key):
+                        raise APIError(400, f"{path or 'the body'}: a key holds a lone surrogate", param=_param(path))
+                    stack.append((item, f"{path}.{key}" if path else key, depth + 1))
+            else:
+                stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value))
+
+
+def _param(path: str) -> str | None:
+    return path or None
+
+
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
+
+
+def parse_json(raw: bytes, max_depth: int) -> Any:
+    """Parse a request body: strict JSON (no ``NaN``/``Infinity``), bounded depth, valid text.
+
+    Raises:
+        APIError: a 400 naming what is wrong.
+    """
+    import json
+
+    try:
+        data = json.loads(raw, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise APIError(400, f"the JSON body nests deeper than {max_depth} levels") from None
+    except ValueError as error:  # JSONDecodeError, UnicodeDecodeError, NaN/Infinity, >4300-digit ints
+        raise APIError(400, f"the request body is not valid JSON: {error}") from None
+    check_json(data, max_depth)
+    return data
+
+
+# ------------------------------------------------------------------------------- prompt length
+class PromptLengthCheck:
+    """Refuses, before tokenizing, a prompt too long in characters for the context window.
+
+    No token of the tokenizer's vocabulary (added and special tokens included) spells more
+    than ``max_token_chars`` characters, so a text of ``n`` characters has at least
+    ``n / max_token_chars`` tokens. A factor of 4 covers normalizers that shorten text
+    (Unicode composition joins at most three characters into one). The check therefore never
+    refuses a prompt that fits, and refuses a 5 MB message in microseconds.
+
+    Args:
+        tokenizer: the engine's tokenizer (``None``: no check).
+        context_window: the model's window in tokens (``None``: no check).
+    """
+
+    #: headroom for normalizers that shorten text
+    SLACK = 4
+
+    def __init__(self, tokenizer: Any, context_window: int | None) -> None:
+        self.context_window = context_window
+        self.max_token_chars = _longest_token(tokenizer) if tokenizer is not None else None
+
+    @property
+    def max_chars(self) -> int | None:
+        """The most characters a prompt can have and still fit the window (``None``: unbounded)."""
+        if self.context_window is None or self.max_token_chars is None:
+            return None
+        return self.context_window * self.max_token_chars * self.SLACK
+
+    def check(self, chars: int, param: str) -> None:
+        """Refuse ``chars`` characters of prompt text (a 400 with code ``context_length_exceeded``)."""
+        limit = self.max_chars
+        if limit is not None and chars > limit:
+            raise APIError(
+                400,
+                f"the prompt has {chars} characters; this model's context window of {self.context_window} tokens "
+                f"cannot hold more than {limit}: shorten it (or send truncate_prompt=true to keep its end)",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+
+def _longest_token(tokenizer: Any) -> int | None:
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:  # noqa: BLE001 - a tokenizer without a vocabulary: no check
+        return None
+    lengths = [len(token) for token in vocab if isinstance(token, str)]
+    return max(lengths) if lengths else None
+
+
+def text_chars(value: Any) -> int:
+    """Characters of text in a prompt or messages value (strings anywhere inside, iteratively)."""
+    total = 0
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return total
+
+
+# ------------------------------------------------------------------------------- admission
+class Admission:
+    """At most ``max_concurrent`` requests inside, ``max_queue`` waiting; more get a 429.
+
+    Runs on the event loop (no locks needed): :meth:`enter` either returns once a slot is
+    free or raises at once when the queue is full.
+    """
+
+    def __init__(self, max_concurrent: int, max_queue: int, retry_after: int) -> None:
+        self.max_concurrent = max_concurrent
+        self.max_queue = max_queue
+        self.retry_after = retry_after
+        self.inside = 0
+        self.waiting = 0
+        self._slots: asyncio.Semaphore | None = None
+
+    async def enter(self) -> None:
+        """Wait for a slot (raises :class:`APIError` 429 when the queue is full)."""
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.max_concurrent)
+        if self.inside >= self.max_concurrent and self.waiting >= self.max_queue:
+            raise APIError(
+                429,
+                f"the server is busy ({self.inside} requests running, {self.waiting} queued); retry shortly",
+                type="rate_limit_error",
+                code="server_busy",
+                headers={"Retry-After": str(self.retry_after)},
+            )
+        self.waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting -= 1
+        self.inside += 1
+
+    def leave(self) -> None:
+        """Free the slot taken by :meth:`enter`."""
+        self.inside -= 1
+        assert self._slots is not None
+        self._slots.release()
+
+
+# ------------------------------------------------------------------------------- the guard
+@dataclass
+class _Exchange:
+    """What the guard knows about one request/response exchange."""
+
+    request_id: str
+    status: int | None = None
+    complete: bool = False
+    client_gone: bool = False
+    extra_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+
+
+class RequestGuard:
+    """The ASGI middleware that applies :class:`ServerLimits` (see the module docstring).
+
+    Args:
+        app: the application to guard.
+        limits: the limits.
+        allowed_hosts: accepted ``Host`` names (``None``: any).
+        generation_paths: the paths that generate (admission control applies to them).
+        count: called with ``(path, status)`` once per request (``499``: the client left).
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        limits: ServerLimits,
+        allowed_hosts: frozenset[str] | None,
+        generation_paths: frozenset[str],
+        count: Callable[[str, int], None],
+    ) -> None:
+        self.app = app
+        self.limits = limits
+        self.allowed_hosts = allowed_hosts
+        self.generation_paths = generation_paths
+        self.count = count
+        self.admission = Admission(limits.max_concurrent, limits.max_queue, limits.retry_after)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Guard one ASGI connection scope (HTTP only; lifespan passes through)."""
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        exchange = _Exchange(request_id=uuid.uuid4().hex)
+        scope["selfspec.request_id"] = exchange.request_id
+
+        async def guarded_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                exchange.status = int(message["status"])
+                headers = list(message.get("headers", []))
+                headers.append((b"x-request-id", exchange.request_id.encode()))
+                message = {**message, "headers": headers}
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                exchange.complete = True
+            await send(message)
+
+        async def guarded_receive() -> Message:
+            message = await receive()
+            if message["type"] == "http.disconnect" and not exchange.complete:
+                exchange.client_gone = True
+            return message
+
+        try:
+            await self._handle(scope, guarded_receive, guarded_send, exchange)
+        except APIError as error:
+            if exchange.status is None:
+                await _send_error(guarded_send, error)
+        except Exception as error:  # the last line of defence: a generic 500
+            if exchange.status is None:
+                logger.error("request %s failed", exchange.request_id, exc_info=error)
+                await _send_error(guarded_send, internal_error(exchange.request_id))
+            # else: the app answered with its 500 (and logged it) before re-raising
+        finally:
+            status = exchange.status
+            if exchange.client_gone and not exchange.complete:
+                logger.debug("request %s: the client went away", exchange.request_id)
+                status = CLIENT_CLOSED
+            self.count(scope.get("path", ""), 500 if status is None else status)
+
+    async def _handle(self, scope: Scope, receive: Receive, send: Send, exchange: _Exchange) -> None:
+        headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
+        if self.allowed_hosts is not None:
+            host = normalize_host(headers.get("host", ""))
+            if host not in self.allowed_hosts:
+                raise APIError(
+                    403,
+                    f"the Host header {headers.get('host', '')!r} is not allowed; start the server with "
+                    f"--allowed-host {host or 'NAME'} to accept it",
+                    type="permission_error",
+                    code="host_not_allowed",
+                )
+        if scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        content_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if content_type != "application/json":
+            raise APIError(
+                415,
+                f"POST bodies must be sent with 'Content-Type: application/json', got {content_type or 'none'!r}",
+                code="unsupported_media_type",
+            )
+        declared = headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limits.max_body_bytes:
+            raise self._too_large(int(declared))
+        body = await self._read_body(receive, exchange)
+        if body is None:
+            return  # the client went away during the upload: nobody to answer
+        sent = False
+
+        async def replay() -> Message:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        if scope.get("path") not in self.generation_paths:
+            await self.app(scope, replay, send)
+            return
+        await self.admission.enter()
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            self.admission.leave()
+
+    async def _read_body(self, receive: Receive, exchange: _Exchange) -> bytes | None:
+        """The whole body, or ``None`` if the client left; raises 413 or 408."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.limits.body_timeout
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            remaining = deadline - loop.time()
+            try:
+                if remaining <= 0:
+                    raise asyncio.TimeoutError
+                message = await asyncio.wait_for(receive(), remaining)
+            except asyncio.TimeoutError:
+                raise APIError(
+                    408,
+                    f"the request body did not arrive within {self.limits.body_timeout:g} seconds",
+                    code="request_timeout",
+                ) from None
+            if message["type"] == "http.disconnect":
+                exchange.client_gone = True
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limits.max_body_bytes:
+                raise self._too_large(None)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    def _too_large(self, declared: int | None) -> APIError:
+        """The 413 for a body over the limit.
+
+        The rest of the body is never stored: uvicorn discards it as it arrives (so the client,
+        still sending, reads the 413 rather than a reset) for at most ``header_timeout`` seconds;
+        a body declared over ``DRAIN_FACTOR`` times the limit gets its connection closed at once.
+        """
+        size = f"{declared} bytes" if declared is not None else "larger"
+        close = declared is not None and declared > DRAIN_FACTOR * self.limits.max_body_bytes
+        return APIError(
+            413,
+            f"the request body is {size}; this server accepts at most {self.limits.max_body_bytes} bytes "
+            "(selfspec serve --max-body-size)",
+            code="request_too_large",
+            headers={"Connection": "close"} if close else None,
+        )
+
+
+def internal_error(request_id: str) -> APIError:
+    """The generic 500: no exception text, the request id to find the traceback in the log."""
+    return APIError(
+        500,
+        f"the server failed to answer this request (request id {request_id}); the server log has the details",
+        type="server_error",
+        code="internal_error",
+    )
+
+
+async def _send_error(send: Callable[[Message], Awaitable[None]], error: APIError) -> None:
+    import json
+
+    body = json.dumps(error.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in error.headers.items()]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+# ------------------------------------------------------------------------------- uvicorn
+def uvicorn_settings(limits: ServerLimits) -> dict[str, Any]:
+    """Keyword arguments of ``uvicorn.run`` and ``uvicorn.Config`` for ``limits``.
+
+    The limits' keep-alive timeout and head size, on h11 with a deadline for request heads.
+    """
+    return {
+        "http": header_timeout_protocol(limits.header_timeout),
+        "timeout_keep_alive": max(1, math.ceil(limits.keep_alive_timeout)),
+        "h11_max_incomplete_event_size": limits.max_header_bytes,
+    }
+
+
+def uvicorn_config(app: ASGIApp, host: str, port: int, limits: ServerLimits, log_level: str = "info") -> Any:
+    """A ``uvicorn.Config`` with :func:`uvicorn_settings`."""
+    import uvicorn
+
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, **uvicorn_settings(limits))
+
+
+_protocols: dict[float, type] = {}
+
+
+def header_timeout_protocol(header_timeout: float) -> type:
+    """Uvicorn's h11 protocol, closing connections whose request head is late.
+
+    Uvicorn bounds idle keep-alive connections, but a client that sends part of a request
+    line or headers (and then nothing) keeps its connection open indefinitely. This subclass
+    arms a timer when a connection opens and after each response, and disarms it when a
+    request's headers are complete.
+    """
+    if header_timeout in _protocols:
+        return _protocols[header_timeout]
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderTimeoutH11Protocol(H11Protocol):
+        """H11Protocol with a deadline for each request's head."""
+
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            cycle = self.cycle
+            super().data_received(data)
+            if self.cycle is not cycle:  # a request's headers are complete
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            cycle = self.cycle
+            super().on_response_complete()
+            if self.cycle is cycle and not self.transport.is_closing():  # waiting for the next request
+                self._arm()
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._header_timer = self.loop.call_later(header_timeout, self._header_timed_out)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _header_timed_out(self) -> None:
+            self._header_timer = None
+            if not self.transport.is_closing():
+                logger.debug("closing a connection whose request head took over %ss", header_timeout)
+                self.transport.close()
+
+    _protocols[header_timeout] = HeaderTimeoutH11Protocol
+    return HeaderTimeoutH11Protocol

@@ -1,0 +1,323 @@
+"""The OpenAI wire format: request bodies, message conversion, and error bodies.
+
+Unknown fields are ignored, as OpenAI-compatible servers do, but the known ones are typed
+strictly: ``true`` is not a number, ``"5"`` and ``5.0`` are not integers, ``"yes"`` is not a
+boolean (pydantic's strict mode). Options that would change the answer and that selfspec cannot
+honour (``n > 1``, ``logprobs``, penalties, ``logit_bias``) are refused with a 400 rather than
+silently dropped. Sampling values themselves are checked by the engine
+(:mod:`selfspec.core.validation`), whose ``ValueError`` subclasses become 400 responses with the
+engine's message.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from ...errors import InvalidPromptError
+from ..tools import tool_schema
+
+#: Chat roles the server accepts (``developer`` is OpenAI's newer name for ``system``).
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style body ``{"error": {message, type, param, code}}``.
+
+    Args:
+        status: the HTTP status code.
+        message: what went wrong and how to fix it.
+        type: OpenAI's error type (``invalid_request_error``, ``authentication_error``, ...).
+        param: the request field at fault, if any.
+        code: a machine-readable code (``model_not_found``, ``invalid_api_key``, ...).
+        headers: extra response headers (``Retry-After`` on a 429, ...).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body of the error response."""
+        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+
+def error_body(
+    message: str,
+    *,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> dict[str, Any]:
+    """An OpenAI-style error body."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# the engine's messages start with the argument's name; map it to the request field
+_ENGINE_PARAMS = {
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "max_new_tokens": "max_tokens",
+    "seed": "seed",
+    "stop": "stop",
+}
+
+
+def engine_error_param(error: Exception, prompt_field: str) -> str | None:
+    """The request field an engine ``ValueError`` is about.
+
+    Prompt errors (empty, malformed, too long for the context window) are about
+    ``prompt_field``; sampling errors name their argument first in the message.
+    """
+    if isinstance(error, InvalidPromptError):
+        return prompt_field
+    message = str(error)
+    for name, field in _ENGINE_PARAMS.items():
+        if message.startswith(name):
+            return field
+    return None
+
+
+class StreamOptions(BaseModel):
+    """OpenAI's ``stream_options``."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by chat and text completions."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    logprobs: Any = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    truncate_prompt: bool = False
+
+    def check_supported(self) -> None:
+        """Refuse options that would change the answer and that selfspec cannot honour."""
+        if self.n not in (None, 1):
+            raise APIError(400, "only n=1 is supported", param="n")
+        if self.logprobs not in (None, False):
+            raise APIError(400, "logprobs are not supported", param="logprobs")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise APIError(400, f"{name} is not supported (leave it at 0)", param=name)
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed answer ends with a usage chunk."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling(self) -> dict[str, Any]:
+        """Keyword arguments of :meth:`SpeculativeEngine.stream_ids` (but ``max_new_tokens``).
+
+        ``temperature`` defaults to 1, as in OpenAI's API; pass 0 for greedy decoding.
+        """
+        return {
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "stop": self.stop,
+            "seed": self.seed,
+            "truncate_prompt": self.truncate_prompt,
+        }
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """The body of ``POST /v1/chat/completions``."""
+
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    #: selfspec's own field: with tools and ``tool_choice="auto"``, generate the calls the model
+    #: chooses to make under the tools' grammar (as the adapters' ``constrain_tool_calls``)
+    constrain_tool_calls: bool = True
+    #: ``False``: at most one tool call per answer (enforced by the grammar when calls are constrained)
+    parallel_tool_calls: bool | None = None
+
+    @property
+    def token_limit(self) -> int | None:
+        """``max_completion_tokens`` (the newer name) or ``max_tokens``."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_SamplingRequest):
+    """The body of ``POST /v1/completions``."""
+
+    prompt: str | list[str] | list[int]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:  # noqa: D102 - documented in the base class
+        super().check_supported()
+        if self.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        if self.best_of not in (None, 1):
+            raise APIError(400, "only best_of=1 is supported", param="best_of")
+
+    @property
+    def token_limit(self) -> int | None:
+        """``max_tokens`` (OpenAI's completions default is 16; here ``serving.requests.DEFAULT_MAX_TOKENS``)."""
+        return self.max_tokens
+
+
+# ------------------------------------------------------------------------------- messages
+def engine_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI chat messages as chat-template messages.
+
+    Text content parts are joined; ``developer`` becomes ``system``; an assistant's tool
+    calls get their JSON-string arguments decoded (chat templates expect a dict); a ``tool``
+    message gets the ``name`` of the call it answers when the request shows it.
+
+    Raises:
+        APIError: a message that is not a dict, has an unknown role, or non-text content.
+    """
+    converted: list[dict[str, Any]] = []
+    names: dict[str, str] = {}  # tool-call id -> tool name
+    for i, message in enumerate(messages):
+        param = f"messages[{i}]"
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            role = message.get("role") if isinstance(message, dict) else None
+            raise APIError(400, f"{param}: role must be one of {', '.join(ROLES)}, got {role!r}", param=param)
+        role = "system" if message["role"] == "developer" else message["role"]
+        entry: dict[str, Any] = {"role": role, "content": _text(message.get("content"), param)}
+        if role == "assistant" and message.get("tool_calls"):
+            entry["tool_calls"] = [_template_call(call, names, param) for call in message["tool_calls"]]
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            entry["tool_call_id"] = call_id
+            name = message.get("name") or names.get(str(call_id))
+            if name:
+                entry["name"] = name
+        converted.append(entry)
+    return converted
+
+
+def _text(content: Any, param: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, str):
+                parts.append(part)
+            elif isinstance(part, dict) and part.get("type") == "text":
+                parts.append(str(part.get("text", "")))
+            else:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise APIError(400, f"{param}: only text content is supported, got a {kind!r} part", param=param)
+        return "".join(parts)
+    raise APIError(400, f"{param}: content must be a string or a list of text parts", param=param)
+
+
+def _template_call(call: Any, names: dict[str, str], param: str) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise APIError(400, f"{param}: a tool call needs a 'function' with a 'name'", param=param)
+    arguments = function.get("arguments") or {}
+    if isinstance(arguments, str):
+        try:
+            decoded = json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            decoded = None
+        arguments = decoded if isinstance(decoded, dict) else arguments
+    if call.get("id"):
+        names[str(call["id"])] = function["name"]
+    return {"type": "function", "id": call.get("id"), "function": {"name": function["name"], "arguments": arguments}}
+
+
+# ------------------------------------------------------------------------------- tools
+def read_tools(request: ChatCompletionRequest) -> tuple[list[dict[str, Any]], str | None]:
+    """The normalised tools to render and the forced tool.
+
+    Returns:
+        ``(tools, forced)``: ``tools`` is empty when none are offered or ``tool_choice`` is
+        ``"none"``; ``forced`` is ``None`` (the model decides), ``""`` (any tool, for
+        ``"required"``) or a tool's name.
+
+    Raises:
+        APIError: an invalid tool schema, or a ``tool_choice`` naming no offered tool.
+    """
+    try:
+        tools = [tool_schema(tool) for tool in request.tools or []]
+    except ValueError as error:
+        raise APIError(400, str(error), param="tools") from error
+    choice = request.tool_choice
+    if choice is None or choice == "auto":
+        return tools, None
+    if choice == "none":
+        return [], None
+    if not tools:
+        raise APIError(400, f"tool_choice={choice!r} needs tools", param="tool_choice")
+    if choice == "required":
+        return tools, ""
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if name in [tool["function"]["name"] for tool in tools]:
+            return tools, str(name)
+    raise APIError(
+        400, f"tool_choice {choice!r} is not 'none', 'auto', 'required' nor an offered function", param="tool_choice"
+    )
+
+
+def response_schema(response_format: dict[str, Any]) -> dict[str, Any] | None:
+    """The JSON schema an OpenAI ``response_format`` asks for (``None``: plain text).
+
+    Raises:
+        APIError: an unknown format or a ``json_schema`` without a schema.
+    """
+    kind = response_format.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if isinstance(schema, dict):
+            return schema
+    raise APIError(
+        400,
+        "response_format must be {'type': 'text'}, {'type': 'json_object'} or "
+        "{'type': 'json_schema', 'json_schema': {'schema': {...}}}",
+        param="response_format",
+    )

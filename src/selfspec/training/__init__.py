@@ -1,1 +1,0 @@
-"""Training scripts: the bundled demo model (``python -m selfspec.training.demo``)."""
