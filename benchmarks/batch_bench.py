@@ -128,7 +128,7 @@ def measure(max_new_tokens: int, repeats: int, levels: tuple[int, ...]) -> dict[
         "meta": {
             "model": "selfspec-demo",
             "device": "cpu",
-            "dtype": str(serial.adapter.dtype),
+            "dtype": str(serial.runner.dtype),
             "threads": torch.get_num_threads(),
             "max_new_tokens": max_new_tokens,
             "repeats": repeats,

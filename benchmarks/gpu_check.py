@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import transformers
 
-from selfspec.modeling import ModelAdapter
+from selfspec.modeling import ModelRunner
 
 SHAPES: dict[str, dict[str, Any]] = {
     "llama3-8b": {
@@ -103,7 +103,7 @@ def _median_seconds(fn: Any, device: torch.device, repeats: int) -> float:
 
 def measure(model: Any, context: int, repeats: int) -> dict[str, Any]:
     """Verify-cost curve and draft cost ratio per exit layer for one model."""
-    adapter = ModelAdapter(model)
+    adapter = ModelRunner(model)
     device = adapter.device
     cache = adapter.new_cache(context + max(TOKENS) + 1)
     prompt = torch.randint(0, adapter.vocab_size, (1, context), device=device)

@@ -322,7 +322,7 @@ def test_flash_attention_models_get_a_hint() -> None:
 @pytest.mark.parametrize("fault", [RuntimeError("simulated kernel failure"), KeyboardInterrupt()])
 def test_fault_inside_a_forward_leaves_the_engine_usable(model, expected, fault) -> None:
     engine = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=3)
-    original = engine.adapter.run_layers
+    original = engine.runner.run_layers
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):
@@ -331,12 +331,12 @@ def test_fault_inside_a_forward_leaves_the_engine_usable(model, expected, fault)
             raise fault
         return original(*args, **kwargs)
 
-    engine.adapter.run_layers = flaky  # type: ignore[method-assign]
+    engine.runner.run_layers = flaky  # type: ignore[method-assign]
     try:
         with pytest.raises(type(fault)):
             engine.generate_ids(PROMPT, max_new_tokens=12)
     finally:
-        del engine.adapter.run_layers
+        del engine.runner.run_layers
     assert engine.generate_ids(PROMPT, max_new_tokens=12).token_ids == expected
     assert engine._lock.acquire(blocking=False)  # the lock was released
     engine._lock.release()

@@ -36,7 +36,7 @@ def test_auto_uses_the_shipped_calibration(demo_engine) -> None:
     saved = json.loads((demo_model_path() / "selfspec.json").read_text())
     assert demo_engine.exit_layer == saved["exit_layer"]
     assert demo_engine.num_draft_tokens == saved["num_draft_tokens"]
-    assert demo_engine.adapter.dtype == torch.float32 and demo_engine.adapter.num_layers == 16
+    assert demo_engine.runner.dtype == torch.float32 and demo_engine.runner.num_layers == 16
 
 
 @pytest.mark.slow

@@ -68,9 +68,9 @@ def test_ngram_index_matches_a_plain_scan() -> None:
 
 def state_for(tokens: list[int], model) -> DecodeState:
     from selfspec.core.sampling import SamplingParams
-    from selfspec.modeling import ModelAdapter
+    from selfspec.modeling import ModelRunner
 
-    adapter = ModelAdapter(model)
+    adapter = ModelRunner(model)
     cache = adapter.new_cache(64)
     # the cache must hold every position before the last token for the early-exit path
     ids = torch.tensor([tokens[:-1]])

@@ -86,10 +86,10 @@ def test_sampling_same_seed_same_text() -> None:
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "phi3"])
 def test_fast_path_is_bitwise_identical_to_the_model_in_float32(arch: str) -> None:
     """The lean layer path computes the same float32 numbers as transformers' own modules."""
-    from selfspec.modeling import ModelAdapter
+    from selfspec.modeling import ModelRunner
 
     model = make_model(arch, dtype=torch.float32, agreeing=False)
-    adapter = ModelAdapter(model)
+    adapter = ModelRunner(model)
     assert adapter.fast_layers is not None
     ids = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(0))
     outputs = []
@@ -106,7 +106,7 @@ def test_fast_path_is_bitwise_identical_to_the_model_in_float32(arch: str) -> No
 
 
 def test_fast_path_is_off_where_it_does_not_apply() -> None:
-    from selfspec.modeling import ModelAdapter
+    from selfspec.modeling import ModelRunner
 
-    assert ModelAdapter(make_model("gemma2")).fast_layers is None  # eager attention, sandwich norms
-    assert ModelAdapter(make_model("gemma")).fast_layers is None
+    assert ModelRunner(make_model("gemma2")).fast_layers is None  # eager attention, sandwich norms
+    assert ModelRunner(make_model("gemma")).fast_layers is None

@@ -16,7 +16,8 @@ from tiny_models import make_model, reference_greedy
 from tiny_tokenizer import make_tokenizer
 
 from selfspec import SpeculativeEngine
-from selfspec.cli import build_parser, engine_kwargs, main
+from selfspec.cli import build_parser, main
+from selfspec.cli.args import engine_kwargs
 from selfspec.core.sampling import SamplingParams
 from selfspec.drafting import DecodeState, EarlyExitDrafter
 from selfspec.drafting.exit_adapter.adapter import ExitAdapter, ExitAdapterConfig, exit_adapter_path, load_exit_adapter
@@ -46,7 +47,7 @@ def random_adapter(model, exit_layer: int, scale: float = 1.0, seed: int = 0) ->
 def drafts(model, exit_adapter: ExitAdapter | None, prompt: list[int], exit_layer: int = 2) -> list[int]:
     """The first round's greedy draft of the early exit, with or without an adapter."""
     engine = SpeculativeEngine(model, exit_layer=exit_layer, num_draft_tokens=6)
-    adapter = engine.adapter
+    adapter = engine.runner
     cache = adapter.new_cache(64)
     ids = torch.tensor([prompt[:-1]])
     adapter.run_layers(adapter.embed(ids), 0, adapter.num_layers, torch.arange(len(prompt) - 1), cache)

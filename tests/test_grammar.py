@@ -150,14 +150,14 @@ def prompt(seed: int, tokenizer: PreTrainedTokenizerFast) -> list[int]:
 
 def json_constraint(engine: SpeculativeEngine) -> GrammarConstraint:
     return json_schema_constraint(
-        engine.tokenizer, SCHEMA, vocab_size=engine.adapter.vocab_size, eos_token_ids=engine.eos_token_ids
+        engine.tokenizer, SCHEMA, vocab_size=engine.runner.vocab_size, eos_token_ids=engine.eos_token_ids
     )
 
 
 def tools_constraint(engine: SpeculativeEngine, tool_name: str | None = None, *,
                      required: bool = True) -> GrammarConstraint:
     return tool_call_constraint(
-        engine.tokenizer, TOOLS, tool_name=tool_name, vocab_size=engine.adapter.vocab_size,
+        engine.tokenizer, TOOLS, tool_name=tool_name, vocab_size=engine.runner.vocab_size,
         eos_token_ids=engine.eos_token_ids, required=required,
     )
 
@@ -315,7 +315,7 @@ def test_mask_covers_the_logits_vocabulary_and_allows_eos_at_the_end(engines: di
     engine = engines["plain"]
     constraint = tools_constraint(engine, "no_args")
     mask = constraint.allowed_tokens()
-    assert mask.dtype == torch.bool and mask.shape == (engine.adapter.vocab_size,)
+    assert mask.dtype == torch.bool and mask.shape == (engine.runner.vocab_size,)
     assert not mask[len(tokenizer):].any()
     text = '<tool_call>{"name": "no_args", "arguments": {}}</tool_call>'
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -64,7 +64,7 @@ def engines(smollm2_path: Path) -> dict[str, SpeculativeEngine]:
 
 
 def constrained(engine: SpeculativeEngine, kind: str) -> tuple[list[int], Any]:
-    vocab, eos = engine.adapter.vocab_size, engine.eos_token_ids
+    vocab, eos = engine.runner.vocab_size, engine.eos_token_ids
     if kind == "json_schema":
         return engine.encode_prompt(ASK_PERSON), json_schema_constraint(
             engine.tokenizer, PERSON, vocab_size=vocab, eos_token_ids=eos

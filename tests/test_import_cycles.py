@@ -35,3 +35,45 @@ def test_the_check_finds_a_cycle(tmp_path: Path) -> None:
     (package / "sub" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .. import a\n")
     assert cycles(import_graph(package)) == []
     assert cycles(import_graph(package, module_level=True)) == []
+
+
+def test_no_upward_imports_between_rings() -> None:
+    """The rings import one way (the script's exit status covers both checks; this names the edges)."""
+    from check_import_cycles import upward_imports
+
+    assert upward_imports(import_graph(ROOT / "src" / "selfspec")) == []
+
+
+def test_the_check_finds_an_upward_import_and_counts_package_inits(tmp_path: Path) -> None:
+    """core importing decoding is reported; importing ``selfspec.drafting.x`` runs ``drafting/__init__``."""
+    from check_import_cycles import upward_imports
+
+    package = tmp_path / "selfspec"
+    for sub in ("core", "decoding", "drafting"):
+        (package / sub).mkdir(parents=True)
+        (package / sub / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "core" / "maths.py").write_text("def f():\n    from ..decoding import loop\n")
+    (package / "decoding" / "loop.py").write_text("from ..drafting import base\n")
+    (package / "drafting" / "base.py").write_text("")
+    graph = import_graph(package)
+    assert "selfspec.drafting" in graph["selfspec.decoding.loop"]  # the package __init__ runs first
+    assert upward_imports(graph) == [
+        ("selfspec.core.maths", "selfspec.decoding"),
+        ("selfspec.core.maths", "selfspec.decoding.loop"),
+    ]
+    # a cycle through a package __init__: drafting/__init__ imports decoding, which imports drafting.base
+    (package / "drafting" / "__init__.py").write_text("from ..decoding import loop\n")
+    assert cycles(import_graph(package)) != []
+
+
+def test_type_checking_only_cycles_are_reported_as_warnings(tmp_path: Path) -> None:
+    package = tmp_path / "selfspec"
+    (package / "core").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "core" / "__init__.py").write_text("")
+    (package / "core" / "a.py").write_text("from . import b\n")
+    (package / "core" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n")
+    result = subprocess.run([sys.executable, str(SCRIPT), str(package)], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    assert "TYPE_CHECKING only: selfspec.core.a <-> selfspec.core.b" in result.stderr

@@ -24,7 +24,8 @@ from test_distribution import (
 from tiny_models import make_model, reference_greedy, scale_deep_layers
 
 from selfspec import SpeculativeEngine
-from selfspec.cli import build_parser, engine_kwargs, main
+from selfspec.cli import build_parser, main
+from selfspec.cli.args import engine_kwargs
 from selfspec.core.sampling import SamplingParams
 from selfspec.drafting.medusa.drafter import MedusaDrafter, MedusaHeads, build_candidate_tree, load_medusa_heads
 from selfspec.errors import ConfigurationError, ModelNotFoundError, UnsafeCheckpointError
@@ -199,7 +200,7 @@ def test_tree_mode_through_the_engine_is_exact(arch: str) -> None:
     for _, hidden, position, token_ids in seen:  # the final state at position - 1, after any accepted path
         with torch.no_grad():
             full = model.model(torch.tensor([token_ids[:position]])).last_hidden_state[0, -1]
-        tol = 1e-10 if engine.adapter.attn_implementation == "sdpa" else 1e-5  # eager: float32 softmax
+        tol = 1e-10 if engine.runner.attn_implementation == "sdpa" else 1e-5  # eager: float32 softmax
         torch.testing.assert_close(model.model.norm(hidden), full, rtol=tol, atol=tol)
     # a random-headed tree is rejected and still exact
     rejected = MedusaHeads(3, HIDDEN, TINY_VOCAB).double()
@@ -268,10 +269,10 @@ def test_tree_mode_drafter_proposes_a_tree() -> None:
     engine = SpeculativeEngine(model, drafter="medusa", medusa_heads=heads)
     from selfspec.drafting import DecodeState
 
-    hidden = engine.adapter.run_layers(
-        engine.adapter.embed(torch.tensor([[5, 6, 7]])), 0, 6, torch.arange(3), engine.adapter.new_cache(16)
+    hidden = engine.runner.run_layers(
+        engine.runner.embed(torch.tensor([[5, 6, 7]])), 0, 6, torch.arange(3), engine.runner.new_cache(16)
     )
-    state = DecodeState(engine.adapter, engine.adapter.new_cache(16), 3, 9, [5, 6, 7, 9], SamplingParams(), None)
+    state = DecodeState(engine.runner, engine.runner.new_cache(16), 3, 9, [5, 6, 7, 9], SamplingParams(), None)
     state.last_hidden = hidden[:, -1:]
     draft = drafter.propose(state, 4)
     assert draft.parents is not None and len(draft.tokens) == 6

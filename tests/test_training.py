@@ -14,11 +14,11 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from demo_model import demo
 from demo_model.corpus import WindowPacker, split_corpus, split_sentences
 from demo_model.tokenizer import SPECIAL_TOKENS, TOOL_TOKENS
 from demo_model.tool_chats import chat_stream, drill_stream
 from demo_model.trainer import choose_exit, expected_speedup
-from demo_model import demo
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 EXCERPT = Path(__file__).parent / "data" / "austen_excerpt.txt"

@@ -217,7 +217,7 @@ def test_the_pure_test_rejects_sampling_without_residuals() -> None:
 
 
 def _tree_forward_matches_paths(model, fast: bool) -> None:
-    adapter = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=3).adapter
+    adapter = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=3).runner
     if not fast:
         adapter.fast_layers = None
     elif adapter.fast_layers is None:
@@ -288,7 +288,7 @@ def test_greedy_tree_with_a_disagreeing_model_and_adaptive_length() -> None:
 def test_cache_after_a_tree_round_equals_a_chain_over_the_accepted_text() -> None:
     model = make_model("qwen2")
     engine = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=4, tree_nodes=10)
-    adapter = engine.adapter
+    adapter = engine.runner
     run = engine._start(GenerationRequest(GREEDY_PROMPT, 20, seed=0))
     rounds = engine._rounds(run)
     emitted = [*next(rounds), *next(rounds), *next(rounds)]  # the prefill, then two tree rounds
@@ -406,7 +406,7 @@ def test_a_malformed_tree_is_a_clear_error_and_the_engine_stays_usable() -> None
 def test_cli_tree_nodes_option(capsys) -> None:
     import argparse
 
-    from selfspec.cli import add_engine_arguments, engine_kwargs
+    from selfspec.cli.args import add_engine_arguments, engine_kwargs
 
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser, default_model="m")

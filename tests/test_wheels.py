@@ -59,6 +59,14 @@ def test_wheels_install_into_a_fresh_venv_and_answer(tmp_path: Path) -> None:
     assert [re.sub(r"-0\.1\.0-.*", "", w) for w in wheels] == [
         "langchain_selfspec", "llama_index_llms_selfspec", "selfspec"
     ], wheels
+    import zipfile
+
+    core_files = zipfile.ZipFile(next(dist.glob("selfspec-*.whl"))).namelist()
+    rings = {name.split("/")[1] for name in core_files if name.startswith("selfspec/") and name.count("/") > 1}
+    assert rings == {"core", "modeling", "drafting", "decoding", "calibration", "serving", "cli", "models"}, rings
+    assert not [name for name in core_files if "demo_model" in name or "/training/" in name]  # the builder stays out
+    top = [n for n in core_files if n.startswith("selfspec/") and n.count("/") == 1 and n.endswith(".py")]
+    assert len(top) <= 6, top
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True)
     python = env_dir / "bin" / "python"

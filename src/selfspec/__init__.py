@@ -44,7 +44,7 @@ if TYPE_CHECKING:
         UnsafeCheckpointError,
         UnsupportedArchitectureError,
     )
-    from .modeling import SUPPORTED_ARCHITECTURES, ModelAdapter, ModelRunner
+    from .modeling import SUPPORTED_ARCHITECTURES, ModelRunner
     from .modeling.loading import DEMO_MODEL, demo_model_path
     from .serving.engines import clear_engines, get_engine
 
@@ -83,7 +83,6 @@ _LAZY: dict[str, str] = {
     "DEMO_MODEL": ".modeling.loading",
     "demo_model_path": ".modeling.loading",
     "SUPPORTED_ARCHITECTURES": ".modeling",
-    "ModelAdapter": ".modeling",
     "ModelRunner": ".modeling",
     "GenerationOutput": ".decoding.outputs",
     "GenerationStats": ".decoding.outputs",
@@ -109,7 +108,6 @@ __all__ = [
     "InvalidPromptError",
     "MedusaDrafter",
     "MedusaHeads",
-    "ModelAdapter",
     "ModelNotFoundError",
     "ModelRunner",
     "NoDrafter",

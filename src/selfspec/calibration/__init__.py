@@ -1,11 +1,12 @@
-"""Calibration: measure, store, and the online guard (issue 15 item 5: one package).
+"""Calibration: measure the candidates on this model and hardware, choose a plan, save it.
 
 - :mod:`.store`: where ``selfspec.json`` lives, its version and the machine it was measured on;
 - :mod:`.measure`: :func:`calibrate`, which measures every candidate method and picks the plan;
-- :mod:`.plan`: :class:`Plan` and the ``drafter="auto"`` that runs it;
-- :mod:`.guard`: the online :class:`DraftController` (draft length, pause when slower).
+- :mod:`.bench`: ``selfspec bench``, methods side by side.
 
-``selfspec.calibration.measure`` and ``selfspec.decoding.controller`` re-export their old names from here.
+The plan itself (:class:`~selfspec.drafting.auto.Plan`) and the ``drafter="auto"`` that runs it
+live in :mod:`selfspec.drafting.auto`; the online guard in :mod:`selfspec.decoding.controller`;
+the speed model in :mod:`selfspec.core.speed`. Their main names are re-exported here.
 """
 
 from .store import (  # isort: skip

@@ -471,8 +471,8 @@ def run_benchmark(
         loaded_draft, _, _ = load_model_and_tokenizer(
             draft_model,
             quantization=engine_args.get("quantization"),
-            dtype=engine.adapter.dtype,
-            device=engine.adapter.device,
+            dtype=engine.runner.dtype,
+            device=engine.runner.device,
         )
     to_run = build_methods(
         engine,
@@ -486,12 +486,12 @@ def run_benchmark(
     to_run = filter_methods(to_run, chosen_methods)
     if extra_methods is not None:
         to_run += extra_methods(engine)
-    on_cuda = engine.adapter.device.type == "cuda"
+    on_cuda = engine.runner.device.type == "cuda"
     report = BenchReport(
         settings={
             "model": model,
-            "device": str(engine.adapter.device),
-            "dtype": str(engine.adapter.dtype),
+            "device": str(engine.runner.device),
+            "dtype": str(engine.runner.dtype),
             "threads": torch.get_num_threads(),
             "max_new_tokens": max_new_tokens,
             "repeats": repeats,

@@ -562,7 +562,7 @@ def _subset_agreement(
     """Teacher-forced greedy agreement of a layer subset with the full model."""
     from ..drafting import contiguous_runs
 
-    adapter = engine.adapter
+    adapter = engine.runner
     matches = total = 0
     with torch.inference_mode():
         for (sequence, start), target in zip(sequences, targets, strict=True):
@@ -595,7 +595,7 @@ def search_skip_layers(
     """
     engine_class = type(engine)  # sibling engines of the caller's class: no import back to selfspec.decoding.engine
 
-    adapter = engine.adapter
+    adapter = engine.runner
     plain = engine_class(engine.model, engine.tokenizer, drafter="none")
     sequences, targets = [], []
     with torch.inference_mode():

@@ -100,7 +100,7 @@ def tree_attention(parents: Sequence[int], device: torch.device | str | None = N
 
 @dataclass(frozen=True)
 class TreeMask:
-    """Attention over tree nodes held at the end of the cache, for :meth:`ModelAdapter.run_layers`.
+    """Attention over tree nodes held at the end of the cache, for :meth:`ModelRunner.run_layers`.
 
     The cache holds the committed text (slot = position) followed by ``t`` tree nodes; the
     new queries see all of the committed text and those tree nodes that ``allowed`` marks

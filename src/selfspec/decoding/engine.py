@@ -160,11 +160,6 @@ class SpeculativeEngine:
             return None
         return plan_of(self.config.calibration) or UNCALIBRATED_PLAN
 
-    @property
-    def adapter(self) -> ModelRunner:
-        """The model runner (its name before ``runner``)."""
-        return self.runner
-
     def __getattr__(self, name: str) -> Any:
         """Settings read through to :attr:`config`: ``engine.exit_layer`` is ``engine.config.exit_layer``.
 

@@ -69,7 +69,7 @@ class DecodeState:
     emitted token, not yet in the cache.
 
     Attributes:
-        runner: the target's :class:`~selfspec.modeling.ModelRunner` (also ``state.adapter``).
+        runner: the target's :class:`~selfspec.modeling.ModelRunner`.
         cache: the generation's KV cache; in a batched round, the batch's cache (this row is
             ``row`` of it).
         position: positions the cache holds for this generation.
@@ -102,11 +102,6 @@ class DecodeState:
     pending_hidden: torch.Tensor | None = None
     row: int = 0
     _memory: dict[int, Any] = field(default_factory=dict, repr=False)
-
-    @property
-    def adapter(self) -> ModelRunner:
-        """The model runner (the name before ``runner``)."""
-        return self.runner
 
     def memory(self, owner: object, factory: Callable[[], T]) -> T:
         """This generation's memory for ``owner`` (a drafter), created by ``factory`` on first use.

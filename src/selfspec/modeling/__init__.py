@@ -7,13 +7,12 @@ masks, rotary), :mod:`.fastpath` the lean layer path it uses where it applies, a
 
 from .cache import BatchedKVCache, KVCache, StaticKVCache
 from .fastpath import fast_path_default
-from .runner import SUPPORTED_ARCHITECTURES, ModelAdapter, ModelRunner, check_architecture
+from .runner import SUPPORTED_ARCHITECTURES, ModelRunner, check_architecture
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "BatchedKVCache",
     "KVCache",
-    "ModelAdapter",
     "ModelRunner",
     "StaticKVCache",
     "check_architecture",

@@ -298,7 +298,3 @@ class ModelRunner:
             return allowed
         additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
         return additive.masked_fill(~allowed, torch.finfo(dtype).min)
-
-
-#: The name of :class:`ModelRunner` before it was renamed (kept importable).
-ModelAdapter = ModelRunner

@@ -282,13 +282,13 @@ class ForwardCounter:
 
     def __init__(self, engine: Any, monkeypatch: Any) -> None:
         self.calls = 0
-        original = engine.adapter.run_layers
+        original = engine.runner.run_layers
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             self.calls += 1
             return original(*args, **kwargs)
 
-        monkeypatch.setattr(engine.adapter, "run_layers", counted)
+        monkeypatch.setattr(engine.runner, "run_layers", counted)
 
     def settle(self, seconds: float = 0.5) -> int:
         """The count once it has stopped moving for ``seconds``."""

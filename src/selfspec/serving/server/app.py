@@ -395,7 +395,7 @@ class _Server:
                 return getattr(grammar, kind)(
                     engine.tokenizer,
                     *args,
-                    vocab_size=engine.adapter.vocab_size,
+                    vocab_size=engine.runner.vocab_size,
                     eos_token_ids=engine.eos_token_ids,
                     **kwargs,
                 )
