@@ -13,7 +13,6 @@ from collections.abc import Callable
 from decimal import Decimal
 
 from demo_model import banks
-
 from demo_model.tools_base import Param, Scenario, Tool, int_value, num_value
 
 MAGIC = Tool(

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from demo_model import banks
-
 from demo_model.corpus import split_sentences
 
 Message = dict[str, Any]

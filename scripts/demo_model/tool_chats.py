@@ -13,7 +13,6 @@ import random
 from collections.abc import Callable, Iterator, Sequence
 
 from demo_model import banks
-
 from demo_model.known_tools import ADDER, JOKE, LC_WEATHER, MAGIC, known_scenario
 from demo_model.synthetic import Chat, Message, TextChats, turn
 from demo_model.tools_base import (

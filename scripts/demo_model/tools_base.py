@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from demo_model import banks
-
 from demo_model.synthetic import Message
 
 
