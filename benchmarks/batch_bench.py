@@ -83,7 +83,7 @@ def measure(max_new_tokens: int, repeats: int, levels: tuple[int, ...]) -> dict[
     model, tokenizer, calibration = serial.model, serial.tokenizer, serial.calibration
     engines = {
         "serial": serial,
-        "batched": SpeculativeEngine(model, tokenizer, calibration=calibration, batching=True),
+        "batched": SpeculativeEngine(model, tokenizer, calibration=calibration, batching=True, drafter="early_exit"),
         "batched_plain": SpeculativeEngine(model, tokenizer, calibration=calibration, drafter="none", batching=True),
     }
     all_prompts = prompts_in_round_robin()

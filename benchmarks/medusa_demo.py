@@ -40,8 +40,8 @@ def main() -> None:
     prompts = [tok(p)["input_ids"][: args.prompt_tokens] for p in paragraphs]
     engines = {
         "plain": base,
-        "early_exit_auto": SpeculativeEngine(model, tok),
-        "early_exit_E2_k3": SpeculativeEngine(model, tok, exit_layer=2, num_draft_tokens=3),
+        "early_exit_auto": SpeculativeEngine(model, tok, drafter="early_exit"),
+        "early_exit_E2_k3": SpeculativeEngine(model, tok, exit_layer=2, num_draft_tokens=3, drafter="early_exit"),
         "medusa_k3": SpeculativeEngine(model, tok, drafter="medusa", medusa_heads=heads, num_draft_tokens=3),
         "medusa_auto": SpeculativeEngine(model, tok, drafter="medusa", medusa_heads=heads),
     }

@@ -31,7 +31,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def engine(model):
-    return SpeculativeEngine(model, exit_layer=2, num_draft_tokens=3)
+    return SpeculativeEngine(model, exit_layer=2, num_draft_tokens=3, drafter="early_exit")
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +154,7 @@ def test_size_options_have_upper_bounds(model, expected, kwargs, match) -> None:
     with pytest.raises(ConfigurationError, match=match):
         SpeculativeEngine(model, exit_layer=2, **kwargs)
     assert time.perf_counter() - started < 5  # refused at construction, nothing allocated
-    assert SpeculativeEngine(model, exit_layer=2, num_draft_tokens=3).generate_ids(
+    assert SpeculativeEngine(model, exit_layer=2, num_draft_tokens=3, drafter="early_exit").generate_ids(
         PROMPT, max_new_tokens=12
     ).token_ids == (expected)
 
@@ -164,7 +164,7 @@ def text_engine():
     from tiny_tokenizer import make_tokenizer
 
     tokenizer = make_tokenizer()
-    return SpeculativeEngine(make_model("llama", vocab_size=len(tokenizer)), tokenizer)
+    return SpeculativeEngine(make_model("llama", vocab_size=len(tokenizer)), tokenizer, drafter="early_exit")
 
 
 @pytest.mark.parametrize(
@@ -230,19 +230,19 @@ def test_text_prompt_without_tokenizer(engine) -> None:
 @pytest.mark.parametrize("exit_layer", [0, 6, 7, -1])
 def test_exit_layer_out_of_range(model, exit_layer) -> None:
     with pytest.raises(ConfigurationError, match=r"exit_layer must be in \[1, 5\]"):
-        SpeculativeEngine(model, exit_layer=exit_layer)
+        SpeculativeEngine(model, exit_layer=exit_layer, drafter="early_exit")
 
 
 @pytest.mark.parametrize("exit_layer", ["two", 2.0, True, None])
 def test_exit_layer_wrong_type(model, exit_layer) -> None:
     with pytest.raises(ConfigurationError, match="exit_layer must be 'auto' or an int"):
-        SpeculativeEngine(model, exit_layer=exit_layer)
+        SpeculativeEngine(model, exit_layer=exit_layer, drafter="early_exit")
 
 
 @pytest.mark.parametrize("num_draft_tokens", [0, -2, "many", 1.5, False])
 def test_bad_draft_length(model, num_draft_tokens) -> None:
     with pytest.raises(ConfigurationError, match="num_draft_tokens must be 'auto' or an int >= 1"):
-        SpeculativeEngine(model, num_draft_tokens=num_draft_tokens)
+        SpeculativeEngine(model, num_draft_tokens=num_draft_tokens, drafter="early_exit")
 
 
 def test_unknown_drafter(model) -> None:
@@ -251,7 +251,7 @@ def test_unknown_drafter(model) -> None:
 
 
 def test_auto_resolves_to_ints_at_construction(model) -> None:
-    engine = SpeculativeEngine(model)
+    engine = SpeculativeEngine(model, drafter="early_exit")
     assert engine.exit_layer == 6 // 4 and engine.num_draft_tokens == 4
     assert "exit_layer=1" in repr(engine)
 
@@ -260,7 +260,7 @@ def test_unsupported_architecture_model_object() -> None:
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64)
     model = transformers.GPT2LMHeadModel(config)
     with pytest.raises(UnsupportedArchitectureError, match=r"'gpt2' is not supported.*llama"):
-        SpeculativeEngine(model)
+        SpeculativeEngine(model, drafter="early_exit")
 
 
 def test_unsupported_architecture_folder(tmp_path) -> None:
@@ -316,12 +316,12 @@ def test_flash_attention_models_get_a_hint() -> None:
     model = make_model("llama")
     model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ConfigurationError, match="attn_implementation='sdpa'"):
-        SpeculativeEngine(model)
+        SpeculativeEngine(model, drafter="early_exit")
 
 
 @pytest.mark.parametrize("fault", [RuntimeError("simulated kernel failure"), KeyboardInterrupt()])
 def test_fault_inside_a_forward_leaves_the_engine_usable(model, expected, fault) -> None:
-    engine = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=3)
+    engine = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=3, drafter="early_exit")
     original = engine.runner.run_layers
     calls = {"n": 0}
 
@@ -346,7 +346,7 @@ def test_empty_message_list_and_bad_messages() -> None:
     from tiny_tokenizer import make_tokenizer
 
     tokenizer = make_tokenizer()
-    engine = SpeculativeEngine(make_model("llama", vocab_size=len(tokenizer)), tokenizer)
+    engine = SpeculativeEngine(make_model("llama", vocab_size=len(tokenizer)), tokenizer, drafter="early_exit")
     with pytest.raises(InvalidPromptError, match="non-empty"):
         engine.generate([])
     with pytest.raises(InvalidPromptError, match="role"):
@@ -416,7 +416,7 @@ def test_honest_config_errors(tmp_path, model, expected, config_text, error, mat
     with pytest.raises(error, match=match) as raised:
         SpeculativeEngine.from_pretrained(tmp_path)
     assert "not a local folder" not in str(raised.value)
-    assert SpeculativeEngine(model, exit_layer=2, num_draft_tokens=3).generate_ids(
+    assert SpeculativeEngine(model, exit_layer=2, num_draft_tokens=3, drafter="early_exit").generate_ids(
         PROMPT, max_new_tokens=12
     ).token_ids == (expected)
 

@@ -67,8 +67,10 @@ def run_concurrently(engine: SpeculativeEngine, jobs: list[Job], **kwargs: Any) 
 def test_batched_greedy_equals_alone_and_generate(arch: str) -> None:
     model = make_model(arch)  # float64; mistral/gemma2/gemma3 windows of 12 are crossed
     jobs = ragged_jobs(8, seed=1)
-    alone = SpeculativeEngine(model, exit_layer=2, num_draft_tokens="auto", calibration={})
-    batched = SpeculativeEngine(model, exit_layer=2, num_draft_tokens="auto", calibration={}, batching=True)
+    alone = SpeculativeEngine(model, exit_layer=2, num_draft_tokens="auto", calibration={}, drafter="early_exit")
+    batched = SpeculativeEngine(
+        model, exit_layer=2, num_draft_tokens="auto", calibration={}, batching=True, drafter="early_exit"
+    )
     expected = [reference_greedy(model, prompt, n) for prompt, n in jobs]
     assert [alone.generate_ids(p, max_new_tokens=n).token_ids for p, n in jobs] == expected
     outputs = run_concurrently(batched, jobs)
@@ -125,7 +127,7 @@ def test_seeded_sampling_gives_the_solo_text(drafter: str) -> None:
 def test_trees_run_unbatched_and_exact() -> None:
     model = make_model("llama")
     jobs = ragged_jobs(4, seed=8)
-    engine = SpeculativeEngine(model, exit_layer=2, calibration={}, tree_nodes=6, batching=True)
+    engine = SpeculativeEngine(model, exit_layer=2, calibration={}, tree_nodes=6, batching=True, drafter="early_exit")
     outputs = run_concurrently(engine, jobs)
     assert [out.token_ids for out in outputs] == [reference_greedy(model, p, n) for p, n in jobs]
     assert engine._batcher is not None and engine._batcher.rounds_run == 0
@@ -140,7 +142,7 @@ def sampling_model() -> Any:
 @pytest.mark.slow
 def test_sampling_distribution_per_row(sampling_model: Any) -> None:
     """Three rows with different sampling settings decode together; each follows its target."""
-    engine = SpeculativeEngine(sampling_model, exit_layer=1, num_draft_tokens=2, batching=True)
+    engine = SpeculativeEngine(sampling_model, exit_layer=1, num_draft_tokens=2, batching=True, drafter="early_exit")
     settings = [SamplingParams(1.0), SamplingParams(0.7, top_k=4, top_p=0.9), SamplingParams(1.3, top_p=0.8)]
     counts = [Counter() for _ in settings]
     peak = [0]
@@ -179,7 +181,7 @@ def test_the_per_row_test_can_fail(sampling_model: Any, monkeypatch: pytest.Monk
         return Acceptance(k, int(torch.multinomial(target_probs[k], 1, generator=generator)))
 
     monkeypatch.setattr(selfspec.decoding.loop, "accept_sampled", accept_everything)
-    engine = SpeculativeEngine(sampling_model, exit_layer=1, num_draft_tokens=2, batching=True)
+    engine = SpeculativeEngine(sampling_model, exit_layer=1, num_draft_tokens=2, batching=True, drafter="early_exit")
     counts: Counter = Counter()
     for seed in range(SAMPLES):
         out = engine.generate_ids(PROMPT, max_new_tokens=NEW_TOKENS, temperature=1.0, seed=seed)
@@ -190,7 +192,9 @@ def test_the_per_row_test_can_fail(sampling_model: Any, monkeypatch: pytest.Monk
 def test_an_error_in_one_row_spares_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
     model = make_model("llama")
     jobs = ragged_jobs(6, seed=4)
-    engine = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=3, calibration={}, batching=True)
+    engine = SpeculativeEngine(
+        model, exit_layer=2, num_draft_tokens=3, calibration={}, batching=True, drafter="early_exit"
+    )
     expected = [reference_greedy(model, prompt, n) for prompt, n in jobs]
     real_accept = selfspec.decoding.loop.accept_greedy
     calls = [0]
@@ -223,8 +227,8 @@ def test_streams_join_leave_and_cancel() -> None:
 
     tokenizer = make_tokenizer()
     model = make_model("mistral", vocab_size=len(tokenizer), eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
-    alone = SpeculativeEngine(model, tokenizer, exit_layer=2, calibration={})
-    batched = SpeculativeEngine(model, tokenizer, exit_layer=2, calibration={}, batching=True)
+    alone = SpeculativeEngine(model, tokenizer, exit_layer=2, calibration={}, drafter="early_exit")
+    batched = SpeculativeEngine(model, tokenizer, exit_layer=2, calibration={}, batching=True, drafter="early_exit")
     prompts = ["It is a truth", "The quick brown fox", "Hello world! STOP", "must be in want of"]
     limits = [30, 8, 20, 14]
     expected = [alone.generate(p, max_new_tokens=n, stop="e t") for p, n in zip(prompts, limits, strict=True)]
@@ -272,8 +276,8 @@ class AllowEven:
 def test_constrained_requests_run_unbatched_beside_the_batch() -> None:
     model = make_model("llama")
     jobs = ragged_jobs(4, seed=5)
-    alone = SpeculativeEngine(model, exit_layer=2, calibration={})
-    batched = SpeculativeEngine(model, exit_layer=2, calibration={}, batching=True)
+    alone = SpeculativeEngine(model, exit_layer=2, calibration={}, drafter="early_exit")
+    batched = SpeculativeEngine(model, exit_layer=2, calibration={}, batching=True, drafter="early_exit")
     constrained = alone.generate_ids(jobs[0][0], max_new_tokens=12, constraint=AllowEven(96)).token_ids
     assert all(t % 2 == 0 for t in constrained)
     results: dict[str, Any] = {}
@@ -290,7 +294,7 @@ def test_constrained_requests_run_unbatched_beside_the_batch() -> None:
 def test_requests_beyond_the_batch_size_wait_for_a_free_row() -> None:
     model = make_model("qwen3")
     jobs = ragged_jobs(7, seed=7)
-    engine = SpeculativeEngine(model, exit_layer=2, calibration={}, batching=True)
+    engine = SpeculativeEngine(model, exit_layer=2, calibration={}, batching=True, drafter="early_exit")
     assert engine._batcher is not None
     engine._batcher.max_batch_size = 2
     outputs = run_concurrently(engine, jobs)
@@ -301,12 +305,12 @@ def test_requests_beyond_the_batch_size_wait_for_a_free_row() -> None:
 def test_batching_argument_and_reprs() -> None:
     model = make_model("llama")
     with pytest.raises(ConfigurationError, match="batching"):
-        SpeculativeEngine(model, batching="yes")  # type: ignore[arg-type]
-    engine = SpeculativeEngine(model, exit_layer=2, calibration={}, batching=True)
+        SpeculativeEngine(model, batching="yes", drafter="early_exit")  # type: ignore[arg-type]
+    engine = SpeculativeEngine(model, exit_layer=2, calibration={}, batching=True, drafter="early_exit")
     assert "batching=True" in repr(engine)
     assert isinstance(engine._batcher, BatchScheduler) and "BatchScheduler(active=0" in repr(engine._batcher)
     assert "BatchedKVCache(num_layers=6" in repr(BatchedKVCache(6))
-    assert SpeculativeEngine(model, exit_layer=2, calibration={})._batcher is None
+    assert SpeculativeEngine(model, exit_layer=2, calibration={}, drafter="early_exit")._batcher is None
 
 
 def test_serve_with_batching_answers_like_without() -> None:
@@ -338,7 +342,9 @@ def test_serve_with_batching_answers_like_without() -> None:
                 asker.join()
         return [texts[i] for i in range(len(prompts))]
 
-    batched = SpeculativeEngine(base.model, base.tokenizer, calibration=base.calibration, batching=True)
+    batched = SpeculativeEngine(
+        base.model, base.tokenizer, calibration=base.calibration, batching=True, drafter="early_exit"
+    )
     assert answers(batched) == answers(base)
     assert batched._batcher is not None and batched._batcher.rounds_run > 0
 
@@ -349,7 +355,7 @@ def test_batch_dependent_rotary_scaling_runs_unbatched() -> None:
     assert not rope_depends_on_batch(make_config("gemma3_text"))
     assert rope_depends_on_batch(make_config("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
     model = make_model("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
-    engine = SpeculativeEngine(model, exit_layer=2, calibration={}, batching=True)
+    engine = SpeculativeEngine(model, exit_layer=2, calibration={}, batching=True, drafter="early_exit")
     jobs = ragged_jobs(3, seed=6)
     outputs = run_concurrently(engine, jobs)
     assert [out.token_ids for out in outputs] == [reference_greedy(model, p, n) for p, n in jobs]
@@ -394,4 +400,4 @@ def engine(tokenizer: Any) -> SpeculativeEngine:
     """The engine of test_stream_and_stop.py, with batching on."""
     model = make_model("llama", vocab_size=len(tokenizer), max_position_embeddings=512)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
-    return SpeculativeEngine(model, tokenizer, exit_layer=2, num_draft_tokens=3, batching=True)
+    return SpeculativeEngine(model, tokenizer, exit_layer=2, num_draft_tokens=3, batching=True, drafter="early_exit")

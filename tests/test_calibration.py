@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from tiny_models import make_model, reference_greedy
 
@@ -36,22 +37,71 @@ def test_replay_of_plain_decoding_costs_one_step_per_token() -> None:
     assert result.tokens == 20 and result.speedup == 1.0
 
 
-def test_old_or_foreign_calibration_is_measured_again(tmp_path) -> None:
-    save_calibration(tmp_path, {"exit_layer": 2})
-    assert load_calibration(tmp_path)["version"] == CALIBRATION_VERSION
-    data = json.loads((tmp_path / "selfspec.json").read_text())
-    (tmp_path / "selfspec.json").write_text(json.dumps({**data, "machine": "another machine"}))
-    assert load_calibration(tmp_path) is None
-    (tmp_path / "selfspec.json").write_text(json.dumps({**data, "version": 1}))
-    assert load_calibration(tmp_path) is None
-    (tmp_path / "selfspec.json").write_text("{not json")
-    assert load_calibration(tmp_path) is None
+def test_old_or_foreign_calibration_is_measured_again(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    model = tmp_path / "model"
+    model.mkdir()
+    saved = save_calibration(model, {"exit_layer": 2})
+    assert load_calibration(model)["version"] == CALIBRATION_VERSION
+    assert model not in saved.parents and not (model / "selfspec.json").exists()  # never in the model's folder
+    data = json.loads(saved.read_text())
+    for foreign in ({"machine": "another machine"}, {"version": 1}, {"selfspec_version": "0.0.1"},
+                    {"device": "cuda"}, {"dtype": "bfloat16"}):  # fmt: skip
+        saved.write_text(json.dumps({**data, **foreign}))
+        assert load_calibration(model) is None, foreign
+    saved.write_text("{not json")
+    assert load_calibration(model) is None
+
+
+def test_calibrations_are_keyed_by_device_type_and_dtype(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    cpu = save_calibration("org/model", {"exit_layer": 2, "device": "cpu", "dtype": "float32"})
+    gpu = save_calibration("org/model", {"exit_layer": 5, "device": "cuda:0", "dtype": "torch.bfloat16"})
+    assert cpu != gpu and gpu.name == "cuda-bfloat16.json"
+    assert cpu.parent == gpu.parent == tmp_path / "calibrations" / "org--model"
+    assert load_calibration("org/model")["exit_layer"] == 2
+    assert load_calibration("org/model", device=torch.device("cuda", 1), dtype=torch.bfloat16)["exit_layer"] == 5
+    assert load_calibration("org/model", device="cpu", dtype=torch.bfloat16) is None
+
+
+def test_a_bundled_calibration_is_not_reused_on_another_device_type_or_dtype() -> None:
+    from selfspec import demo_model_path
+
+    folder = demo_model_path()
+    assert load_calibration(folder) is not None  # shipped: measured on CPU in float32, used on any such machine
+    assert load_calibration(folder, device="cuda") is None
+    assert load_calibration(folder, dtype="bfloat16") is None
+
+
+@pytest.mark.parametrize(
+    ("selfspec_cache", "xdg", "expected"),
+    [
+        ("/tmp/a", "/tmp/x", "/tmp/a"),
+        (None, "/tmp/x", "/tmp/x/selfspec"),
+        (None, "relative", "HOME"),  # the XDG spec: a relative XDG_CACHE_HOME is ignored
+        (None, None, "HOME"),
+    ],
+)
+def test_cache_location_rules(monkeypatch, selfspec_cache, xdg, expected) -> None:
+    from pathlib import Path
+
+    from selfspec.artifacts import cache_dir
+
+    for name, value in (("SELFSPEC_CACHE", selfspec_cache), ("XDG_CACHE_HOME", xdg)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    home = Path.home() / ".cache" / "selfspec"
+    assert cache_dir() == (home if expected == "HOME" else Path(expected))
 
 
 def test_guard_pauses_sampling_where_drafts_do_not_pay() -> None:
     model = make_model("llama", agreeing=False)
     costs = {"draft": 1.5, "verify": {"1": 1.1, "2": 1.2, "3": 1.3, "4": 1.4}}  # a draft costs more than it saves
-    engine = SpeculativeEngine(model, exit_layer=2, calibration={"costs": costs})  # adaptive early exit
+    engine = SpeculativeEngine(
+        model, exit_layer=2, calibration={"costs": costs}, drafter="early_exit"
+    )  # adaptive early exit
     prompt = list(range(10, 30))
     out = engine.generate_ids(prompt, max_new_tokens=120, temperature=1.0, seed=3)
     rounds = out.stats.target_forwards - 1
@@ -170,3 +220,62 @@ def test_auto_runs_a_planned_eagle_head_exactly(tmp_path, caplog) -> None:
         engine = SpeculativeEngine(model, drafter="auto", calibration={"plan": gone.to_json()})
     assert "not usable" in caplog.text and engine.drafter.name == "prompt_lookup"
     assert engine.generate_ids(prompt, max_new_tokens=24).token_ids == expected
+
+
+def test_plain_plans_name_the_command_that_trains_a_head() -> None:
+    from selfspec.drafting.auto import Plan
+
+    for method in ("none", "prompt_lookup"):
+        advice = Plan(method).advice("org/model", has_head=False)
+        assert "selfspec train-eagle --model org/model --minutes 20" in advice
+        assert Plan(method).advice("org/model", has_head=True) == ""  # a head was measured: training again won't help
+    assert Plan("eagle_hybrid").advice("org/model", has_head=True) == ""
+
+
+def test_a_head_trained_after_calibration_is_measured_on_the_next_load(tmp_path, monkeypatch) -> None:
+    """``train-eagle`` saves where ``find_eagle_head`` looks; the saved plan never measured it: measure again."""
+    from selfspec.calibration.measure import head_found_since
+    from selfspec.drafting.eagle.head import EagleHead, head_folder_for
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    model = make_model("llama", dtype=torch.float32)
+    folder = tmp_path / "model"
+    model.save_pretrained(folder)
+    model.config._name_or_path = str(folder)
+    engine = SpeculativeEngine(model, calibration={"plan": {"method": "none"}})
+    assert not head_found_since(engine)
+    EagleHead(model).save(head_folder_for(str(folder)))
+    assert head_found_since(engine)
+    measured = SpeculativeEngine(model, calibration={"plan": {"method": "none"}, "eagle": {"acceptance": 0.1}})
+    assert not head_found_since(measured)  # its calibration measured the head already
+
+
+def test_first_load_says_what_it_measures_and_where_it_saves(tmp_path, monkeypatch, caplog, capsys) -> None:
+    """Two lines (what, once, where; then how long and the plan); no progress bar off a terminal."""
+    import logging
+
+    from selfspec.calibration import calibration_path
+    from selfspec.calibration.measure import calibrate_on_first_load, show_progress
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    model = make_model("llama", agreeing=True, dtype=torch.float32)
+    model.config._name_or_path = str(tmp_path / "model")
+    engine = SpeculativeEngine(model, calibration={})
+    assert not show_progress()  # pytest's stderr is not a terminal
+    with caplog.at_level(logging.WARNING, logger="selfspec"):
+        calibrate_on_first_load(engine)
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("selfspec")]
+    where = calibration_path(str(tmp_path / "model"), "cpu", "float32")
+    assert len(lines) == 2, lines
+    assert "this happens once" in lines[0] and str(where) in lines[0] and "cpu float32" in lines[0]
+    assert lines[1].startswith(f"calibrated {tmp_path / 'model'} in ") and engine.plan.summary() in lines[1]
+    assert where is not None and where.is_file()
+    assert "calibrating" not in capsys.readouterr().err  # the bar stayed off
+    logging.getLogger("selfspec").setLevel(logging.ERROR)  # a user who silences selfspec silences the bar too
+    try:
+        monkeypatch.setattr("sys.stderr.isatty", lambda: True)
+        assert not show_progress()
+        logging.getLogger("selfspec").setLevel(logging.NOTSET)
+        assert show_progress()
+    finally:
+        logging.getLogger("selfspec").setLevel(logging.NOTSET)

@@ -48,7 +48,9 @@ def assert_next_call_is_fine(capsys: pytest.CaptureFixture[str], reference: str)
         pytest.param(["--top-p", "1.5"], "top_p", id="top_p>1"),
         pytest.param(["--top-k", "-1"], "top_k must be an integer >= 0", id="top_k<0"),
         pytest.param(["--stop", ""], "must not be empty", id="empty-stop-string"),
-        pytest.param(["--exit-layer", "99"], r"exit_layer must be in \[1, 15\]", id="bad-exit-layer"),
+        pytest.param(
+            ["--drafter", "early_exit", "--exit-layer", "99"], r"exit_layer must be in \[1, 15\]", id="bad-exit-layer"
+        ),
         pytest.param(
             ["--num-draft-tokens", "0"], "num_draft_tokens must be 'auto' or an int >= 1", id="bad-draft-length"
         ),

@@ -36,6 +36,8 @@ def test_generate_prints_the_engine_text(model_dir, capsys) -> None:
                 str(model_dir),
                 "--max-new-tokens",
                 "12",
+                "--drafter",
+                "early_exit",
                 "--exit-layer",
                 "2",
                 "--num-draft-tokens",
@@ -47,13 +49,13 @@ def test_generate_prints_the_engine_text(model_dir, capsys) -> None:
         == 0
     )
     printed = capsys.readouterr()
-    engine = SpeculativeEngine.from_pretrained(model_dir, exit_layer=2, num_draft_tokens=3)
+    engine = SpeculativeEngine.from_pretrained(model_dir, exit_layer=2, num_draft_tokens=3, drafter="early_exit")
     assert printed.out == engine.generate("It is a truth", max_new_tokens=12).text + "\n"
     assert "tau" in printed.err
 
 
 def test_generate_reports_bad_input_without_a_traceback(model_dir, capsys) -> None:
-    assert main(["generate", "--model", str(model_dir), "--exit-layer", "99", "hello"]) == 2
+    assert main(["generate", "--model", str(model_dir), "--drafter", "early_exit", "--exit-layer", "99", "hello"]) == 2
     assert "exit_layer must be in [1, 5]" in capsys.readouterr().err
     assert main(["generate", "--model", str(model_dir / "missing"), "hello"]) == 2
 
@@ -62,7 +64,8 @@ def test_chat_streams_answers(model_dir, monkeypatch, capsys) -> None:
     monkeypatch.setattr("sys.stdin", io.StringIO("Hello world!\n\n"))
     assert (
         main(
-            ["chat", "--model", str(model_dir), "--max-new-tokens", "6", "--exit-layer", "2", "--num-draft-tokens", "2"]
+            ["chat", "--model", str(model_dir), "--max-new-tokens", "6", "--drafter", "early_exit", "--exit-layer", "2",
+             "--num-draft-tokens", "2"]
         )
         == 0
     )
@@ -96,7 +99,7 @@ def test_calibration_choice_follows_the_cost_model() -> None:
 
 
 def test_calibrate_measures_every_layer(model_dir) -> None:
-    engine = SpeculativeEngine.from_pretrained(model_dir, exit_layer=1, num_draft_tokens=1)
+    engine = SpeculativeEngine.from_pretrained(model_dir, exit_layer=1, num_draft_tokens=1, drafter="early_exit")
     result = calibrate(engine, max_new_tokens=8, max_draft_tokens=3, save=False, progress=False)
     assert set(result.agreement) == {1, 2, 3} and set(result.verify_cost) == {1, 2, 3}
     assert all(0.0 <= a <= 1.0 for a in result.agreement.values())

@@ -70,11 +70,11 @@ def test_demo_with_its_draft_model_equals_generate_in_float64() -> None:
 def test_shipped_exit_adapter_raises_tau_of_the_stock_model() -> None:
     adapted = SpeculativeEngine.from_pretrained(
         DEMO_DRAFT_MODEL, dtype="float64", exit_adapter="auto", num_draft_tokens=3
-    )
+    , drafter="early_exit")
     assert adapted.exit_adapter is not None
     plain = SpeculativeEngine(
         adapted.model, adapted.tokenizer, exit_layer=adapted.exit_layer, num_draft_tokens=3, exit_adapter=None
-    )
+    , drafter="early_exit")
     with_adapter, without = [], []
     for prompt in heldout_prompts(3):
         ids = adapted.encode_prompt(prompt)

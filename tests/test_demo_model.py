@@ -20,7 +20,9 @@ def heldout_prompts(count: int = 4, words: int = 40) -> list[str]:
 @pytest.fixture(scope="module")
 def demo64():
     """The demo model in float64, where rounding cannot hide or fake a mismatch."""
-    return SpeculativeEngine.from_pretrained("selfspec-demo", dtype="float64", exit_layer=4, num_draft_tokens=3)
+    return SpeculativeEngine.from_pretrained(
+        "selfspec-demo", dtype="float64", exit_layer=4, num_draft_tokens=3, drafter="early_exit"
+    )
 
 
 def test_ships_weights_tokenizer_and_calibration() -> None:
@@ -54,7 +56,9 @@ def test_greedy_equals_generate_in_float64(demo64) -> None:
             pad_token_id=tokenizer.pad_token_id,
         )[0, len(ids) :].tolist()
         for exit_layer, num_draft in ((2, 4), (4, 3), (8, 6)):
-            engine = SpeculativeEngine(model, tokenizer, exit_layer=exit_layer, num_draft_tokens=num_draft)
+            engine = SpeculativeEngine(
+                model, tokenizer, exit_layer=exit_layer, num_draft_tokens=num_draft, drafter="early_exit"
+            )
             out = engine.generate_ids(ids, max_new_tokens=40)
             assert out.token_ids == reference, (exit_layer, num_draft)
             assert out.text == tokenizer.decode(reference, skip_special_tokens=True)
@@ -65,7 +69,7 @@ def test_tau_above_two_on_heldout_austen(demo_engine) -> None:
     model, tokenizer = demo_engine.model, demo_engine.tokenizer
     taus = {}
     for exit_layer in (2, 4, 8):
-        engine = SpeculativeEngine(model, tokenizer, exit_layer=exit_layer, num_draft_tokens=4)
+        engine = SpeculativeEngine(model, tokenizer, exit_layer=exit_layer, num_draft_tokens=4, drafter="early_exit")
         runs = [engine.generate(p, max_new_tokens=48).stats.mean_accepted_length for p in heldout_prompts()]
         taus[exit_layer] = sum(runs) / len(runs)
     assert max(taus.values()) > 2.0, taus

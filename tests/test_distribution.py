@@ -112,7 +112,7 @@ def chi_square_pvalue(counts: Counter, exact: dict[tuple[int, ...], float]) -> f
     ids=["t1", "t0.7-topk4-topp0.9"],
 )
 def test_early_exit_sampling_follows_target(model, params: SamplingParams) -> None:
-    engine = SpeculativeEngine(model, exit_layer=1, num_draft_tokens=2)
+    engine = SpeculativeEngine(model, exit_layer=1, num_draft_tokens=2, drafter="early_exit")
     counts = sampled_counts(engine, params)
     assert chi_square_pvalue(counts, exact_distribution(model, params)) > 1e-3
     # both acceptance and rejection happen with this model
@@ -191,6 +191,6 @@ def test_the_test_rejects_a_lossy_engine(model, monkeypatch) -> None:
 
     monkeypatch.setattr(selfspec.decoding.loop, "accept_sampled", accept_everything)
     params = SamplingParams(1.0)
-    engine = SpeculativeEngine(model, exit_layer=1, num_draft_tokens=2)
+    engine = SpeculativeEngine(model, exit_layer=1, num_draft_tokens=2, drafter="early_exit")
     counts = sampled_counts(engine, params)
     assert chi_square_pvalue(counts, exact_distribution(model, params)) < 1e-6

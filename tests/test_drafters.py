@@ -32,7 +32,7 @@ def test_adaptive_auto_is_exact() -> None:
     model = make_model("llama")
     prompt = list(range(10, 30))
     reference = reference_greedy(model, prompt, 60)
-    engine = SpeculativeEngine(model, exit_layer=2)  # num_draft_tokens="auto"
+    engine = SpeculativeEngine(model, exit_layer=2, drafter="early_exit")  # num_draft_tokens="auto"
     assert engine.adaptive and engine.draft_confidence > 0
     out = engine.generate_ids(prompt, max_new_tokens=60)
     assert out.token_ids == reference
@@ -155,7 +155,9 @@ def test_fixed_draft_length_never_adapts() -> None:
 
 def test_same_seed_same_text_with_adaptive_drafting() -> None:
     """Adaptive draft lengths must not make a seeded sampled run irreproducible."""
-    engine = SpeculativeEngine(make_model("llama", agreeing=False), exit_layer=2)  # "auto": adaptive
+    engine = SpeculativeEngine(
+        make_model("llama", agreeing=False), exit_layer=2, drafter="early_exit"
+    )  # "auto": adaptive
     prompt = list(range(10, 30))
     first = engine.generate_ids(prompt, max_new_tokens=40, temperature=0.9, seed=11).token_ids
     for _ in range(3):  # the engine's shared controller keeps learning from greedy calls in between
@@ -199,7 +201,7 @@ def test_draft_model_errors() -> None:
     with pytest.raises(ConfigurationError, match="needs draft_model="):
         SpeculativeEngine(target, drafter="draft_model")
     with pytest.raises(ConfigurationError, match="only used with drafter='draft_model'"):
-        SpeculativeEngine(target, draft_model=make_model("llama"))
+        SpeculativeEngine(target, draft_model=make_model("llama"), drafter="early_exit")
 
 
 def test_draft_model_by_name(tmp_path) -> None:

@@ -232,7 +232,9 @@ def test_sampling_with_the_cost_gate_follows_the_target_distribution() -> None:
 def test_no_head_is_a_clear_error_and_the_model_still_works(tiny) -> None:
     with pytest.raises(ConfigurationError, match="train-eagle"):
         SpeculativeEngine(tiny, drafter="eagle")
-    assert SpeculativeEngine(tiny).generate_ids(PROMPT, max_new_tokens=5).token_ids == reference_greedy(tiny, PROMPT, 5)
+    assert SpeculativeEngine(
+        tiny, drafter="early_exit"
+    ).generate_ids(PROMPT, max_new_tokens=5).token_ids == reference_greedy(tiny, PROMPT, 5)
 
 
 def test_eagle_head_needs_drafter_eagle(tiny, random_head) -> None:
@@ -255,7 +257,7 @@ def test_head_for_another_model(tmp_path, tiny, random_head, change, what) -> No
         SpeculativeEngine(other, drafter="eagle", eagle_head=tmp_path / "head")
     with pytest.raises(ConfigurationError, match="train-eagle"):
         SpeculativeEngine(other, drafter="eagle", eagle_head=random_head)
-    engine = SpeculativeEngine(other)  # the model is untouched
+    engine = SpeculativeEngine(other, drafter="early_exit")  # the model is untouched
     assert engine.generate_ids(PROMPT, max_new_tokens=4).token_ids == reference_greedy(other, PROMPT, 4)
 
 

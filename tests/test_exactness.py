@@ -28,7 +28,9 @@ def test_greedy_equals_generate(arch: str, agreeing: bool) -> None:
         # draft lengths: 1, a few, and more than the tokens left
         for exit_layer in (1, 3, 5):
             for num_draft in (1, 3, MAX_NEW + 5):
-                engine = SpeculativeEngine(model, exit_layer=exit_layer, num_draft_tokens=num_draft)
+                engine = SpeculativeEngine(
+                    model, exit_layer=exit_layer, num_draft_tokens=num_draft, drafter="early_exit"
+                )
                 out = engine.generate_ids(prompt, max_new_tokens=MAX_NEW)
                 assert out.token_ids == reference, (arch, exit_layer, num_draft, len(prompt))
                 assert out.finish_reason == ("stop" if reference[-1] == 2 else "length")
@@ -50,7 +52,9 @@ def test_eos_ends_generation_like_generate() -> None:
     model.config.eos_token_id = eos
     expected = reference_greedy(model, prompt, 16)
     assert expected[-1] == eos and len(expected) <= 6
-    out = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=4).generate_ids(prompt, max_new_tokens=16)
+    out = SpeculativeEngine(
+        model, exit_layer=2, num_draft_tokens=4, drafter="early_exit"
+    ).generate_ids(prompt, max_new_tokens=16)
     assert out.token_ids == expected
     assert out.finish_reason == "stop"
 
@@ -58,7 +62,9 @@ def test_eos_ends_generation_like_generate() -> None:
 def test_max_new_tokens_one() -> None:
     model = make_model("qwen2")
     prompt = prompts()[2]
-    out = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=4).generate_ids(prompt, max_new_tokens=1)
+    out = SpeculativeEngine(
+        model, exit_layer=2, num_draft_tokens=4, drafter="early_exit"
+    ).generate_ids(prompt, max_new_tokens=1)
     assert out.token_ids == reference_greedy(model, prompt, 1)
     assert out.stats.target_forwards == 1
 
@@ -68,13 +74,15 @@ def test_cache_positions_stay_consistent_over_long_generation() -> None:
     model = make_model("mistral", max_position_embeddings=512)
     prompt = prompts()[1]
     reference = reference_greedy(model, prompt, 120)
-    out = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=5).generate_ids(prompt, max_new_tokens=120)
+    out = SpeculativeEngine(
+        model, exit_layer=2, num_draft_tokens=5, drafter="early_exit"
+    ).generate_ids(prompt, max_new_tokens=120)
     assert out.token_ids == reference
 
 
 def test_sampling_same_seed_same_text() -> None:
     model = make_model("llama")
-    engine = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=3)
+    engine = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=3, drafter="early_exit")
     prompt = prompts()[1]
     first = engine.generate_ids(prompt, max_new_tokens=20, temperature=0.9, seed=123)
     second = engine.generate_ids(prompt, max_new_tokens=20, temperature=0.9, seed=123)

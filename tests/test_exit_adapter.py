@@ -46,7 +46,7 @@ def random_adapter(model, exit_layer: int, scale: float = 1.0, seed: int = 0) ->
 
 def drafts(model, exit_adapter: ExitAdapter | None, prompt: list[int], exit_layer: int = 2) -> list[int]:
     """The first round's greedy draft of the early exit, with or without an adapter."""
-    engine = SpeculativeEngine(model, exit_layer=exit_layer, num_draft_tokens=6)
+    engine = SpeculativeEngine(model, exit_layer=exit_layer, num_draft_tokens=6, drafter="early_exit")
     adapter = engine.runner
     cache = adapter.new_cache(64)
     ids = torch.tensor([prompt[:-1]])
@@ -76,8 +76,10 @@ def test_the_adapter_changes_the_drafts_only() -> None:
     identity = drafts(model, ExitAdapter(ExitAdapterConfig(exit_layer=2, hidden_size=32)).double(), prompt)
     assert identity == plain  # an untrained adapter (zero output projection) is the plain exit
     assert garbage != plain  # the adapter is really used for the draft logits
-    engine = SpeculativeEngine(model, exit_adapter=random_adapter(model, 2, scale=30.0), num_draft_tokens=3)
-    base = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=3)
+    engine = SpeculativeEngine(
+        model, exit_adapter=random_adapter(model, 2, scale=30.0), num_draft_tokens=3, drafter="early_exit"
+    )
+    base = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=3, drafter="early_exit")
     with_adapter = engine.generate_ids(prompt, max_new_tokens=24)
     without = base.generate_ids(prompt, max_new_tokens=24)
     assert with_adapter.token_ids == without.token_ids
@@ -92,7 +94,7 @@ def test_sampling_with_an_exit_adapter_follows_the_target() -> None:
     model = dist.make_distribution_model()
     adapter = random_adapter(model, exit_layer=1, scale=0.5, seed=3)
     params = SamplingParams(1.0)
-    engine = SpeculativeEngine(model, exit_adapter=adapter, num_draft_tokens=2)
+    engine = SpeculativeEngine(model, exit_adapter=adapter, num_draft_tokens=2, drafter="early_exit")
     counts = dist.sampled_counts(engine, params)
     assert dist.chi_square_pvalue(counts, dist.exact_distribution(model, params)) > 1e-3
     rates = [
@@ -139,15 +141,17 @@ def test_train_adapter_cli_end_to_end(model_dir, tmp_path, capsys) -> None:
     adapter = load_exit_adapter(folder)
     assert adapter.exit_layer == 2 and adapter.config.training["user_text_windows"] > 0
     # "auto" finds it beside the model; the text is the model's own
-    engine = SpeculativeEngine.from_pretrained(model_dir, dtype="float64", exit_adapter="auto", num_draft_tokens=3)
+    engine = SpeculativeEngine.from_pretrained(
+        model_dir, dtype="float64", exit_adapter="auto", num_draft_tokens=3, drafter="early_exit"
+    )
     assert engine.exit_adapter is not None and engine.exit_layer == 2
     assert "exit_adapter=ExitAdapter(exit_layer=2" in repr(engine)
     prompt = list(range(10, 25))
     assert engine.generate_ids(prompt, max_new_tokens=16).token_ids == reference_greedy(engine.model, prompt, 16)
     # "auto" leaves a saved adapter out where it does not apply; None never loads one
-    assert SpeculativeEngine(engine.model, exit_layer=3, exit_adapter="auto").exit_adapter is None
+    assert SpeculativeEngine(engine.model, exit_layer=3, exit_adapter="auto", drafter="early_exit").exit_adapter is None
     assert SpeculativeEngine(engine.model, drafter="prompt_lookup", exit_adapter="auto").exit_adapter is None
-    assert SpeculativeEngine(engine.model).exit_adapter is None
+    assert SpeculativeEngine(engine.model, drafter="early_exit").exit_adapter is None
     # the CLI's engine option
     parsed = build_parser().parse_args(["generate", "--model", str(model_dir), "--exit-adapter", str(folder), "hi"])
     assert engine_kwargs(parsed)["exit_adapter"] == str(folder)
@@ -166,31 +170,35 @@ def test_default_folders_follow_the_calibration(tmp_path, monkeypatch) -> None:
     assert exit_adapter_path(None) is None
     # "auto" for a model without a saved adapter (or without a name) is no adapter, not an error
     model = make_model("llama")
-    assert SpeculativeEngine(model, exit_adapter="auto").exit_adapter is None
+    assert SpeculativeEngine(model, exit_adapter="auto", drafter="early_exit").exit_adapter is None
 
 
 def test_bad_adapters_are_clear_errors_and_the_engine_stays_usable(tmp_path) -> None:
     model = make_model("llama")
     prompt = PROMPTS[0]
     with pytest.raises(ConfigurationError, match="no exit adapter at"):
-        SpeculativeEngine(model, exit_adapter=tmp_path / "missing")
+        SpeculativeEngine(model, exit_adapter=tmp_path / "missing", drafter="early_exit")
     wide = make_model("llama", hidden_size=48)
     with pytest.raises(ConfigurationError, match="hidden size 48 != the model's 32"):
-        SpeculativeEngine(model, exit_adapter=random_adapter(wide, 2))
+        SpeculativeEngine(model, exit_adapter=random_adapter(wide, 2), drafter="early_exit")
     with pytest.raises(ConfigurationError, match="exit layer 7 is outside"):
-        SpeculativeEngine(model, exit_adapter=random_adapter(make_model("llama", num_hidden_layers=8), 7))
+        SpeculativeEngine(
+            model, exit_adapter=random_adapter(make_model("llama", num_hidden_layers=8), 7), drafter="early_exit"
+        )
     with pytest.raises(ConfigurationError, match="trained for exit layer 2, not 3"):
-        SpeculativeEngine(model, exit_layer=3, exit_adapter=random_adapter(model, 2))
+        SpeculativeEngine(model, exit_layer=3, exit_adapter=random_adapter(model, 2), drafter="early_exit")
     with pytest.raises(ConfigurationError, match="only by the early_exit, hybrid and auto drafters"):
         SpeculativeEngine(model, drafter="prompt_lookup", exit_adapter=random_adapter(model, 2))
     with pytest.raises(ConfigurationError, match="exit_adapter must be None"):
-        SpeculativeEngine(model, exit_adapter=42)  # type: ignore[arg-type]
+        SpeculativeEngine(model, exit_adapter=42, drafter="early_exit")  # type: ignore[arg-type]
     broken = random_adapter(model, 2).save(tmp_path / "broken")
     (broken / "adapter_config.json").write_text('{"format": "something else"}', encoding="utf-8")
     with pytest.raises(ConfigurationError, match="unreadable exit adapter"):
-        SpeculativeEngine(model, exit_adapter=broken)
+        SpeculativeEngine(model, exit_adapter=broken, drafter="early_exit")
     # the model and a fresh engine are unaffected
-    engine = SpeculativeEngine(model, exit_adapter=random_adapter(model, 2).save(tmp_path / "good"))
+    engine = SpeculativeEngine(
+        model, exit_adapter=random_adapter(model, 2).save(tmp_path / "good"), drafter="early_exit"
+    )
     assert engine.generate_ids(prompt, max_new_tokens=12).token_ids == reference_greedy(model, prompt, 12)
 
 
@@ -199,5 +207,5 @@ def test_adapter_fields_reach_the_engine_arguments() -> None:
 
     langchain = pytest.importorskip("langchain_selfspec")
     llama_index = pytest.importorskip("llama_index.llms.selfspec")
-    assert engine_args(langchain.ChatSpeculative(exit_adapter="/a"))["exit_adapter"] == "/a"
-    assert engine_args(llama_index.SpeculativeLLM(exit_adapter="/b"))["exit_adapter"] == "/b"
+    assert engine_args(langchain.ChatSpeculative(exit_adapter="/a", drafter="early_exit"))["exit_adapter"] == "/a"
+    assert engine_args(llama_index.SpeculativeLLM(exit_adapter="/b", drafter="early_exit"))["exit_adapter"] == "/b"

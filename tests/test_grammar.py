@@ -125,7 +125,7 @@ def model(tokenizer: PreTrainedTokenizerFast) -> Any:
 @pytest.fixture(scope="module")
 def engines(model: Any, tokenizer: PreTrainedTokenizerFast) -> dict[str, SpeculativeEngine]:
     return {
-        "speculative": SpeculativeEngine(model, tokenizer, exit_layer=2, num_draft_tokens=4),
+        "speculative": SpeculativeEngine(model, tokenizer, exit_layer=2, num_draft_tokens=4, drafter="early_exit"),
         "plain": SpeculativeEngine(model, tokenizer, drafter="none"),
     }
 
@@ -137,7 +137,7 @@ def engine_pair(request: Any, model: Any, tokenizer: PreTrainedTokenizerFast) ->
         model = make_model("llama", agreeing=False, vocab_size=len(tokenizer) + EXTRA_VOCAB,
                            max_position_embeddings=512)
     return {
-        "speculative": SpeculativeEngine(model, tokenizer, exit_layer=2, num_draft_tokens=4),
+        "speculative": SpeculativeEngine(model, tokenizer, exit_layer=2, num_draft_tokens=4, drafter="early_exit"),
         "plain": SpeculativeEngine(model, tokenizer, drafter="none"),
         "mode": request.param,
     }

@@ -19,7 +19,7 @@ spec.loader.exec_module(long_run_module)
 def test_many_generations_do_not_grow_memory() -> None:
     tokenizer = make_tokenizer()
     model = make_model("llama", vocab_size=len(tokenizer), max_position_embeddings=512)
-    engine = SpeculativeEngine(model, tokenizer, exit_layer=2)
+    engine = SpeculativeEngine(model, tokenizer, exit_layer=2, drafter="early_exit")
     prompts = ["It is a truth", [{"role": "user", "content": "Hello world!"}], "Café 東京"]
     long_run_module.long_run(engine, prompts, 20, 16)  # warm up allocator pools
     result = long_run_module.long_run(engine, prompts, 200, 16)

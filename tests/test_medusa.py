@@ -349,7 +349,7 @@ def test_bad_input_is_refused_clearly(tmp_path) -> None:
     with pytest.raises(ConfigurationError, match="predict 50 tokens"):
         SpeculativeEngine(model, drafter="medusa", medusa_heads=vocab)
     with pytest.raises(ConfigurationError, match="only used with drafter='medusa'"):
-        SpeculativeEngine(model, medusa_heads=wrong)
+        SpeculativeEngine(model, medusa_heads=wrong, drafter="early_exit")
     with pytest.raises(ConfigurationError, match="train-medusa"):
         SpeculativeEngine(model, drafter="medusa")  # no heads beside a model built in memory
     with pytest.raises(ConfigurationError, match="does not fit"):

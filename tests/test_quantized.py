@@ -34,7 +34,7 @@ def test_quantized_greedy_equals_quantized_generate(model_dir, quantization: str
 
     engine = SpeculativeEngine.from_pretrained(
         model_dir, quantization=quantization, device="cpu", exit_layer=2, num_draft_tokens=3
-    )
+    , drafter="early_exit")
     linear = engine.model.model.layers[0].self_attn.q_proj
     assert isinstance(linear, bnb.nn.Linear4bit if quantization == "4bit" else bnb.nn.Linear8bitLt)
     for prompt in ([5, 9, 17, 33, 40, 41, 42], list(range(60, 90))):

@@ -10,7 +10,9 @@ from selfspec import clear_engines, get_engine
 def test_equivalent_arguments_share_one_engine() -> None:
     clear_engines()
     first = get_engine("selfspec-demo")
-    assert get_engine("selfspec-demo", exit_layer="auto", draft_model=None, quantization=None) is first
+    assert get_engine(
+        "selfspec-demo", exit_layer="auto", draft_model=None, quantization=None, drafter="early_exit"
+    ) is first
     assert get_engine("selfspec-demo", drafter="none") is not first
 
 

@@ -293,7 +293,7 @@ def test_tools_render_through_the_template_and_forced_calls_parse(client: Any, d
 def test_serve_command_line() -> None:
     import argparse
 
-    from selfspec.serving.server import add_serve_parser, cmd_serve
+    from selfspec.cli.serve import add_serve_parser, cmd_serve
 
     parser = argparse.ArgumentParser(prog="selfspec")
     add_serve_parser(parser.add_subparsers(dest="command", required=True))

@@ -25,7 +25,7 @@ def tokenizer():
 def engine(tokenizer):
     model = make_model("llama", vocab_size=len(tokenizer), max_position_embeddings=512)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
-    return SpeculativeEngine(model, tokenizer, exit_layer=2, num_draft_tokens=3)
+    return SpeculativeEngine(model, tokenizer, exit_layer=2, num_draft_tokens=3, drafter="early_exit")
 
 
 PROMPTS = ["It is a truth", "Café 東京 🙂", "The quick brown fox"]
@@ -160,7 +160,7 @@ def test_detokenizer_round_trips_multibyte(tokenizer) -> None:
 
 
 def test_stream_of_token_ids_without_tokenizer_fails_clearly() -> None:
-    engine = SpeculativeEngine(make_model("llama"))
+    engine = SpeculativeEngine(make_model("llama"), drafter="early_exit")
     with pytest.raises(ValueError, match="tokenizer"):
         engine.stream_ids(torch.tensor([5, 6]), max_new_tokens=3)
 

@@ -217,7 +217,7 @@ def test_the_pure_test_rejects_sampling_without_residuals() -> None:
 
 
 def _tree_forward_matches_paths(model, fast: bool) -> None:
-    adapter = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=3).runner
+    adapter = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=3, drafter="early_exit").runner
     if not fast:
         adapter.fast_layers = None
     elif adapter.fast_layers is None:
@@ -266,7 +266,7 @@ def test_greedy_tree_decoding_equals_generate(arch: str) -> None:
     model = make_model(arch)
     reference = reference_greedy(model, GREEDY_PROMPT, 24)
     for shape, nodes in (("dynamic", 8), ("static", 6)):
-        engine = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=4, tree_nodes=nodes)
+        engine = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=4, tree_nodes=nodes, drafter="early_exit")
         engine.drafter.tree_shape = shape
         out = engine.generate_ids(GREEDY_PROMPT, max_new_tokens=24)
         assert out.token_ids == reference, (arch, shape)
@@ -278,7 +278,9 @@ def test_greedy_tree_decoding_equals_generate(arch: str) -> None:
 def test_greedy_tree_with_a_disagreeing_model_and_adaptive_length() -> None:
     model = make_model("llama", agreeing=False)
     reference = reference_greedy(model, GREEDY_PROMPT, 20)
-    engine = SpeculativeEngine(model, exit_layer=1, num_draft_tokens="auto", tree_nodes=5, calibration={})
+    engine = SpeculativeEngine(
+        model, exit_layer=1, num_draft_tokens="auto", tree_nodes=5, calibration={}, drafter="early_exit"
+    )
     assert engine.generate_ids(GREEDY_PROMPT, max_new_tokens=20).token_ids == reference
 
 
@@ -287,7 +289,7 @@ def test_greedy_tree_with_a_disagreeing_model_and_adaptive_length() -> None:
 
 def test_cache_after_a_tree_round_equals_a_chain_over_the_accepted_text() -> None:
     model = make_model("qwen2")
-    engine = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=4, tree_nodes=10)
+    engine = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=4, tree_nodes=10, drafter="early_exit")
     adapter = engine.runner
     run = engine._start(GenerationRequest(GREEDY_PROMPT, 20, seed=0))
     rounds = engine._rounds(run)
@@ -346,7 +348,9 @@ def test_tree_sampling_follows_target(distribution_model, drafter: str, params: 
     if drafter == "iid_tree":
         engine = SpeculativeEngine(distribution_model, drafter=IIDTreeDrafter(), num_draft_tokens=2)
     else:
-        engine = SpeculativeEngine(distribution_model, exit_layer=1, num_draft_tokens=2, tree_nodes=4)
+        engine = SpeculativeEngine(
+            distribution_model, exit_layer=1, num_draft_tokens=2, tree_nodes=4, drafter="early_exit"
+        )
         engine.drafter.tree_shape = drafter
     counts = sampled_counts(engine, params)
     assert chi_square_pvalue(counts, exact_distribution(distribution_model, params)) > 1e-3
@@ -369,7 +373,7 @@ def test_the_engine_test_rejects_a_lossy_tree_acceptance(distribution_model, mon
 @pytest.mark.parametrize("bad", [0, -3, True, 2.5, "tree"])
 def test_bad_tree_nodes_are_refused(bad) -> None:
     with pytest.raises(ConfigurationError, match="tree_nodes"):
-        SpeculativeEngine(make_model("llama"), tree_nodes=bad)
+        SpeculativeEngine(make_model("llama"), tree_nodes=bad, drafter="early_exit")
 
 
 @pytest.mark.parametrize("drafter", ["prompt_lookup", "layer_skip", "none"])
@@ -382,9 +386,11 @@ def test_tree_nodes_with_a_drafter_that_drafts_no_trees_is_refused(drafter: str)
 
 def test_auto_tree_nodes_reads_the_calibration() -> None:
     model = make_model("llama")
-    assert SpeculativeEngine(model, tree_nodes="auto", calibration={}).tree_nodes is None
-    assert SpeculativeEngine(model, tree_nodes="auto", calibration={"tree_nodes": 9}).tree_nodes == 9
-    assert "tree_nodes=9" in repr(SpeculativeEngine(model, tree_nodes=9))
+    assert SpeculativeEngine(model, tree_nodes="auto", calibration={}, drafter="early_exit").tree_nodes is None
+    assert SpeculativeEngine(
+        model, tree_nodes="auto", calibration={"tree_nodes": 9}, drafter="early_exit"
+    ).tree_nodes == 9
+    assert "tree_nodes=9" in repr(SpeculativeEngine(model, tree_nodes=9, drafter="early_exit"))
 
 
 class BrokenTreeDrafter(Drafter):
@@ -399,7 +405,7 @@ def test_a_malformed_tree_is_a_clear_error_and_the_engine_stays_usable() -> None
     engine = SpeculativeEngine(model, drafter=BrokenTreeDrafter(), num_draft_tokens=2)
     with pytest.raises(ConfigurationError, match="parent"):
         engine.generate_ids(GREEDY_PROMPT, max_new_tokens=4)
-    engine.drafter = SpeculativeEngine(model, exit_layer=2, tree_nodes=4).drafter
+    engine.drafter = SpeculativeEngine(model, exit_layer=2, tree_nodes=4, drafter="early_exit").drafter
     assert engine.generate_ids(GREEDY_PROMPT, max_new_tokens=8).token_ids == reference_greedy(model, GREEDY_PROMPT, 8)
 
 
@@ -427,14 +433,14 @@ def test_calibration_races_trees_and_auto_uses_the_choice(tmp_path) -> None:
     assert choose_tree_nodes({"chain": 10.0, "4": 10.1, "8": 9.0}) is None  # within the margin
     assert choose_tree_nodes({"chain": 10.0, "4": 12.0, "8": 13.0}) == 8
     model = make_model("llama")
-    engine = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=2, calibration={})
+    engine = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=2, calibration={}, drafter="early_exit")
     result = calibrate(
         engine, [GREEDY_PROMPT], max_new_tokens=6, max_draft_tokens=2, save=False, progress=False, trees=True
     )
     assert set(result.tree_speed) == {"chain", "4", "8", "16"}
     saved = result.to_json()
     assert saved["tree_nodes"] == result.tree_nodes
-    auto = SpeculativeEngine(model, tree_nodes="auto", calibration=saved)
+    auto = SpeculativeEngine(model, tree_nodes="auto", calibration=saved, drafter="early_exit")
     assert auto.tree_nodes == result.tree_nodes
     chain_only = calibrate(engine, [GREEDY_PROMPT], max_new_tokens=4, save=False, progress=False)
     assert "tree_nodes" not in chain_only.to_json()
@@ -478,7 +484,7 @@ def test_constrained_rounds_draft_chains_and_stay_exact() -> None:
     forbidden = plain.generate_ids(GREEDY_PROMPT, max_new_tokens=6).token_ids[1:4]  # tokens it would write
     expected = plain.generate_ids(GREEDY_PROMPT, max_new_tokens=16, constraint=Forbid(forbidden)).token_ids
     assert not set(expected) & set(forbidden)
-    tree = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=3, tree_nodes=6)
+    tree = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=3, tree_nodes=6, drafter="early_exit")
     assert tree.generate_ids(GREEDY_PROMPT, max_new_tokens=16, constraint=Forbid(forbidden)).token_ids == expected
     iid = SpeculativeEngine(model, drafter=IIDTreeDrafter(), num_draft_tokens=2)  # trees cut to chains
     assert iid.generate_ids(GREEDY_PROMPT, max_new_tokens=16, constraint=Forbid(forbidden)).token_ids == expected
@@ -488,7 +494,7 @@ def test_wide_trees_near_the_end_of_the_cache() -> None:
     model = make_model("llama")
     reference = reference_greedy(model, GREEDY_PROMPT, 12)
     for nodes in (1, 2, 40):
-        engine = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=8, tree_nodes=nodes)
+        engine = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=8, tree_nodes=nodes, drafter="early_exit")
         assert engine.generate_ids(GREEDY_PROMPT, max_new_tokens=12).token_ids == reference
 
 
@@ -505,7 +511,7 @@ def test_no_layer_runs_twice_on_a_tree_node(monkeypatch) -> None:
 
     monkeypatch.setattr(StaticKVCache, "update", counting_update)
     model = make_model("llama")
-    engine = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=3, tree_nodes=6)
+    engine = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=3, tree_nodes=6, drafter="early_exit")
     engine.drafter.tree_shape = "static"
     out = engine.generate_ids(GREEDY_PROMPT, max_new_tokens=20)
     assert out.token_ids == reference_greedy(model, GREEDY_PROMPT, 20)

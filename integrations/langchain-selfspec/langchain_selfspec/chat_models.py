@@ -283,9 +283,11 @@ class ChatSpeculative(BaseChatModel):
     num_draft_tokens: int | Literal["auto"] = "auto"
     """Tokens drafted per step; ``"auto"`` uses the saved calibration, else 4."""
 
-    drafter: str = "early_exit"
-    """How drafts are made: ``"early_exit"`` (self-speculation), another of
-    a name from ``selfspec.list_drafters()``, or ``"none"`` (plain decoding, the baseline)."""
+    drafter: str = "auto"
+    """How drafts are made: ``"auto"`` (the default: the plan calibration measured fastest for this
+    model and hardware, plain decoding when nothing pays), another name from
+    ``selfspec.list_drafters()`` (``"early_exit"`` for models trained for it, such as LayerSkip
+    checkpoints), or ``"none"`` (plain decoding, the baseline)."""
 
     draft_confidence: float | None = None
     """With ``num_draft_tokens="auto"``, stop drafting when the draft's top probability falls below

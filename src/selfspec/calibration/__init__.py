@@ -12,12 +12,12 @@ the speed model in :mod:`selfspec.core.speed`. Their main names are re-exported 
 from .store import (  # isort: skip
     CALIBRATION_FILE,
     CALIBRATION_VERSION,
-    cache_dir,
     calibration_path,
     load_calibration,
     machine_fingerprint,
     save_calibration,
 )
+from ..artifacts import cache_dir  # isort: skip
 from ..core.speed import CostModel  # isort: skip
 from ..decoding.controller import DraftController  # isort: skip
 from ..drafting.auto import PLAIN_MARGIN, PLAN_METHODS, Plan, plan_of  # isort: skip  (registers drafter="auto")

@@ -954,11 +954,48 @@ def calibrate(
     return result
 
 
+def head_found_since(engine: SpeculativeEngine) -> bool:
+    """Whether an EAGLE head exists for the model now that its saved calibration never measured.
+
+    ``selfspec train-eagle`` saves a head where :func:`~selfspec.drafting.eagle.head.find_eagle_head`
+    looks; the next load of the model with ``drafter="auto"`` then measures again, so the plan
+    considers the head with no other argument.
+    """
+    from ..drafting.eagle.head import find_eagle_head
+
+    if engine.config.drafter != "auto" or not engine.name_or_path or engine.calibration.get("eagle"):
+        return False
+    return find_eagle_head(engine.name_or_path, engine.runner.model) is not None
+
+
+def show_progress() -> bool:
+    """Whether first-load calibration shows its progress bar: on a terminal, unless logging silences selfspec."""
+    import sys
+
+    return sys.stderr.isatty() and logging.getLogger("selfspec").getEffectiveLevel() <= logging.WARNING
+
+
 def calibrate_on_first_load(engine: SpeculativeEngine, *, trees: bool = False) -> None:
     """The loader's first-load step: measure a model without a saved calibration, save it, use it.
 
-    A few seconds with a progress bar (shorter continuations than :func:`calibrate`'s default);
-    ``engine`` is reconfigured in place from what was measured.
+    Says once (a ``WARNING`` of the ``selfspec`` logger, which Python prints by default) what is
+    measured, that it happens once, and where the result is saved; then how long it took and the
+    plan. The progress bar shows on a terminal only (:func:`show_progress`). Shorter continuations
+    than :func:`calibrate`'s default; ``engine`` is reconfigured in place from what was measured.
     """
-    measured = calibrate(engine, max_new_tokens=32, max_draft_tokens=6, trees=trees)
+    import time
+
+    from .store import calibration_path
+
+    runner = engine.runner
+    where = calibration_path(engine.name_or_path, runner.device, runner.dtype)
+    name = engine.name_or_path or "the model"
+    logger.warning(
+        "first load of %s on %s %s: measuring which drafter is fastest here (acceptance of each candidate on a "
+        "few built-in prompts, draft and verify costs); this happens once, and the plan is saved to %s",
+        name, runner.device.type, str(runner.dtype).replace("torch.", ""), where or "nowhere (the model has no name)",
+    )  # fmt: skip
+    start = time.perf_counter()
+    measured = calibrate(engine, max_new_tokens=32, max_draft_tokens=6, trees=trees, progress=show_progress())
     engine.configure(measured.to_json())
+    logger.warning("calibrated %s in %.0f s: %s", name, time.perf_counter() - start, measured.plan.summary())

@@ -1,12 +1,12 @@
 """Saved calibration: what was measured for a model on some hardware, and the plan chosen.
 
-Stored as ``selfspec.json`` beside a local model folder, under the user cache
-(``$SELFSPEC_CACHE`` or ``~/.cache/selfspec/<model id>/selfspec.json``) for a hub model or the
-bundled demo models, and beside the dequantized copy in the user cache (never beside the
-user's file) for a ``.gguf`` file. Each file records :data:`CALIBRATION_VERSION` and the
-hardware it was measured on; a file from an older version or another machine is not used
-(the next load measures afresh), and an unreadable one is ignored the same way. The file
-shipped beside a bundled model is used on any machine (its version must match).
+A calibration is keyed by the model, the device type and the dtype, and stored in the user cache
+(:func:`selfspec.artifacts.cache_dir`: ``$SELFSPEC_CACHE``, then ``$XDG_CACHE_HOME/selfspec``, then
+``~/.cache/selfspec``) as ``calibrations/<model>/<device>-<dtype>.json``, never inside the user's
+model folder. Each file records :data:`CALIBRATION_VERSION`, the selfspec version and the machine it
+was measured on; a file from another version, another machine, device type or dtype is not used
+(the next load measures afresh), and an unreadable one is ignored the same way. The file shipped
+beside a bundled model is used on any machine of the device type and dtype it was measured in.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from ..artifacts import BUNDLED_MODELS, cache_dir
+from ..artifacts import BUNDLED_MODELS, model_cache
 
 logger = logging.getLogger(__name__)
 
@@ -56,25 +56,27 @@ def _bundled(name_or_path: str | os.PathLike[str]) -> bool:
         return False
 
 
-def calibration_path(name_or_path: str | os.PathLike[str] | None) -> Path | None:
-    """Where the calibration of a model is written (``None`` when the model has no name)."""
+def _kind(device: Any) -> str:
+    """``"cuda:1"`` / ``torch.device("cuda", 1)`` -> ``"cuda"``."""
+    return str(getattr(device, "type", None) or str(device).split(":")[0])
+
+
+def _dtype(dtype: Any) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def calibration_path(
+    name_or_path: str | os.PathLike[str] | None, device: Any = "cpu", dtype: Any = "float32"
+) -> Path | None:
+    """Where the calibration of a model on this device type and dtype is written (``None``: no name)."""
     if not name_or_path:
         return None
-    path = Path(name_or_path)
-    if path.is_dir() and not _bundled(path):
-        return path / CALIBRATION_FILE
-    if path.suffix.lower() == ".gguf":  # beside its dequantized copy (selfspec.modeling.loading)
-        from ..modeling.loading import dequantized_folder
-
-        return dequantized_folder(str(path.parent), path.name) / CALIBRATION_FILE
-    if path.is_dir():  # a bundled model: the user cache, by folder name
-        return cache_dir() / path.name / CALIBRATION_FILE
-    return cache_dir() / str(name_or_path).replace("/", "--") / CALIBRATION_FILE
+    return model_cache(name_or_path, "calibrations") / f"{_kind(device)}-{_dtype(dtype)}.json"
 
 
-def _candidates(name_or_path: str | os.PathLike[str]) -> list[Path]:
-    """Where a calibration is read from: the written place, then the one shipped beside a bundled model."""
-    paths = [p for p in [calibration_path(name_or_path)] if p is not None]
+def _candidates(name_or_path: str | os.PathLike[str], device: Any, dtype: Any) -> list[Path]:
+    """Where a calibration is read from: the user cache, then the file shipped beside a bundled model."""
+    paths = [p for p in [calibration_path(name_or_path, device, dtype)] if p is not None]
     folder = Path(name_or_path)
     if folder.is_dir() and _bundled(folder):
         paths.append(folder / CALIBRATION_FILE)
@@ -82,21 +84,27 @@ def _candidates(name_or_path: str | os.PathLike[str]) -> list[Path]:
 
 
 def load_calibration(
-    name_or_path: str | os.PathLike[str] | None, *, check_machine: bool = True
+    name_or_path: str | os.PathLike[str] | None,
+    *,
+    device: Any = "cpu",
+    dtype: Any = "float32",
+    check_machine: bool = True,
 ) -> dict[str, Any] | None:
     """Read a saved calibration, or ``None`` when there is none usable.
 
     Args:
         name_or_path: the model's folder, ``.gguf`` file or hub id.
+        device: the device the model runs on (its type is part of the key).
+        dtype: the dtype the model runs in (part of the key).
         check_machine: ignore a file measured on another machine (:func:`machine_fingerprint`).
 
     Returns:
         The saved settings, or ``None`` (no file, unreadable, an older version, another
-        machine: each logged, and the caller measures afresh).
+        machine, device type or dtype: each logged, and the caller measures afresh).
     """
     if not name_or_path:
         return None
-    for path in _candidates(name_or_path):
+    for path in _candidates(name_or_path, device, dtype):
         if not path.is_file():
             continue
         try:
@@ -115,7 +123,16 @@ def load_calibration(
                 CALIBRATION_VERSION,
             )
             continue
+        measured_in = (_kind(data.get("device", "cpu")), _dtype(data.get("dtype", "float32")))
+        if measured_in != (_kind(device), _dtype(dtype)):
+            logger.info("calibration %s was measured on %s %s, not %s %s; measuring again", path, *measured_in,
+                        _kind(device), _dtype(dtype))  # fmt: skip
+            continue
         shipped = _bundled(path)  # shipped with the package: measured when the model was built
+        if not shipped and data.get("selfspec_version") != _selfspec_version():
+            logger.info("calibration %s is from selfspec %s (now %s); measuring again", path,
+                        data.get("selfspec_version"), _selfspec_version())  # fmt: skip
+            continue
         here = machine_fingerprint() if check_machine and not shipped else None
         if here is not None and data.get("machine") != here:
             logger.info(
@@ -129,13 +146,37 @@ def load_calibration(
     return None
 
 
-def save_calibration(name_or_path: str | os.PathLike[str], data: dict[str, Any]) -> Path:
-    """Write a calibration (stamped with :data:`CALIBRATION_VERSION` and this machine) and return its path (logged)."""
-    path = calibration_path(name_or_path)
-    if path is None:
+def _selfspec_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("selfspec")
+    except PackageNotFoundError:  # a source tree
+        return "0.0.0"
+
+
+def save_calibration(
+    name_or_path: str | os.PathLike[str], data: dict[str, Any], *, path: str | os.PathLike[str] | None = None
+) -> Path:
+    """Write a calibration and return its path (logged).
+
+    The file is stamped with :data:`CALIBRATION_VERSION`, the selfspec version and this machine, and
+    goes to :func:`calibration_path` for the device and dtype recorded in ``data`` unless ``path``
+    names another file (the only way a calibration lands inside a model folder).
+    """
+    device, dtype = data.get("device", "cpu"), data.get("dtype", "float32")
+    target = Path(path) if path is not None else calibration_path(name_or_path, device, dtype)
+    if target is None:
         raise ValueError("cannot save a calibration for a model without a name or path")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = {**data, "version": CALIBRATION_VERSION, "machine": data.get("machine") or machine_fingerprint()}
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    logger.info("saved the calibration of %s to %s", name_or_path, path)
-    return path
+    target.parent.mkdir(parents=True, exist_ok=True)
+    data = {
+        **data,
+        "device": _kind(device),
+        "dtype": _dtype(dtype),
+        "version": CALIBRATION_VERSION,
+        "selfspec_version": _selfspec_version(),
+        "machine": data.get("machine") or machine_fingerprint(),
+    }
+    target.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    logger.info("saved the calibration of %s to %s", name_or_path, target)
+    return target

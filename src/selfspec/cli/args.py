@@ -181,8 +181,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | N
     )
     parser.add_argument(
         "--drafter",
-        default="early_exit",
+        default="auto",
         choices=list_drafters(),  # the drafter registry
+        help="how drafts are made (default 'auto': the plan calibration measured fastest, plain decoding "
+        "when nothing pays; 'early_exit' for models trained for it)",
     )
     parser.add_argument("--draft-model", default=None, help="with --drafter draft_model: the draft model")
     parser.add_argument(

@@ -132,6 +132,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
         trust_remote_code=args.trust_remote_code,
+        drafter="early_exit",  # a fixed engine to measure with; the plan it saves is for drafter="auto"
         exit_layer=1,
         num_draft_tokens=1,
     )
@@ -151,6 +152,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         f"expected speedup {result.expected_speedup:.2f}x"
     )
     print(f"drafter='auto' plan: {result.plan.summary()}")
+    advice = result.plan.advice(engine.name_or_path, has_head=bool(result.eagle))
+    if advice:
+        print(advice)
     if result.layer_skip:
         print(
             f"layer skip: layers {result.layer_skip['layer_skip_layers']}, agreement "
@@ -163,7 +167,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if not args.no_save:
         from ..calibration import calibration_path
 
-        print(f"saved to {calibration_path(engine.name_or_path)}")
+        print(f"saved to {calibration_path(engine.name_or_path, engine.runner.device, engine.runner.dtype)}")
     return 0
 
 

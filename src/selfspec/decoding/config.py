@@ -42,6 +42,11 @@ def check_arguments(exit_layer: Any, num_draft_tokens: Any, drafter: Any, tree_n
         if not isinstance(drafter, str):
             raise ConfigurationError(f"unknown drafter {drafter!r}; choose one of {', '.join(list_drafters())}")
         drafter_spec(drafter)  # raises on an unknown name
+        if drafter == "auto" and exit_layer != "auto":
+            raise ConfigurationError(
+                f"exit_layer={exit_layer!r} sets the early exit's layer, and drafter='auto' takes it from the "
+                "calibrated plan: pass drafter='early_exit' (or 'hybrid') to choose the layer yourself"
+            )
     check_tree_nodes(tree_nodes)  # None, 'auto' or an int in [1, MAX_TREE_NODES]
 
 
@@ -104,7 +109,7 @@ class EngineConfig:
         *,
         exit_layer: int | str = "auto",
         num_draft_tokens: int | str = "auto",
-        drafter: str | Drafter = "early_exit",
+        drafter: str | Drafter = "auto",
         draft_confidence: float | None = None,
         draft_model: Any = None,
         draft_tokenizer: Any = None,

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from ..calibration import calibrate_on_first_load, load_calibration
 from ..core.constraints import TokenConstraint
 from ..drafting import Drafter, drafter_spec
 from ..drafting.auto import UNCALIBRATED_PLAN, Plan, plan_of
@@ -108,7 +107,7 @@ class SpeculativeEngine:
         *,
         exit_layer: int | str = "auto",
         num_draft_tokens: int | str = "auto",
-        drafter: str | Drafter = "early_exit",
+        drafter: str | Drafter = "auto",
         draft_confidence: float | None = None,
         calibration: dict[str, Any] | None = None,
         draft_model: Any = None,
@@ -132,7 +131,11 @@ class SpeculativeEngine:
         self.name_or_path: str = str(getattr(model.config, "_name_or_path", "") or "")
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self._lock = threading.RLock()
-        self.configure(calibration if calibration is not None else (load_calibration(self.name_or_path) or {}))
+        if calibration is None:  # the saved calibration: one of the two lazy edges up to calibration/
+            from ..calibration.store import load_calibration
+
+            calibration = load_calibration(self.name_or_path, device=self.runner.device, dtype=self.runner.dtype)
+        self.configure(calibration or {})
 
     def configure(self, calibration: dict[str, Any]) -> None:
         """(Re)build the settings, the drafter, the controller and the scheduler from ``calibration``."""
@@ -182,7 +185,7 @@ class SpeculativeEngine:
         device: str | torch.device = "auto",
         exit_layer: int | str = "auto",
         num_draft_tokens: int | str = "auto",
-        drafter: str | Drafter = "early_exit",
+        drafter: str | Drafter = "auto",
         draft_confidence: float | None = None,
         trust_remote_code: bool = False,
         allow_pickle: bool = False,
@@ -262,8 +265,11 @@ class SpeculativeEngine:
             batching=batching,
         )
         auto = wants_calibration(exit_layer, num_draft_tokens, drafter, tree_nodes)
-        if calibrate and auto and not engine.calibration:
-            calibrate_on_first_load(engine, trees=tree_nodes == "auto")
+        if calibrate and auto:
+            from ..calibration.measure import calibrate_on_first_load, head_found_since  # the lazy edge up
+
+            if not engine.calibration or head_found_since(engine):
+                calibrate_on_first_load(engine, trees=tree_nodes == "auto")
         return engine
 
     def __repr__(self) -> str:

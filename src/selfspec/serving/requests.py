@@ -226,7 +226,7 @@ class ConstraintPlan:
 
     def build(self, engine: SpeculativeEngine) -> TokenConstraint:
         """A fresh constraint for one generation on ``engine`` (llguidance is imported here)."""
-        from .. import grammar
+        from . import grammar
 
         common: dict[str, Any] = {"vocab_size": logits_vocab_size(engine), "eos_token_ids": engine.eos_token_ids}
         if self.kind == "json_schema":

@@ -390,7 +390,7 @@ class _Server:
         engine = self.engine
         with _bad_request("tools" if kind == "tool_call_constraint" else "response_format"):
             try:
-                from ... import grammar
+                from .. import grammar
 
                 return getattr(grammar, kind)(
                     engine.tokenizer,

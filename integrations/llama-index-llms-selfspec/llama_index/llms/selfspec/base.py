@@ -166,9 +166,11 @@ class SpeculativeLLM(FunctionCallingLLM):
         "to recent acceptance.",
     )
     drafter: str = Field(
-        default="early_exit",
-        description="How drafts are made: 'early_exit' (self-speculation), 'prompt_lookup', 'hybrid', "
-        "'layer_skip', 'draft_model', 'medusa' or 'none' (plain decoding); see selfspec.list_drafters().",
+        default="auto",
+        description="How drafts are made: 'auto' (the default: the plan calibration measured fastest for "
+        "this model and hardware, plain decoding when nothing pays), 'early_exit' (for models trained for "
+        "it), 'prompt_lookup', 'hybrid', 'layer_skip', 'draft_model', 'medusa', 'eagle' or 'none' (plain "
+        "decoding); see selfspec.list_drafters().",
     )
     draft_confidence: float | None = Field(
         default=None,
