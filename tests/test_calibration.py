@@ -27,7 +27,7 @@ def test_plan_copies_where_the_text_repeats_and_drafts_where_the_exit_agrees() -
     assert plan.method == "prompt_lookup" and plan.predicted_speedup > 1.5
     fresh = Continuations([list(range(60))], [10])
     plan, _, (layer, _, speed) = choose_plan(fresh, {2: [[True] * 50]}, {2: 0.1}, {1: 1.05, 2: 1.1, 3: 1.15})
-    assert plan.method in ("early_exit", "hybrid") and plan.exit_layer == layer == 2 and speed > 1.5
+    assert plan.method in ("early_exit", "hybrid") and plan.settings["exit_layer"] == layer == 2 and speed > 1.5
 
 
 def test_replay_of_plain_decoding_costs_one_step_per_token() -> None:
@@ -109,7 +109,7 @@ def test_calibration_measures_a_fitting_eagle_head_and_the_plan_considers_it(tmp
     result = calibrate(
         engine, save=False, progress=False, max_new_tokens=12, max_draft_tokens=3, eagle_head=folder
     )
-    eagle = result.eagle
+    eagle = result.figures["eagle"]
     assert eagle["head"] == folder and eagle["draft_cost"] > 0 and eagle["num_draft_tokens"] == 3
     assert eagle["accepted_per_round"] and all(0 <= n <= 3 for n in eagle["accepted_per_round"])
     assert any(name.startswith("eagle(k=") for name in result.candidates)
@@ -119,7 +119,7 @@ def test_calibration_measures_a_fitting_eagle_head_and_the_plan_considers_it(tmp
     if result.plan.method.startswith("eagle"):  # its cost model is the head's
         assert saved["costs"]["draft"] == eagle["draft_cost"]
     skipped = calibrate(engine, save=False, progress=False, max_new_tokens=8, max_draft_tokens=2, eagle_head=False)
-    assert skipped.eagle == {} and not any(name.startswith("eagle") for name in skipped.candidates)
+    assert skipped.figures["eagle"] == {} and not any(name.startswith("eagle") for name in skipped.candidates)
 
 
 def test_plan_picks_the_eagle_head_when_it_is_better_and_never_when_it_loses(tmp_path) -> None:
@@ -127,20 +127,20 @@ def test_plan_picks_the_eagle_head_when_it_is_better_and_never_when_it_loses(tmp
     misses = {1: [[False] * 50]}
     verify = {1: 1.05, 2: 1.1, 3: 1.15}
     good = _eagle_figures("h", [3] * 30)
-    plan, candidates, _ = choose_plan(data, misses, {1: 0.2}, verify, eagle=good)
-    assert plan.method == "eagle" and plan.eagle_head == "h" and plan.predicted_speedup > 2.0
+    plan, candidates, _ = choose_plan(data, misses, {1: 0.2}, verify, figures={"eagle": good})
+    assert plan.method == "eagle" and plan.settings["eagle_head"] == "h" and plan.predicted_speedup > 2.0
     assert round(candidates["eagle(k=3)"], 3) == plan.predicted_speedup
     bad = _eagle_figures("h", [0] * 30, draft_cost=0.3)  # never accepted: plain decoding
-    plan, candidates, _ = choose_plan(data, misses, {1: 0.2}, verify, eagle=bad)
+    plan, candidates, _ = choose_plan(data, misses, {1: 0.2}, verify, figures={"eagle": bad})
     assert plan.method == "none" and _speed(candidates, "eagle(") < 1.0
     # where the text repeats, copy-only rounds beat the head alone
     span = list(range(10, 30))
     copying = Continuations([[*span, 1, *span, *range(40, 60)]], [21])
     half = _eagle_figures("h", [1, 2] * 15)
-    plan, candidates, _ = choose_plan(copying, {1: [[False] * 40]}, {1: 0.2}, verify, eagle=half)
+    plan, candidates, _ = choose_plan(copying, {1: [[False] * 40]}, {1: 0.2}, verify, figures={"eagle": half})
     assert _speed(candidates, "eagle_hybrid(") > _speed(candidates, "eagle(")
     # forced: only the head (and plain decoding) may be chosen
-    plan, _, _ = choose_plan(copying, {1: [[False] * 40]}, {1: 0.2}, verify, eagle=half, methods=("eagle",))
+    plan, _, _ = choose_plan(copying, {1: [[False] * 40]}, {1: 0.2}, verify, figures={"eagle": half}, methods=("eagle",))
     assert plan.method in ("eagle", "none")
 
 
@@ -155,7 +155,7 @@ def test_auto_runs_a_planned_eagle_head_exactly(tmp_path, caplog) -> None:
     prompt = list(range(10, 30))
     expected = reference_greedy(model, prompt, 24)
     for method in ("eagle", "eagle_hybrid"):
-        plan = Plan(method, num_draft_tokens=3, eagle_head=folder, predicted_speedup=1.5)
+        plan = Plan(method, {"num_draft_tokens": 3, "eagle_head": folder}, predicted_speedup=1.5)
         costs = {"draft": 0.1, "verify": {"1": 1.05, "2": 1.1, "3": 1.15}}
         engine = SpeculativeEngine(model, drafter="auto", calibration={"plan": plan.to_json(), "costs": costs})
         assert isinstance(engine.drafter, EagleDrafter) and (engine.drafter.lookup is not None) == (
@@ -165,7 +165,7 @@ def test_auto_runs_a_planned_eagle_head_exactly(tmp_path, caplog) -> None:
         assert engine.generate_ids(prompt, max_new_tokens=24).token_ids == expected
         sampled = engine.generate_ids(prompt, max_new_tokens=16, temperature=1.0, seed=1)
         assert sampled.token_ids == engine.generate_ids(prompt, max_new_tokens=16, temperature=1.0, seed=1).token_ids
-    gone = Plan("eagle", num_draft_tokens=3, eagle_head=str(tmp_path / "no-such-head"))
+    gone = Plan("eagle", {"num_draft_tokens": 3, "eagle_head": str(tmp_path / "no-such-head")})
     with caplog.at_level("WARNING"):
         engine = SpeculativeEngine(model, drafter="auto", calibration={"plan": gone.to_json()})
     assert "not usable" in caplog.text and engine.drafter.name == "prompt_lookup"
