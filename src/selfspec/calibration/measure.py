@@ -582,19 +582,19 @@ def _plannable() -> list[tuple[str, DrafterCalibration]]:
     return [(spec.name, spec.calibration) for spec in registered() if spec.calibration is not None]
 
 
-def _wanted(key: str | None, name: str, methods: Sequence[str] | None) -> bool:
-    """Whether a measurement is needed: some method sharing its figures may be chosen."""
+def _wanted(key: str, methods: Sequence[str] | None) -> bool:
+    """Whether a measurement is needed: some method sharing its figures (``figures_key``, else its name) may win."""
     if methods is None:
         return True
-    return any(n in methods for n, hooks in _plannable() if (hooks.figures_key or n) == (key or name))
+    return any(n in methods for n, hooks in _plannable() if (hooks.figures_key or n) == key)
 
 
 def measure_drafters(context: MeasureContext, methods: Sequence[str] | None = None) -> dict[str, Any]:
     """Each drafter's own measurement, once per ``figures_key`` (shared by the drafters that declare it)."""
     figures: dict[str, Any] = {}
     for name, hooks in _plannable():
-        key = hooks.figures_key
-        if key is None or key in figures or not _wanted(key, name, methods):
+        key = hooks.figures_key or name
+        if key in figures or not _wanted(key, methods):
             continue
         figures[key] = hooks.measure(name, context)
     return figures
@@ -606,7 +606,7 @@ def rank_candidates(context: MeasureContext, figures: dict[str, Any]) -> list[Ca
     for name, hooks in _plannable():
         if name == PLAIN:
             continue
-        found += hooks.candidates(name, context, figures.get(hooks.figures_key) if hooks.figures_key else None)
+        found += hooks.candidates(name, context, figures.get(hooks.figures_key or name))
     return found
 
 
@@ -641,7 +641,7 @@ def choose_plan(
         matches: per exit layer, per position, whether the early exit's token was the model's.
         draft_cost: a draft step's cost per exit layer (relative to a plain step).
         verify_cost: verifying ``k`` drafts, per ``k``.
-        figures: the drafters' own measurements by ``figures_key`` (:func:`measure_drafters`).
+        figures: the drafters' own measurements by ``figures_key`` (else the drafter's name; :func:`measure_drafters`).
         exit_adapter_layer: the layer an exit adapter reads (a plan at that layer then uses it).
         methods: consider only these plan methods (plain decoding always); ``None``: all.
 
@@ -794,12 +794,12 @@ def _saved(figures: dict[str, Any], candidates: list[Candidate]) -> tuple[dict[s
     saved: dict[str, Any] = {}
     notes: list[str] = []
     done: set[str] = set()
-    for _, hooks in _plannable():
-        key = hooks.figures_key
-        if key is None or key in done:
+    for name, hooks in _plannable():
+        key = hooks.figures_key or name
+        if key in done:
             continue
         done.add(key)
-        sharing = {n for n, h in _plannable() if h.figures_key == key}
+        sharing = {n for n, h in _plannable() if (h.figures_key or n) == key}
         entries = hooks.saved(figures.get(key), [c for c in candidates if c.method in sharing])
         saved.update(entries)
         note = hooks.note(entries)
