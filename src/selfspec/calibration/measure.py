@@ -108,7 +108,7 @@ class CalibrationResult:
     """What calibration measured and chose.
 
     Attributes:
-        exit_layer: the best early-exit layer (what ``drafter="early_exit"`` with ``"auto"`` uses).
+        exit_layer: the best early-exit layer (what ``exit_layer="auto"`` uses).
         num_draft_tokens: its draft length.
         expected_speedup: that early exit's predicted speedup over plain decoding (may be < 1).
         agreement: greedy agreement of each exit layer with the last layer.
@@ -222,7 +222,7 @@ def generate_continuations(
     """Plain greedy continuations of each prompt (what any lossless method must reproduce)."""
     engine_class = type(engine)  # sibling engines of the caller's class: no import back to selfspec.decoding.engine
 
-    plain = engine_class(engine.model, engine.tokenizer, drafter="none", calibration={})
+    plain = engine_class(engine.model, engine.tokenizer, drafter=PLAIN, calibration={})
     sequences = [ids + plain.generate_ids(ids, max_new_tokens=max_new_tokens).token_ids for ids in prompt_ids]
     return Continuations(sequences, [len(ids) for ids in prompt_ids])
 
@@ -412,7 +412,7 @@ def replay(
     later tokens read the head's own predictions) gives ``accepted_per_round``: how many
     tokens its full-length chains had accepted; each round draws one (a fixed seed, so the
     replay is reproducible) and keeps at most its budget. With ``lookup`` as well it drafts
-    only in rounds without a copy (``eagle_hybrid``'s copy-only rounds). An adaptive draft
+    only in rounds without a copy (a head with copies where the text repeats). An adaptive draft
     grows up to ``max_draft_tokens``.
     """
     from ..drafting.prompt_lookup import NgramIndex
