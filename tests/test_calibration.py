@@ -106,9 +106,7 @@ def test_calibration_measures_a_fitting_eagle_head_and_the_plan_considers_it(tmp
     torch.manual_seed(0)
     folder = str(EagleHead(model).save(tmp_path / "head"))  # a random head (its layer a copy of the last)
     engine = SpeculativeEngine(model, drafter="auto")
-    result = calibrate(
-        engine, save=False, progress=False, max_new_tokens=12, max_draft_tokens=3, eagle_head=folder
-    )
+    result = calibrate(engine, save=False, progress=False, max_new_tokens=12, max_draft_tokens=3, eagle_head=folder)
     eagle = result.figures["eagle"]
     assert eagle["head"] == folder and eagle["draft_cost"] > 0 and eagle["num_draft_tokens"] == 3
     assert eagle["accepted_per_round"] and all(0 <= n <= 3 for n in eagle["accepted_per_round"])
@@ -140,7 +138,9 @@ def test_plan_picks_the_eagle_head_when_it_is_better_and_never_when_it_loses(tmp
     plan, candidates, _ = choose_plan(copying, {1: [[False] * 40]}, {1: 0.2}, verify, figures={"eagle": half})
     assert _speed(candidates, "eagle_hybrid(") > _speed(candidates, "eagle(")
     # forced: only the head (and plain decoding) may be chosen
-    plan, _, _ = choose_plan(copying, {1: [[False] * 40]}, {1: 0.2}, verify, figures={"eagle": half}, methods=("eagle",))
+    plan, _, _ = choose_plan(
+        copying, {1: [[False] * 40]}, {1: 0.2}, verify, figures={"eagle": half}, methods=("eagle",)
+    )
     assert plan.method in ("eagle", "none")
 
 
