@@ -170,3 +170,18 @@ def test_auto_runs_a_planned_eagle_head_exactly(tmp_path, caplog) -> None:
         engine = SpeculativeEngine(model, drafter="auto", calibration={"plan": gone.to_json()})
     assert "not usable" in caplog.text and engine.drafter.name == "prompt_lookup"
     assert engine.generate_ids(prompt, max_new_tokens=24).token_ids == expected
+
+
+def test_plans_saved_flat_by_older_versions_are_read_as_method_and_settings() -> None:
+    from selfspec.calibration import Plan, plan_methods, plan_of
+    from selfspec.modeling.loading import demo_model_path
+
+    shipped = json.loads((demo_model_path() / "selfspec.json").read_text())  # the flat form, version 3
+    plan = plan_of(shipped)
+    assert plan is not None and plan.method == "hybrid" and plan.num_draft_tokens == 3
+    assert plan.settings == {"exit_layer": 2, "num_draft_tokens": 3, "min_ngram": 2, "exit_adapter": False}
+    assert plan.summary().startswith("prompt lookup where the text repeats, else early exit at layer 2, k=3: ")
+    assert Plan.from_json(json.loads(json.dumps(plan.to_json()))) == plan  # the new form round-trips
+    assert set(plan_methods()) >= {"none", "prompt_lookup", "early_exit", "hybrid", "layer_skip", "eagle"}
+    assert plan_of({"plan": {"method": "hybrid", "settings": {}}}) is None  # an early exit needs its layer
+    assert plan_of({"plan": {"method": "no_such_drafter", "settings": {}}}) is None
