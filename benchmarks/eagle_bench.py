@@ -169,8 +169,9 @@ def exit_agreement(model: Any, adapter: Any, ids: list[int], output: list[int]) 
 def measure_gate_costs(model: Any, tokenizer: Any, head: Any) -> Any:
     """The gate's cost model, measured here as calibration does: the verify curve and the head's draft step."""
     from selfspec import SpeculativeEngine
-    from selfspec.calibration.measure import measure_costs, measure_eagle
+    from selfspec.calibration.measure import measure_costs
     from selfspec.core.speed import CostModel
+    from selfspec.drafting.eagle.calibration import measure_eagle
 
     engine = SpeculativeEngine(model, tokenizer, drafter="none")
     ids = [engine.encode_prompt(p) for p in CALIBRATION]

@@ -28,7 +28,7 @@ def test_plan_copies_where_the_text_repeats_and_drafts_where_the_exit_agrees() -
     assert plan.method == "prompt_lookup" and plan.predicted_speedup > 1.5
     fresh = Continuations([list(range(60))], [10])
     plan, _, (layer, _, speed) = choose_plan(fresh, {2: [[True] * 50]}, {2: 0.1}, {1: 1.05, 2: 1.1, 3: 1.15})
-    assert plan.method in ("early_exit", "hybrid") and plan.exit_layer == layer == 2 and speed > 1.5
+    assert plan.method in ("early_exit", "hybrid") and plan.settings["exit_layer"] == layer == 2 and speed > 1.5
 
 
 def test_replay_of_plain_decoding_costs_one_step_per_token() -> None:
@@ -156,10 +156,8 @@ def test_calibration_measures_a_fitting_eagle_head_and_the_plan_considers_it(tmp
     torch.manual_seed(0)
     folder = str(EagleHead(model).save(tmp_path / "head"))  # a random head (its layer a copy of the last)
     engine = SpeculativeEngine(model, drafter="auto")
-    result = calibrate(
-        engine, save=False, progress=False, max_new_tokens=12, max_draft_tokens=3, eagle_head=folder
-    )
-    eagle = result.eagle
+    result = calibrate(engine, save=False, progress=False, max_new_tokens=12, max_draft_tokens=3, eagle_head=folder)
+    eagle = result.figures["eagle"]
     assert eagle["head"] == folder and eagle["draft_cost"] > 0 and eagle["num_draft_tokens"] == 3
     assert eagle["accepted_per_round"] and all(0 <= n <= 3 for n in eagle["accepted_per_round"])
     assert any(name.startswith("eagle(k=") for name in result.candidates)
@@ -169,7 +167,7 @@ def test_calibration_measures_a_fitting_eagle_head_and_the_plan_considers_it(tmp
     if result.plan.method.startswith("eagle"):  # its cost model is the head's
         assert saved["costs"]["draft"] == eagle["draft_cost"]
     skipped = calibrate(engine, save=False, progress=False, max_new_tokens=8, max_draft_tokens=2, eagle_head=False)
-    assert skipped.eagle == {} and not any(name.startswith("eagle") for name in skipped.candidates)
+    assert skipped.figures["eagle"] == {} and not any(name.startswith("eagle") for name in skipped.candidates)
 
 
 def test_plan_picks_the_eagle_head_when_it_is_better_and_never_when_it_loses(tmp_path) -> None:
@@ -177,20 +175,22 @@ def test_plan_picks_the_eagle_head_when_it_is_better_and_never_when_it_loses(tmp
     misses = {1: [[False] * 50]}
     verify = {1: 1.05, 2: 1.1, 3: 1.15}
     good = _eagle_figures("h", [3] * 30)
-    plan, candidates, _ = choose_plan(data, misses, {1: 0.2}, verify, eagle=good)
-    assert plan.method == "eagle" and plan.eagle_head == "h" and plan.predicted_speedup > 2.0
+    plan, candidates, _ = choose_plan(data, misses, {1: 0.2}, verify, figures={"eagle": good})
+    assert plan.method == "eagle" and plan.settings["eagle_head"] == "h" and plan.predicted_speedup > 2.0
     assert round(candidates["eagle(k=3)"], 3) == plan.predicted_speedup
     bad = _eagle_figures("h", [0] * 30, draft_cost=0.3)  # never accepted: plain decoding
-    plan, candidates, _ = choose_plan(data, misses, {1: 0.2}, verify, eagle=bad)
+    plan, candidates, _ = choose_plan(data, misses, {1: 0.2}, verify, figures={"eagle": bad})
     assert plan.method == "none" and _speed(candidates, "eagle(") < 1.0
     # where the text repeats, copy-only rounds beat the head alone
     span = list(range(10, 30))
     copying = Continuations([[*span, 1, *span, *range(40, 60)]], [21])
     half = _eagle_figures("h", [1, 2] * 15)
-    plan, candidates, _ = choose_plan(copying, {1: [[False] * 40]}, {1: 0.2}, verify, eagle=half)
+    plan, candidates, _ = choose_plan(copying, {1: [[False] * 40]}, {1: 0.2}, verify, figures={"eagle": half})
     assert _speed(candidates, "eagle_hybrid(") > _speed(candidates, "eagle(")
     # forced: only the head (and plain decoding) may be chosen
-    plan, _, _ = choose_plan(copying, {1: [[False] * 40]}, {1: 0.2}, verify, eagle=half, methods=("eagle",))
+    plan, _, _ = choose_plan(
+        copying, {1: [[False] * 40]}, {1: 0.2}, verify, figures={"eagle": half}, methods=("eagle",)
+    )
     assert plan.method in ("eagle", "none")
 
 
@@ -205,7 +205,7 @@ def test_auto_runs_a_planned_eagle_head_exactly(tmp_path, caplog) -> None:
     prompt = list(range(10, 30))
     expected = reference_greedy(model, prompt, 24)
     for method in ("eagle", "eagle_hybrid"):
-        plan = Plan(method, num_draft_tokens=3, eagle_head=folder, predicted_speedup=1.5)
+        plan = Plan(method, {"num_draft_tokens": 3, "eagle_head": folder}, predicted_speedup=1.5)
         costs = {"draft": 0.1, "verify": {"1": 1.05, "2": 1.1, "3": 1.15}}
         engine = SpeculativeEngine(model, drafter="auto", calibration={"plan": plan.to_json(), "costs": costs})
         assert isinstance(engine.drafter, EagleDrafter) and (engine.drafter.lookup is not None) == (
@@ -215,7 +215,7 @@ def test_auto_runs_a_planned_eagle_head_exactly(tmp_path, caplog) -> None:
         assert engine.generate_ids(prompt, max_new_tokens=24).token_ids == expected
         sampled = engine.generate_ids(prompt, max_new_tokens=16, temperature=1.0, seed=1)
         assert sampled.token_ids == engine.generate_ids(prompt, max_new_tokens=16, temperature=1.0, seed=1).token_ids
-    gone = Plan("eagle", num_draft_tokens=3, eagle_head=str(tmp_path / "no-such-head"))
+    gone = Plan("eagle", {"num_draft_tokens": 3, "eagle_head": str(tmp_path / "no-such-head")})
     with caplog.at_level("WARNING"):
         engine = SpeculativeEngine(model, drafter="auto", calibration={"plan": gone.to_json()})
     assert "not usable" in caplog.text and engine.drafter.name == "prompt_lookup"
@@ -279,3 +279,18 @@ def test_first_load_says_what_it_measures_and_where_it_saves(tmp_path, monkeypat
         assert show_progress()
     finally:
         logging.getLogger("selfspec").setLevel(logging.NOTSET)
+
+
+def test_plans_saved_flat_by_older_versions_are_read_as_method_and_settings() -> None:
+    from selfspec.calibration import Plan, plan_methods, plan_of
+    from selfspec.modeling.loading import demo_model_path
+
+    shipped = json.loads((demo_model_path() / "selfspec.json").read_text())  # the flat form, version 3
+    plan = plan_of(shipped)
+    assert plan is not None and plan.method == "hybrid" and plan.num_draft_tokens == 3
+    assert plan.settings == {"exit_layer": 2, "num_draft_tokens": 3, "min_ngram": 2, "exit_adapter": False}
+    assert plan.summary().startswith("prompt lookup where the text repeats, else early exit at layer 2, k=3: ")
+    assert Plan.from_json(json.loads(json.dumps(plan.to_json()))) == plan  # the new form round-trips
+    assert set(plan_methods()) >= {"none", "prompt_lookup", "early_exit", "hybrid", "layer_skip", "eagle"}
+    assert plan_of({"plan": {"method": "hybrid", "settings": {}}}) is None  # an early exit needs its layer
+    assert plan_of({"plan": {"method": "no_such_drafter", "settings": {}}}) is None

@@ -243,17 +243,17 @@ def test_bench_help_lists_categories_and_methods(capsys) -> None:
 def test_method_filter_keeps_the_baselines() -> None:
     from selfspec.calibration.bench import Method, filter_methods
 
-    def method(name: str, baseline: str = "hf_greedy") -> Method:
-        return Method(name, baseline, lambda ids, n, seed: ([], None))
+    def method(name: str, family: str, baseline: str = "hf_greedy") -> Method:
+        return Method(name, baseline, lambda ids, n, seed: ([], None), family=family)
 
-    every = [
-        method("hf_greedy"),
-        method("selfspec_plain"),
-        method("selfspec_E2_k3"),
-        method("selfspec_auto"),
-        method("hf_sample_t0.7", "hf_sample_t0.7"),
-        method("selfspec_auto_t0.7", "hf_sample_t0.7"),
-        method("selfspec_tree_8"),
+    every = [  # each row's family is declared by the drafter's registration (its bench rows)
+        method("hf_greedy", "baseline"),
+        method("selfspec_plain", "plain"),
+        method("selfspec_E2_k3", "early_exit"),
+        method("selfspec_auto", "auto"),
+        method("hf_sample_t0.7", "baseline", "hf_sample_t0.7"),
+        method("selfspec_auto_t0.7", "auto", "hf_sample_t0.7"),
+        method("selfspec_tree_8", "tree"),
     ]
     kept = [m.name for m in filter_methods(every, ["plain", "early_exit"])]
     assert kept == ["hf_greedy", "selfspec_plain", "selfspec_E2_k3"]

@@ -20,7 +20,7 @@ from .store import (  # isort: skip
 from ..artifacts import cache_dir  # isort: skip
 from ..core.speed import CostModel  # isort: skip
 from ..decoding.controller import DraftController  # isort: skip
-from ..drafting.auto import PLAIN_MARGIN, PLAN_METHODS, Plan, plan_of  # isort: skip  (registers drafter="auto")
+from ..drafting.auto import PLAIN_MARGIN, Plan, plan_methods, plan_of  # isort: skip  (registers drafter="auto")
 from .measure import (  # isort: skip
     DEFAULT_CALIBRATION_PROMPTS,
     TREE_CANDIDATES,
@@ -42,7 +42,6 @@ __all__ = [
     "CALIBRATION_VERSION",
     "DEFAULT_CALIBRATION_PROMPTS",
     "PLAIN_MARGIN",
-    "PLAN_METHODS",
     "TREE_CANDIDATES",
     "CalibrationResult",
     "CostModel",
@@ -60,6 +59,7 @@ __all__ = [
     "machine_fingerprint",
     "measure_agreement",
     "measure_costs",
+    "plan_methods",
     "plan_of",
     "replay",
     "save_calibration",

@@ -25,7 +25,8 @@ from tqdm.auto import tqdm
 
 from ..decoding.engine import SpeculativeEngine
 from ..drafting import list_drafters
-from ..drafting.medusa.drafter import find_medusa_heads
+from ..drafting.planning import BenchRow
+from ..drafting.registry import registered
 from ..errors import ConfigurationError
 from ..modeling.loading import DEMO_DRAFT_MODEL, DEMO_MODEL, load_model_and_tokenizer
 from ..prompts import CATEGORY_ALIASES, PROMPT_SETS, STOCK_PROMPT_SETS
@@ -35,22 +36,26 @@ logger = logging.getLogger(__name__)
 #: Token-tree node budgets ``selfspec bench`` compares with the chain by default.
 DEFAULT_BENCH_TREE_NODES = (8,)
 
-#: ``--methods`` choices: method family -> what it runs. The baselines (transformers' greedy
-#: ``generate``, and its sampling at each temperature a chosen method samples at) always run.
-METHOD_FAMILIES: dict[str, str] = {
-    "plain": "selfspec_plain (+ _tT): selfspec's loop without drafts, greedy and at each temperature",
-    "auto": "selfspec_auto (+ _tT): the calibrated plan, greedy and at each temperature",
-    "early_exit": "selfspec_E<e>_k<k>: early exit at a fixed layer and draft length",
-    "prompt_lookup": "selfspec_prompt_lookup: n-gram lookup in the prompt and output",
-    "hybrid": "selfspec_hybrid: lookup or early exit per round",
-    "layer_skip": "selfspec_layer_skip: a subset of the layers drafts",
-    "exit_adapter": "selfspec_exit_adapter_*, selfspec_hybrid_exit_adapter (when an adapter is saved)",
-    "draft_model": "selfspec_draft_model (when a draft model is given)",
-    "medusa": "selfspec_medusa* (when Medusa heads are saved beside the model)",
-    "tree": "selfspec_tree_N* and the fixed chain at each temperature (with --tree-nodes)",
+#: ``--methods`` choices of transformers' peers; the baselines (transformers' greedy ``generate``,
+#: and its sampling at each temperature a chosen method samples at) always run.
+HF_FAMILIES: dict[str, str] = {
     "hf_early_exit": "transformers assistant_early_exit",
     "hf_prompt_lookup": "transformers prompt_lookup_num_tokens",
 }
+#: The family of transformers' greedy and sampling baselines (never filtered out).
+BASELINE = "baseline"
+
+
+def method_families() -> dict[str, str]:
+    """``--methods`` choices: every family the registered drafters' bench rows declare, then transformers' peers.
+
+    A registered drafter without declared rows is its own family (one greedy ``selfspec_<name>`` row).
+    """
+    families: dict[str, str] = {}
+    for spec in registered():
+        if spec.bench is not None:
+            families.update(spec.bench.families)
+    return {**families, **HF_FAMILIES}
 
 
 def check_methods(methods: Sequence[str] | None) -> list[str] | None:
@@ -58,15 +63,16 @@ def check_methods(methods: Sequence[str] | None) -> list[str] | None:
     if methods is None:
         return None
     chosen = list(methods)
+    families = method_families()
     for name in chosen:
         if (
-            name not in METHOD_FAMILIES
+            name not in families
             and name not in list_drafters()
             and not any(ch in name for ch in "*?[")
             and not name.startswith(("selfspec_", "hf_"))
         ):
             raise ConfigurationError(
-                f"unknown benchmark method {name!r}; choose among {', '.join(METHOD_FAMILIES)} "
+                f"unknown benchmark method {name!r}; choose among {', '.join(families)} "
                 "(or a pattern over method names, e.g. 'selfspec_tree_*')"
             )
     return chosen
@@ -118,7 +124,7 @@ class Method:
     generate: Callable[[list[int], int, int], tuple[list[int], Any]]
     greedy: bool = True
     description: str = ""
-    family: str = ""  # the --methods choice that selects it (METHOD_FAMILIES)
+    family: str = ""  # the --methods choice that selects it (method_families())
 
 
 @dataclass
@@ -139,7 +145,13 @@ class BenchReport:
 
 
 def _hf_method(
-    name: str, model: Any, baseline: str, description: str, greedy: bool = True, **generate_kwargs: Any
+    name: str,
+    model: Any,
+    baseline: str,
+    description: str,
+    family: str,
+    greedy: bool = True,
+    **generate_kwargs: Any,
 ) -> Method:
     eos = model.generation_config.eos_token_id
     pad = model.generation_config.pad_token_id
@@ -159,17 +171,34 @@ def _hf_method(
         )
         return [int(t) for t in out[0, len(prompt_ids) :]], None
 
-    return Method(name, baseline, run, greedy, description)
+    return Method(name, baseline, run, greedy, description, family)
 
 
-def _selfspec_method(
-    name: str, engine: SpeculativeEngine, baseline: str, description: str, temperature: float = 0.0
-) -> Method:
+def _selfspec_method(row: BenchRow) -> Method:
+    engine, temperature = row.engine, row.temperature
+
     def run(prompt_ids: list[int], max_new_tokens: int, seed: int) -> tuple[list[int], Any]:
         out = engine.generate_ids(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
         return out.token_ids, out.stats
 
-    return Method(name, baseline, run, temperature == 0.0, description)
+    baseline = "hf_greedy" if temperature == 0.0 else f"hf_sample_t{temperature}"
+    return Method(row.name, baseline, run, temperature == 0.0, row.description, row.family)
+
+
+@dataclass
+class RowContext:
+    """What a registered drafter's bench rows are built from (:class:`~selfspec.drafting.planning.BenchContext`)."""
+
+    loaded: SpeculativeEngine
+    exit_layer: int
+    num_draft_tokens: int
+    temperatures: Sequence[float]
+    tree_nodes: Sequence[int]
+    draft_model: Any = None
+
+    def engine(self, **arguments: Any) -> SpeculativeEngine:
+        """An engine on the loaded model and tokenizer."""
+        return SpeculativeEngine(self.loaded.model, self.loaded.tokenizer, **arguments)
 
 
 def build_methods(
@@ -182,34 +211,23 @@ def build_methods(
     draft_model: Any = None,
     tree_nodes: Sequence[int] = (),
 ) -> list[Method]:
-    """The methods compared: transformers' baselines and peers, and selfspec's variants.
+    """The methods compared: transformers' baselines and peers, and every registered drafter's rows.
 
-    With a loaded ``draft_model`` (sharing the tokenizer) a draft-model method is added; with an
-    exit adapter saved beside the model (``selfspec train-adapter``), an early-exit method with
-    the adapter at its exit layer and ``num_draft_tokens`` drafts (compare it with the fixed
-    early exit at the same layer) and a hybrid one (compare it with ``selfspec_hybrid``).
-    For each node budget in ``tree_nodes``, an early-exit token tree (``selfspec_tree_N``,
-    same exit layer, at most ``num_draft_tokens`` levels) runs greedy and at every
-    temperature, next to the fixed chain at the same temperatures. With Medusa heads saved
-    beside the model, the Medusa chain runs greedy and at every temperature, and for each
-    node budget its candidate tree (``selfspec_medusa_tree_N``) too.
+    Each registration declares its rows (:class:`~selfspec.drafting.planning.DrafterBench`): the
+    plain loop, the calibrated plan, fixed early exits and their token trees (``tree_nodes``), the
+    exit adapter and Medusa heads when saved beside the model, a draft model when one is loaded...
+    A registered drafter that declares none gets one greedy ``selfspec_<name>`` row when it builds
+    without arguments of its own.
     """
-    model, tokenizer = auto_engine.model, auto_engine.tokenizer
-    # drafter="auto": the plan calibrated on this model and machine (from_pretrained measured it)
-    planned = SpeculativeEngine(model, tokenizer, drafter="auto", calibration=auto_engine.calibration)
-    plain = SpeculativeEngine(model, tokenizer, drafter="none")
-    fixed = SpeculativeEngine(model, tokenizer, exit_layer=exit_layer, num_draft_tokens=num_draft_tokens)
-    hybrid = SpeculativeEngine(model, tokenizer, drafter="hybrid", exit_layer="auto", num_draft_tokens="auto")
-    skip = SpeculativeEngine(model, tokenizer, drafter="layer_skip", num_draft_tokens=3)
-    lookup = SpeculativeEngine(model, tokenizer, drafter="prompt_lookup", num_draft_tokens="auto")
+    model = auto_engine.model
     methods = [
-        _hf_method("hf_greedy", model, "hf_greedy", "transformers generate, greedy", do_sample=False),
-        _selfspec_method("selfspec_plain", plain, "hf_greedy", "selfspec loop without drafts"),
+        _hf_method("hf_greedy", model, "hf_greedy", "transformers generate, greedy", BASELINE, do_sample=False),
         _hf_method(
             f"hf_early_exit_{exit_layer}",
             model,
             "hf_greedy",
             f"transformers assistant_early_exit={exit_layer}",
+            "hf_early_exit",
             do_sample=False,
             assistant_early_exit=exit_layer,
         ),
@@ -218,186 +236,55 @@ def build_methods(
             model,
             "hf_greedy",
             f"transformers prompt_lookup_num_tokens={lookup_tokens}",
+            "hf_prompt_lookup",
             do_sample=False,
             prompt_lookup_num_tokens=lookup_tokens,
         ),
-        _selfspec_method(
-            f"selfspec_E{exit_layer}_k{num_draft_tokens}",
-            fixed,
-            "hf_greedy",
-            f"early exit at layer {exit_layer}, {num_draft_tokens} drafts, fixed",
-        ),
-        _selfspec_method(
-            "selfspec_auto",
-            planned,
-            "hf_greedy",
-            f"drafter='auto': {planned.plan.summary() if planned.plan else 'plan'}",
-        ),
-        _selfspec_method("selfspec_prompt_lookup", lookup, "hf_greedy", "prompt lookup alone; adaptive length"),
-        _selfspec_method("selfspec_hybrid", hybrid, "hf_greedy", "prompt lookup or early exit per round; adaptive"),
-        _selfspec_method("selfspec_layer_skip", skip, "hf_greedy", f"layer skipping ({skip.drafter!r}), 3 drafts"),
     ]
-    adapted = SpeculativeEngine(model, tokenizer, exit_adapter="auto", num_draft_tokens=num_draft_tokens)
-    if adapted.exit_adapter is not None:
-        e = adapted.exit_layer
-        methods.append(
-            _selfspec_method(
-                f"selfspec_exit_adapter_E{e}_k{num_draft_tokens}",
-                adapted,
-                "hf_greedy",
-                f"early exit at layer {e} through the trained exit adapter, {num_draft_tokens} drafts, fixed",
-            )
-        )
-        hybrid_adapted = SpeculativeEngine(
-            model, tokenizer, drafter="hybrid", exit_adapter="auto", num_draft_tokens="auto"
-        )
-        methods.append(
-            _selfspec_method(
-                "selfspec_hybrid_exit_adapter",
-                hybrid_adapted,
-                "hf_greedy",
-                f"prompt lookup, else early exit at layer {e} through the exit adapter; adaptive",
-            )
-        )
-    if draft_model is not None:
-        drafting = SpeculativeEngine(
-            model, tokenizer, drafter="draft_model", draft_model=draft_model, num_draft_tokens=num_draft_tokens
-        )
-        name = Path(getattr(draft_model.config, "_name_or_path", "") or type(draft_model).__name__).name
-        methods.append(
-            _selfspec_method(
-                "selfspec_draft_model",
-                drafting,
-                "hf_greedy",
-                f"separate draft model {name}, {num_draft_tokens} drafts, fixed",
-            )
-        )
-    medusa_methods: list[Method] = []
-    heads_folder = find_medusa_heads(auto_engine.name_or_path)
-    if heads_folder is not None:  # heads saved beside the model; one draft token per head
-        num_heads = json.loads((heads_folder / "config.json").read_text())["medusa_num_heads"]
-        medusa = SpeculativeEngine(model, tokenizer, drafter="medusa", num_draft_tokens=num_heads)
-        about = f"Medusa heads, {num_heads} drafts, fixed"
-        methods.append(_selfspec_method("selfspec_medusa", medusa, "hf_greedy", about))
-        medusa_methods += [
-            _selfspec_method(f"selfspec_medusa_t{t}", medusa, f"hf_sample_t{t}", f"{about}, sampling T={t}", t)
-            for t in temperatures
-        ]
-        for nodes in tree_nodes:  # the heads' candidates verified as a tree
-            tree = SpeculativeEngine(model, tokenizer, drafter="medusa", num_draft_tokens=num_heads, tree_nodes=nodes)
-            about = f"Medusa candidate tree, at most {nodes} nodes and {num_heads} levels"
-            medusa_methods.append(_selfspec_method(f"selfspec_medusa_tree_{nodes}", tree, "hf_greedy", about))
-            medusa_methods += [
-                _selfspec_method(
-                    f"selfspec_medusa_tree_{nodes}_t{t}", tree, f"hf_sample_t{t}", f"{about}, sampling T={t}", t
-                )
-                for t in temperatures
-            ]
     for t in temperatures:
-        base = f"hf_sample_t{t}"
-        methods += [
+        methods.append(
             _hf_method(
-                base,
+                f"hf_sample_t{t}",
                 model,
-                base,
+                f"hf_sample_t{t}",
                 f"transformers sampling, T={t}",
+                BASELINE,
                 greedy=False,
                 do_sample=True,
                 temperature=t,
                 top_k=0,
                 top_p=1.0,
-            ),
-            _selfspec_method(f"selfspec_plain_t{t}", plain, base, f"selfspec loop without drafts, sampling T={t}", t),
-            _selfspec_method(f"selfspec_auto_t{t}", planned, base, f"drafter='auto', sampling T={t}", t),
-        ]
-    methods += medusa_methods
-    methods += _tree_methods(model, tokenizer, exit_layer, num_draft_tokens, tree_nodes, temperatures, fixed)
-    methods += _registered_methods(model, tokenizer, num_draft_tokens)
-    return methods
-
-
-def _registered_methods(model: Any, tokenizer: Any, num_draft_tokens: int) -> list[Method]:
-    """A greedy ``selfspec_<name>`` row for every registered drafter without a family above (a user's, a new one)."""
-    methods = []
-    for name in list_drafters():
-        if name in METHOD_FAMILIES or name == "none":
-            continue
-        try:
-            engine = SpeculativeEngine(model, tokenizer, drafter=name, num_draft_tokens=num_draft_tokens)
-        except ConfigurationError:
-            continue  # it needs arguments the benchmark does not have (a model or heads of its own)
-        about = f"registered drafter {name!r}, {num_draft_tokens} drafts"
-        methods.append(_selfspec_method(f"selfspec_{name}", engine, "hf_greedy", about))
-    return methods
-
-
-def _tree_methods(
-    model: Any,
-    tokenizer: Any,
-    exit_layer: int,
-    num_draft_tokens: int,
-    tree_nodes: Sequence[int],
-    temperatures: Sequence[float],
-    chain: SpeculativeEngine,
-) -> list[Method]:
-    """Early-exit token trees, and the fixed chain they are compared with when sampling."""
-    if not tree_nodes:
-        return []
-    chain_name = f"selfspec_E{exit_layer}_k{num_draft_tokens}"
-    methods = [
-        _selfspec_method(f"{chain_name}_t{t}", chain, f"hf_sample_t{t}", f"early-exit chain, sampling T={t}", t)
-        for t in temperatures
-    ]
-    for nodes in tree_nodes:
-        engine = SpeculativeEngine(
-            model, tokenizer, exit_layer=exit_layer, num_draft_tokens=num_draft_tokens, tree_nodes=nodes
+            )
         )
-        about = f"early-exit token tree, at most {nodes} nodes and {num_draft_tokens} levels"
-        methods.append(_selfspec_method(f"selfspec_tree_{nodes}", engine, "hf_greedy", about))
-        methods += [
-            _selfspec_method(f"selfspec_tree_{nodes}_t{t}", engine, f"hf_sample_t{t}", f"{about}, sampling T={t}", t)
-            for t in temperatures
-        ]
+    context = RowContext(auto_engine, exit_layer, num_draft_tokens, temperatures, tree_nodes, draft_model)
+    for spec in registered():
+        rows = spec.bench.rows(spec.name, context) if spec.bench is not None else _default_rows(spec.name, context)
+        methods += [_selfspec_method(row) for row in rows]
     return methods
 
 
-def family_of(name: str) -> str:
-    """The ``--methods`` family of a method name (``"baseline"`` for transformers' greedy and sampling)."""
-    if name == "hf_greedy" or name.startswith("hf_sample_t"):
-        return "baseline"
-    rules = [
-        ("selfspec_plain", "plain"),
-        ("selfspec_plain_t*", "plain"),
-        ("hf_early_exit_*", "hf_early_exit"),
-        ("hf_prompt_lookup_*", "hf_prompt_lookup"),
-        ("selfspec_auto*", "auto"),
-        ("selfspec_prompt_lookup*", "prompt_lookup"),
-        ("selfspec_*exit_adapter*", "exit_adapter"),
-        ("selfspec_hybrid*", "hybrid"),
-        ("selfspec_layer_skip*", "layer_skip"),
-        ("selfspec_draft_model*", "draft_model"),
-        ("selfspec_medusa*", "medusa"),
-        ("selfspec_tree_*", "tree"),
-        ("selfspec_E*_k*_t*", "tree"),
-        ("selfspec_E*_k*", "early_exit"),
-    ]
-    family = next((family for pattern, family in rules if fnmatch.fnmatchcase(name, pattern)), "other")
-    registered = name.removeprefix("selfspec_")
-    return registered if family == "other" and registered in list_drafters() else family
+def _default_rows(name: str, context: RowContext) -> list[BenchRow]:
+    """A greedy ``selfspec_<name>`` row for a registered drafter that declares no rows (a user's, a new one)."""
+    k = context.num_draft_tokens
+    try:
+        engine = context.engine(drafter=name, num_draft_tokens=k)
+    except ConfigurationError:
+        return []  # it needs arguments the benchmark does not have (a model or heads of its own)
+    return [BenchRow(f"selfspec_{name}", engine, f"registered drafter {name!r}, {k} drafts", name)]
 
 
 def filter_methods(methods: list[Method], chosen: Sequence[str] | None) -> list[Method]:
     """Keep the chosen families / name patterns, plus the baselines they are measured against."""
     if chosen is None:
         return methods
+    families = method_families()
     kept = [
         m
         for m in methods
-        if family_of(m.name) in chosen
-        or any(fnmatch.fnmatchcase(m.name, c) for c in chosen if c not in METHOD_FAMILIES)
+        if m.family in chosen or any(fnmatch.fnmatchcase(m.name, c) for c in chosen if c not in families)
     ]
     for pattern in chosen:
-        known = pattern in METHOD_FAMILIES or pattern in list_drafters()
+        known = pattern in families or pattern in list_drafters()
         if not known and not any(fnmatch.fnmatchcase(m.name, pattern) for m in methods):
             raise ConfigurationError(
                 f"no benchmark method matches {pattern!r}; this model has: {', '.join(m.name for m in methods)}"
@@ -450,7 +337,7 @@ def run_benchmark(
             ``"auto"``: ``"selfspec-demo-draft"`` when benchmarking ``"selfspec-demo"``, else none.
         tree_nodes: node budgets of early-exit token trees to compare with the chain
             (``selfspec_tree_N`` methods, greedy and at each temperature).
-        methods: run only these method families (:data:`METHOD_FAMILIES`) or name patterns
+        methods: run only these method families (:func:`method_families`) or name patterns
             (``fnmatch``), plus their baselines; ``None``: every method.
         extra_methods: builds more methods from the loaded engine (a script's own variants);
             they always run, after the chosen ones.

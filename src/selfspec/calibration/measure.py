@@ -2,18 +2,16 @@
 
 On the model's own greedy continuations of a small built-in prompt mix it measures, per
 position, whether each exit layer's greedy token (through an exit adapter where one is
-present), a layer-skip subset's, and a prompt-lookup copy would have been accepted; and on
-this hardware, with repeated interleaved timings taken as medians and checked for
-monotonicity (re-measured when they are not), the cost of a draft step at each exit layer and
-of verifying ``k`` drafts, relative to one plain step. A replay of the continuations then
-predicts each candidate's speed (tokens per plain-step cost): plain decoding (1.0), early exit
-per layer and draft length, layer skip, prompt lookup, hybrid (lookup where the text
-repeats, else the early exit), and, when an EAGLE head fits the model
-(:func:`~selfspec.drafting.eagle.head.find_eagle_head`), the head's chains alone and with lookup copies where
-the text repeats (``eagle`` / ``eagle_hybrid``): their acceptance is measured by decoding the prompts with
-the head (a chain's accepted length per round), their draft cost from the same runs. The
-fastest becomes the :class:`~selfspec.drafting.auto.Plan` that ``drafter="auto"`` runs,
-and plain decoding when nothing beats it by a margin.
+present) would have been accepted; and on this hardware, with repeated interleaved timings
+taken as medians and checked for monotonicity (re-measured when they are not), the cost of a
+draft step at each exit layer and of verifying ``k`` drafts, relative to one plain step. Then
+every registered drafter whose registration declares a ``calibration``
+(:class:`~selfspec.drafting.planning.DrafterCalibration`) measures what it needs of its own
+(a layer subset's agreement, a learned head's chains) through a :class:`MeasureContext` and
+offers its candidates, each replayed over the continuations (:func:`replay`: tokens per
+plain-step cost, plain decoding being 1.0). No drafter is named here. The fastest becomes the
+:class:`~selfspec.drafting.auto.Plan` that ``drafter="auto"`` runs, and plain decoding when
+nothing beats it by a margin.
 
 The classic estimate is kept as :func:`expected_speedup`: with per-token acceptance ``a``,
 draft length ``k``, draft cost ``c`` and verify cost ``v_k``, a round emits on average
@@ -38,6 +36,9 @@ from tqdm.auto import tqdm
 
 from ..core.speed import CostModel, expected_tokens
 from ..drafting.auto import PLAIN_MARGIN, Plan
+from ..drafting.planning import PLAIN, Candidate, DrafterCalibration
+from ..drafting.registry import registered
+from ..errors import ConfigurationError
 from .store import machine_fingerprint, save_calibration
 
 if TYPE_CHECKING:
@@ -107,24 +108,24 @@ class CalibrationResult:
     """What calibration measured and chose.
 
     Attributes:
-        exit_layer: the best early-exit layer (what ``drafter="early_exit"`` with ``"auto"`` uses).
+        exit_layer: the best early-exit layer (what ``exit_layer="auto"`` uses).
         num_draft_tokens: its draft length.
         expected_speedup: that early exit's predicted speedup over plain decoding (may be < 1).
         agreement: greedy agreement of each exit layer with the last layer.
         draft_cost: cost of one draft step at each exit layer, relative to a plain step.
         verify_cost: cost of verifying ``k`` drafts (``k + 1`` tokens), relative to a plain step.
         step_seconds: median seconds of one plain one-token step.
-        layer_skip: the layer-skip drafter's layers (``layer_skip_layers``), agreement, draft
-            length and predicted speedup.
+        figures: what the registered drafters' calibrations saved (top-level ``selfspec.json``
+            entries, by the drafter that saved them; e.g. an EAGLE head's figures).
+        notes: one line per drafter on what it saved (``selfspec calibrate`` prints them).
         tree_speed: with ``trees=True``: measured greedy tokens per second of the chain and
             of each early-exit tree node budget.
         tree_nodes: with ``trees=True``: the fastest, ``None`` when the chain was fastest.
         plan: what ``drafter="auto"`` runs (:class:`~selfspec.drafting.auto.Plan`).
-        candidates: every candidate's predicted speedup over plain decoding.
+        plan_draft_cost: the planned drafter's cost per drafted token (the online guard's cost model).
+        candidates: every candidate's predicted speedup over plain decoding, by its label.
         cost_checks: how many times the cost curves were re-measured for not being monotonic,
             and whether they were finally made monotonic by hand.
-        eagle: when an EAGLE head fits the model: its folder, draft cost per token, the
-            accepted length per round of its full-length chains, and its tau (else empty).
     """
 
     exit_layer: int
@@ -134,13 +135,14 @@ class CalibrationResult:
     draft_cost: dict[int, float] = field(default_factory=dict)
     verify_cost: dict[int, float] = field(default_factory=dict)
     step_seconds: float = 0.0
-    layer_skip: dict[str, Any] = field(default_factory=dict)
+    figures: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
     tree_speed: dict[str, float] = field(default_factory=dict)
     tree_nodes: int | None = None
     plan: Plan = field(default_factory=Plan)
+    plan_draft_cost: float = 0.0
     candidates: dict[str, float] = field(default_factory=dict)
     cost_checks: dict[str, Any] = field(default_factory=dict)
-    eagle: dict[str, Any] = field(default_factory=dict)
     device: str = "cpu"
     dtype: str = ""
 
@@ -154,7 +156,8 @@ class CalibrationResult:
     def to_json(self) -> dict[str, Any]:
         """The calibration file's content (``selfspec.json``)."""
         data = asdict(self)
-        data.update(data.pop("layer_skip"))
+        del data["notes"], data["plan_draft_cost"]
+        data.update(data.pop("figures"))
         if not self.tree_speed:  # not measured: "auto" falls back to the default
             del data["tree_speed"], data["tree_nodes"]
         else:
@@ -165,31 +168,15 @@ class CalibrationResult:
         data["plan"] = self.plan.to_json()
         data["candidates"] = {k: round(v, 3) for k, v in sorted(self.candidates.items(), key=lambda kv: -kv[1])}
         data["predicted_tokens_per_second"] = {k: round(v, 1) for k, v in self.predicted_tokens_per_second.items()}
-        data["costs"] = plan_costs(self.plan, self.draft_cost, self.verify_cost, self.layer_skip, self.eagle)
+        data["costs"] = {
+            "draft": round(self.plan_draft_cost, 4),
+            "verify": {str(k): round(v, 4) for k, v in self.verify_cost.items()},
+        }
         data["source"] = "calibrate"
         data["created"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
         data["hardware"] = f"{platform.machine()} {self.device} {self.dtype} {torch.get_num_threads()} threads"
         data["machine"] = machine_fingerprint()
         return data
-
-
-def plan_costs(
-    plan: Plan,
-    draft_cost: dict[int, float],
-    verify_cost: dict[int, float],
-    layer_skip: dict[str, Any],
-    eagle: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The online guard's cost model for ``plan``: its draft cost per token and the verify curve."""
-    if plan.method in ("early_exit", "hybrid") and plan.exit_layer in draft_cost:
-        draft = draft_cost[plan.exit_layer]
-    elif plan.method in ("eagle", "eagle_hybrid"):
-        draft = float((eagle or {}).get("draft_cost", 1.0))
-    elif plan.method == "layer_skip":
-        draft = float(layer_skip.get("layer_skip_draft_cost", 1.0))
-    else:
-        draft = 0.0  # prompt lookup drafts for free
-    return {"draft": round(draft, 4), "verify": {str(k): round(v, 4) for k, v in verify_cost.items()}}
 
 
 def expected_speedup(agreement: float, draft_cost: float, verify_cost: float, num_draft: int) -> float:
@@ -235,7 +222,7 @@ def generate_continuations(
     """Plain greedy continuations of each prompt (what any lossless method must reproduce)."""
     engine_class = type(engine)  # sibling engines of the caller's class: no import back to selfspec.decoding.engine
 
-    plain = engine_class(engine.model, engine.tokenizer, drafter="none", calibration={})
+    plain = engine_class(engine.model, engine.tokenizer, drafter=PLAIN, calibration={})
     sequences = [ids + plain.generate_ids(ids, max_new_tokens=max_new_tokens).token_ids for ids in prompt_ids]
     return Continuations(sequences, [len(ids) for ids in prompt_ids])
 
@@ -425,7 +412,7 @@ def replay(
     later tokens read the head's own predictions) gives ``accepted_per_round``: how many
     tokens its full-length chains had accepted; each round draws one (a fixed seed, so the
     replay is reproducible) and keeps at most its budget. With ``lookup`` as well it drafts
-    only in rounds without a copy (``eagle_hybrid``'s copy-only rounds). An adaptive draft
+    only in rounds without a copy (a head with copies where the text repeats). An adaptive draft
     grows up to ``max_draft_tokens``.
     """
     from ..drafting.prompt_lookup import NgramIndex
@@ -479,158 +466,6 @@ def replay(
                 elif accepted < len(draft) // 2:
                     current = max(current - 1, 1)
     return result
-
-
-# ----------------------------------------------------------------------------- EAGLE heads
-
-
-def measure_eagle(
-    engine: SpeculativeEngine,
-    prompt_ids: Sequence[list[int]],
-    max_new_tokens: int,
-    step_seconds: float,
-    head: Any = None,
-    num_draft_tokens: int = 4,
-) -> dict[str, Any]:
-    """An EAGLE head's acceptance and draft cost on this model and hardware (empty: no head fits).
-
-    Decodes each prompt greedily with the head's fixed-length chains (no confidence stop) and
-    records how many tokens each full-length round accepted (for shorter drafts the greedy
-    chain is a prefix, so it accepts ``min(n, k)``) and the drafting seconds per drafted token,
-    relative to one plain step (``step_seconds``); the per-prompt median is kept.
-
-    Args:
-        engine: the calibrated engine (its model is only read).
-        prompt_ids: the calibration prompts' ids.
-        max_new_tokens: tokens generated per prompt.
-        step_seconds: one plain step's seconds (:func:`measure_costs`).
-        head: a head folder or loaded :class:`~selfspec.drafting.eagle.head.EagleHead`; ``None`` looks for one
-            (:func:`~selfspec.drafting.eagle.head.find_eagle_head`).
-        num_draft_tokens: the chains' length.
-    """
-    from ..drafting.eagle.head import find_eagle_head
-    from ..errors import ConfigurationError, ModelNotFoundError
-
-    if head is None:
-        found = find_eagle_head(engine.name_or_path, engine.runner.model) if engine.name_or_path else None
-        if found is None:
-            return {}
-        head = str(found)
-    engine_class = type(engine)  # sibling engines of the caller's class: no import back to selfspec.decoding.engine
-    try:
-        eagle = engine_class(
-            engine.model,
-            engine.tokenizer,
-            drafter="eagle",
-            eagle_head=head,
-            num_draft_tokens=num_draft_tokens,
-            calibration={},
-        )
-    except (ConfigurationError, ModelNotFoundError) as error:
-        logger.warning("calibration skips the EAGLE head %s: %s", head, error)
-        return {}
-    accepted: list[int] = []
-    costs: list[float] = []
-    tokens = rounds = 0
-    for ids in prompt_ids:
-        out = eagle.generate_ids(ids, max_new_tokens=max_new_tokens)
-        stats = out.stats
-        # every round (the last one of a generation may draft less than the full chain)
-        accepted += [n for n, count in enumerate(stats.accepted_length_histogram) for _ in range(count)]
-        if stats.num_drafted and step_seconds > 0:
-            costs.append(stats.draft_seconds / stats.num_drafted / step_seconds)
-        tokens += len(out.token_ids)
-        rounds += max(0, stats.target_forwards - 1)
-    if not accepted or not costs:
-        return {}
-    return {
-        "head": head if isinstance(head, str) else getattr(head.head_config, "target", "a loaded head"),
-        "num_draft_tokens": num_draft_tokens,
-        "draft_cost": round(statistics.median(costs), 4),
-        "accepted_per_round": accepted,
-        "tau": round((tokens - len(prompt_ids)) / max(rounds, 1), 3),
-        "acceptance_rate": round(sum(accepted) / (len(accepted) * num_draft_tokens), 4),
-    }
-
-
-# ----------------------------------------------------------------------------- layer skip search
-
-
-def _subset_agreement(
-    engine: SpeculativeEngine, sequences: list[tuple[torch.Tensor, int]], layers: list[int], targets: list[torch.Tensor]
-) -> float:
-    """Teacher-forced greedy agreement of a layer subset with the full model."""
-    from ..drafting import contiguous_runs
-
-    adapter = engine.runner
-    matches = total = 0
-    with torch.inference_mode():
-        for (sequence, start), target in zip(sequences, targets, strict=True):
-            cache = adapter.new_cache(sequence.shape[1])
-            positions = torch.arange(sequence.shape[1], device=adapter.device)
-            hidden = adapter.embed(sequence)
-            for run_start, run_end in contiguous_runs(layers):
-                hidden = adapter.run_layers(hidden, run_start, run_end, positions, cache)
-            tokens = adapter.logits(hidden[:, start:-1]).argmax(-1)
-            matches += int((tokens == target).sum())
-            total += int(target.numel())
-    return matches / max(total, 1)
-
-
-def search_skip_layers(
-    engine: SpeculativeEngine,
-    prompt_ids: Sequence[list[int]],
-    draft_cost: dict[int, float],
-    verify_cost: dict[int, float],
-    max_new_tokens: int = 32,
-) -> tuple[list[int], float, int, float]:
-    """Greedy search for the layer-skip drafter's layers (Draft & Verify / SWIFT style).
-
-    Starting from every layer, it drops the layer whose removal costs the least agreement,
-    one at a time, and keeps the subset (and draft length) with the best expected speed. A
-    draft step's cost is interpolated from the measured cost per early-exit depth.
-
-    Returns:
-        ``(layers, agreement, num_draft_tokens, expected speedup)``.
-    """
-    engine_class = type(engine)  # sibling engines of the caller's class: no import back to selfspec.decoding.engine
-
-    adapter = engine.runner
-    plain = engine_class(engine.model, engine.tokenizer, drafter="none")
-    sequences, targets = [], []
-    with torch.inference_mode():
-        for ids in prompt_ids:
-            new = plain.generate_ids(ids, max_new_tokens=max_new_tokens).token_ids
-            sequence = torch.tensor([ids + new], device=adapter.device)
-            sequences.append((sequence, len(ids) - 1))
-    for sequence, start in sequences:
-        targets.append(adapter.logits(_full(adapter, sequence)[:, start:-1]).argmax(-1))
-    depths = sorted(draft_cost)
-    per_layer = (draft_cost[depths[-1]] - draft_cost[depths[0]]) / max(1, depths[-1] - depths[0])
-    head = max(0.0, draft_cost[depths[0]] - per_layer * depths[0])
-
-    def speed(layers: list[int], agreement: float) -> tuple[float, int]:
-        cost = head + per_layer * len(layers)
-        return max((expected_speedup(agreement, cost, v, k), k) for k, v in verify_cost.items())
-
-    layers = list(range(adapter.num_layers))
-    best = (0.0, layers, 1.0, 1)
-    while len(layers) > 1:
-        candidates = [[x for x in layers if x != drop] for drop in layers if drop != layers[-1]]
-        scored = [(_subset_agreement(engine, sequences, c, targets), c) for c in candidates]
-        agreement, layers = max(scored, key=lambda item: item[0])
-        value, k = speed(layers, agreement)
-        if value > best[0]:
-            best = (value, layers, agreement, k)
-    value, layers, agreement, k = best
-    return layers, agreement, k, value
-
-
-def _full(adapter: Any, sequence: torch.Tensor) -> torch.Tensor:
-    cache = adapter.new_cache(sequence.shape[1])
-    positions = torch.arange(sequence.shape[1], device=adapter.device)
-    with torch.inference_mode():
-        return adapter.run_layers(adapter.embed(sequence), 0, adapter.num_layers, positions, cache)
 
 
 #: Node budgets that ``calibrate(trees=True)`` races against the chain.
@@ -690,31 +525,103 @@ def choose_tree_nodes(speeds: dict[str, float]) -> int | None:
     return best if trees[best] > TREE_MARGIN * speeds.get("chain", 0.0) else None
 
 
-def layer_skip_matches(engine: SpeculativeEngine, data: Continuations, layers: list[int]) -> list[list[bool]]:
-    """Per position: does the layer subset's greedy token equal the model's (teacher-forced)?"""
-    from ..drafting.layer_skip import contiguous_runs
+@dataclass
+class MeasureContext:
+    """What calibration measured before asking the drafters (:class:`~selfspec.drafting.planning.CalibrationContext`).
 
-    runner = engine.runner
-    out = []
-    with torch.inference_mode():
-        for sequence, start in zip(data.sequences, data.starts, strict=True):
-            ids = torch.tensor([sequence], device=runner.device)
-            cache = runner.new_cache(ids.shape[1])
-            positions = torch.arange(ids.shape[1], device=runner.device)
-            hidden = runner.embed(ids)
-            for run_start, run_end in contiguous_runs(layers):
-                hidden = runner.run_layers(hidden, run_start, run_end, positions, cache)
-            tokens = runner.logits(hidden[:, start - 1 : -1]).argmax(-1)
-            out.append((tokens == torch.tensor(sequence[start:], device=runner.device)).tolist())
-    return out
+    The registered drafters' calibrations (:class:`~selfspec.drafting.planning.DrafterCalibration`)
+    read it to measure themselves and to replay their candidates.
+    """
+
+    data: Continuations
+    matches: dict[int, list[list[bool]]]
+    draft_cost: dict[int, float]
+    verify_cost: dict[int, float]
+    engine: Any = None
+    prompt_ids: Sequence[list[int]] = ()
+    max_new_tokens: int = 0
+    max_draft_tokens: int = 8
+    step_seconds: float = 0.0
+    exit_adapter_layer: int | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    best_exit: tuple[int, int, float] = (1, 1, 0.0)
+
+    def __post_init__(self) -> None:
+        self.best_exit = best_early_exit(self.data, self.matches, self.draft_cost, self.verify_cost)
+
+    @property
+    def lengths(self) -> list[int]:
+        """The measured draft lengths, shortest first."""
+        return sorted(self.verify_cost)
+
+    def replay(self, costs: CostModel, num_draft_tokens: int, **how: Any) -> Replay:
+        """:func:`replay` of these continuations."""
+        return replay(self.data, costs, num_draft_tokens, **how)
 
 
-def _layer_skip_cost(draft_cost: dict[int, float], num_kept: int) -> float:
-    """A draft step through ``num_kept`` layers, interpolated from the early-exit costs."""
-    depths = sorted(draft_cost)
-    per_layer = (draft_cost[depths[-1]] - draft_cost[depths[0]]) / max(1, depths[-1] - depths[0])
-    head = max(0.0, draft_cost[depths[0]] - per_layer * depths[0])
-    return head + per_layer * num_kept
+def best_early_exit(
+    data: Continuations,
+    matches: dict[int, list[list[bool]]],
+    draft_cost: dict[int, float],
+    verify_cost: dict[int, float],
+) -> tuple[int, int, float]:
+    """``(exit layer, draft length, replayed speedup)`` of the fastest early exit (what ``"auto"`` settings use)."""
+    lengths = sorted(verify_cost)
+    best = (min(matches) if matches else 1, lengths[0], 0.0)
+    for layer, hits in matches.items():
+        costs = CostModel(draft_cost[layer], verify_cost)
+        for k in lengths:
+            speed = replay(data, costs, k, matches=hits).speedup
+            if speed > best[2]:
+                best = (layer, k, speed)
+    return best
+
+
+def _plannable() -> list[tuple[str, DrafterCalibration]]:
+    """Every registered drafter calibration considers, in registration order."""
+    return [(spec.name, spec.calibration) for spec in registered() if spec.calibration is not None]
+
+
+def _wanted(key: str, methods: Sequence[str] | None) -> bool:
+    """Whether a measurement is needed: some method sharing its figures (``figures_key``, else its name) may win."""
+    if methods is None:
+        return True
+    return any(n in methods for n, hooks in _plannable() if (hooks.figures_key or n) == key)
+
+
+def measure_drafters(context: MeasureContext, methods: Sequence[str] | None = None) -> dict[str, Any]:
+    """Each drafter's own measurement, once per ``figures_key`` (shared by the drafters that declare it)."""
+    figures: dict[str, Any] = {}
+    for name, hooks in _plannable():
+        key = hooks.figures_key or name
+        if key in figures or not _wanted(key, methods):
+            continue
+        figures[key] = hooks.measure(name, context)
+    return figures
+
+
+def rank_candidates(context: MeasureContext, figures: dict[str, Any]) -> list[Candidate]:
+    """Every registered drafter's candidates, replayed over the continuations."""
+    found: list[Candidate] = []
+    for name, hooks in _plannable():
+        if name == PLAIN:
+            continue
+        found += hooks.candidates(name, context, figures.get(hooks.figures_key or name))
+    return found
+
+
+def pick(candidates: list[Candidate], methods: Sequence[str] | None = None) -> tuple[Plan, Candidate | None]:
+    """The fastest candidate's plan; plain decoding unless one beats it by :data:`PLAIN_MARGIN`."""
+    options = [c for c in candidates if methods is None or c.method in methods]
+    if not options:
+        options = [Candidate(PLAIN, {}, 0.0, PLAIN)]
+    best = max(options, key=lambda c: c.speedup)
+    if best.speedup < PLAIN_MARGIN:
+        reason = f"no method beats plain decoding here (best: {best.method} at {best.speedup:.2f}x)"
+        return Plan(PLAIN, reason=reason, predicted_speedup=1.0), None
+    runner_up = max((c.speedup for c in options if c is not best), default=1.0)
+    reason = f"predicted {best.speedup:.2f}x plain decoding (next best {max(runner_up, 1.0):.2f}x)"
+    return Plan(best.method, dict(best.settings), round(best.speedup, 3), reason), best
 
 
 def choose_plan(
@@ -723,97 +630,28 @@ def choose_plan(
     draft_cost: dict[int, float],
     verify_cost: dict[int, float],
     *,
-    skip: tuple[list[int], list[list[bool]], float] | None = None,
+    figures: dict[str, Any] | None = None,
     exit_adapter_layer: int | None = None,
-    eagle: dict[str, Any] | None = None,
     methods: Sequence[str] | None = None,
 ) -> tuple[Plan, dict[str, float], tuple[int, int, float]]:
-    """Replay every candidate and pick the fastest; plain decoding unless one beats it by :data:`PLAIN_MARGIN`.
+    """Replay every registered drafter's candidates and pick the fastest (plain decoding unless one pays).
 
     Args:
         data: the model's own continuations.
         matches: per exit layer, per position, whether the early exit's token was the model's.
         draft_cost: a draft step's cost per exit layer (relative to a plain step).
         verify_cost: verifying ``k`` drafts, per ``k``.
-        skip: the layer-skip subset, its per-position matches and its draft cost.
-        exit_adapter_layer: the layer an exit adapter reads (the plan then uses it).
-        eagle: :func:`measure_eagle`'s figures (``eagle`` and ``eagle_hybrid`` candidates).
+        figures: the drafters' own measurements by ``figures_key`` (else the drafter's name; :func:`measure_drafters`).
+        exit_adapter_layer: the layer an exit adapter reads (a plan at that layer then uses it).
         methods: consider only these plan methods (plain decoding always); ``None``: all.
 
     Returns:
-        ``(plan, {candidate: predicted speedup}, (best early-exit layer, its k, its speedup))``.
+        ``(plan, {candidate label: predicted speedup}, (best early-exit layer, its k, its speedup))``.
     """
-    lengths = sorted(verify_cost)
-    candidates: dict[str, float] = {"none": 1.0}
-    best_exit = (min(matches) if matches else 1, lengths[0], 0.0)
-    for layer, hits in matches.items():
-        costs = CostModel(draft_cost[layer], verify_cost)
-        for k in lengths:
-            speed = replay(data, costs, k, matches=hits).speedup
-            if speed > best_exit[2]:
-                best_exit = (layer, k, speed)
-    exit_layer, exit_k, exit_speed = best_exit
-    if matches:
-        candidates[f"early_exit(E={exit_layer},k={exit_k})"] = exit_speed
-    lookup_best = (2, 4, 0.0)
-    for min_ngram in (1, 2):
-        for k in [k for k in lengths if k <= 6] or lengths:
-            speed = replay(data, CostModel(0.0, verify_cost), k, lookup=(min_ngram, 3)).speedup
-            if speed > lookup_best[2]:
-                lookup_best = (min_ngram, k, speed)
-    min_ngram, lookup_k, lookup_speed = lookup_best
-    candidates[f"prompt_lookup(min_ngram={min_ngram})"] = lookup_speed
-    hybrid_speed = 0.0
-    if matches:
-        costs = CostModel(draft_cost[exit_layer], verify_cost)
-        hybrid_speed = replay(data, costs, exit_k, matches=matches[exit_layer], lookup=(2, 3)).speedup
-        candidates[f"hybrid(E={exit_layer},k={exit_k})"] = hybrid_speed
-    skip_speed, skip_k = 0.0, 1
-    if skip is not None:
-        layers, hits, cost = skip
-        for k in lengths:
-            speed = replay(data, CostModel(cost, verify_cost), k, matches=hits).speedup
-            if speed > skip_speed:
-                skip_speed, skip_k = speed, k
-        candidates[f"layer_skip({len(layers)} layers,k={skip_k})"] = skip_speed
-    options = [
-        (lookup_speed, Plan("prompt_lookup", num_draft_tokens=lookup_k, min_ngram=min_ngram)),
-        (exit_speed, Plan("early_exit", exit_layer=exit_layer, num_draft_tokens=exit_k)),
-        (hybrid_speed, Plan("hybrid", exit_layer=exit_layer, num_draft_tokens=exit_k, min_ngram=2)),
-    ]
-    if skip is not None:
-        options.append((skip_speed, Plan("layer_skip", num_draft_tokens=skip_k, layers=skip[0])))
-    if eagle and eagle.get("accepted_per_round"):
-        costs = CostModel(float(eagle["draft_cost"]), verify_cost)
-        longest = int(eagle.get("num_draft_tokens", lengths[-1]))
-        head = str(eagle.get("head")) if eagle.get("head") else None
-        for method, copies in (("eagle", False), ("eagle_hybrid", True)):
-            best = (0.0, 1)
-            for k in [k for k in lengths if k <= longest]:
-                run = replay(
-                    data,
-                    costs,
-                    k,
-                    lookup=(2, 3) if copies else None,  # eagle_hybrid: copy-only rounds where the text repeats
-                    accepted_per_round=eagle["accepted_per_round"],
-                    max_draft_tokens=longest,  # measured chains were this long
-                )
-                best = max(best, (run.speedup, k))
-            candidates[f"{method}(k={best[1]})"] = best[0]
-            options.append((best[0], Plan(method, num_draft_tokens=best[1], min_ngram=2, eagle_head=head)))
-    if methods is not None:
-        options = [(s, p) for s, p in options if p.method in methods] or [(0.0, Plan("none"))]
-    speed, plan = max(options, key=lambda item: item[0])
-    if speed < PLAIN_MARGIN:
-        plan = Plan("none", reason=f"no method beats plain decoding here (best: {plan.method} at {speed:.2f}x)")
-        speed = 1.0
-    else:
-        runner_up = max((s for s, p in options if p is not plan), default=1.0)
-        plan.reason = f"predicted {speed:.2f}x plain decoding (next best {max(runner_up, 1.0):.2f}x)"
-    if exit_adapter_layer is not None and plan.method in ("early_exit", "hybrid"):
-        plan.exit_adapter = True
-    plan.predicted_speedup = round(speed, 3)
-    return plan, candidates, best_exit
+    context = MeasureContext(data, matches, draft_cost, verify_cost, exit_adapter_layer=exit_adapter_layer)
+    candidates = rank_candidates(context, figures or {})
+    plan, _ = pick(candidates, methods)
+    return plan, {PLAIN: 1.0, **{c.label: c.speedup for c in candidates}}, context.best_exit
 
 
 def _prompt_ids(engine: SpeculativeEngine, prompt: Any) -> list[int]:
@@ -832,12 +670,15 @@ def calibrate(
     max_draft_tokens: int = 8,
     save: bool = True,
     progress: bool = True,
-    layer_skip: bool = False,
     trees: bool = False,
-    eagle_head: Any = None,
     methods: Sequence[str] | None = None,
+    **options: Any,
 ) -> CalibrationResult:
     """Measure every candidate on this model and hardware, choose the plan, save it.
+
+    The early exit's agreement per layer and the draft and verify costs are measured here; every
+    registered drafter whose registration declares a ``calibration`` then measures itself and
+    offers its candidates (:class:`~selfspec.drafting.planning.DrafterCalibration`).
 
     Args:
         engine: the engine to calibrate (its model is only read).
@@ -848,23 +689,28 @@ def calibrate(
         max_draft_tokens: the longest draft length to consider.
         save: write ``selfspec.json`` (beside a local model folder, else in the user cache).
         progress: show a progress bar.
-        layer_skip: search the layer-skip drafter's layers greedily (slow: quadratic in the
-            depth); without it the default subset is measured.
         trees: also race early-exit token trees of :data:`TREE_CANDIDATES` nodes against
             the chain at the best exit layer and draft length, and save the fastest as
             ``tree_nodes`` (``None``: the chain), which ``tree_nodes="auto"`` uses.
-        eagle_head: an EAGLE head (folder or loaded head) to measure; ``None`` measures the
-            one :func:`~selfspec.drafting.eagle.head.find_eagle_head` finds for the model, if any;
-            ``False`` skips EAGLE.
         methods: let the plan choose only among these methods (and plain decoding);
             ``None``: every measured one.
+        **options: options of the drafters' calibrations, each documented by the drafter that
+            reads it (its calibration's ``options``); an option no registered drafter reads is an error.
 
     Returns:
         The measurements and the choice. The engine itself is not changed; a new engine
         (or ``engine.configure(result.to_json())``) uses them.
-    """
-    from ..drafting.layer_skip import default_skip_layers
 
+    Raises:
+        ConfigurationError: an option no registered drafter's calibration reads.
+    """
+    known = {option for _, hooks in _plannable() for option in hooks.options}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ConfigurationError(
+            f"calibrate() got unknown drafter option(s) {', '.join(unknown)}; the registered drafters read "
+            f"{', '.join(sorted(known)) or 'none'}"
+        )
     runner = engine.runner
     num_layers = runner.num_layers
     deepest = max_exit_layer or max(1, num_layers // 2)
@@ -892,41 +738,29 @@ def calibrate(
     checks: dict[str, Any] = {}
     draft_cost, verify_cost, step_seconds = measure_costs(engine, cost_prompt, layers, draft_lengths, checks=checks)
     bar.update()
-    bar.set_postfix_str("layer skip and the plan")
-    if layer_skip:
-        kept, _, _, _ = search_skip_layers(engine, prompt_ids, draft_cost, verify_cost, max_new_tokens)
-    else:
-        kept = default_skip_layers(num_layers)
-    skip_cost = _layer_skip_cost(draft_cost, len(kept))
-    skip_hits = layer_skip_matches(engine, data, kept)
-    bar.update()
-    bar.set_postfix_str("EAGLE head")
-    eagle: dict[str, Any] = {}
-    if eagle_head is not False and (methods is None or {"eagle", "eagle_hybrid"} & set(methods)):
-        eagle = measure_eagle(
-            engine, prompt_ids, max_new_tokens, step_seconds, head=eagle_head, num_draft_tokens=min(4, max_draft_tokens)
-        )
-    plan, candidates, (exit_layer, num_draft_tokens, exit_speed) = choose_plan(
+    bar.set_postfix_str("the drafters' own measurements")
+    context = MeasureContext(
         data,
         matches,
         draft_cost,
         verify_cost,
-        skip=(kept, skip_hits, skip_cost),
+        engine=engine,
+        prompt_ids=prompt_ids,
+        max_new_tokens=max_new_tokens,
+        max_draft_tokens=max_draft_tokens,
+        step_seconds=step_seconds,
         exit_adapter_layer=None if exit_adapter is None else exit_adapter.exit_layer,
-        eagle=eagle,
-        methods=methods,
+        options=options,
     )
-    skip_name = next((k for k in candidates if k.startswith("layer_skip")), "")
-    skip_k = int(skip_name.split("k=")[1].rstrip(")")) if skip_name else 1
-    skip = {
-        "layer_skip_layers": kept,
-        "layer_skip_agreement": round(agreement_of(skip_hits), 4),
-        "layer_skip_num_draft_tokens": skip_k,
-        "layer_skip_expected_speedup": round(candidates.get(skip_name, 0.0), 3),
-        "layer_skip_draft_cost": round(skip_cost, 4),
-    }
+    figures = measure_drafters(context, methods)
+    bar.update()
+    bar.set_postfix_str("the plan")
+    candidates = rank_candidates(context, figures)
+    plan, chosen = pick(candidates, methods)
+    saved, notes = _saved(figures, candidates)
     bar.update()
     bar.close()
+    exit_layer, num_draft_tokens, exit_speed = context.best_exit
     tree_speed: dict[str, float] = {}
     if trees:
         tree_speed = measure_tree_speed(engine, prompt_ids[:3], exit_layer, num_draft_tokens)
@@ -938,13 +772,14 @@ def calibrate(
         draft_cost=draft_cost,
         verify_cost=verify_cost,
         step_seconds=step_seconds,
-        layer_skip=skip,
+        figures=saved,
+        notes=notes,
         tree_speed=tree_speed,
         tree_nodes=choose_tree_nodes(tree_speed),
         plan=plan,
-        candidates=candidates,
+        plan_draft_cost=chosen.draft_cost if chosen is not None else 0.0,
+        candidates={PLAIN: 1.0, **{c.label: c.speedup for c in candidates}},
         cost_checks=checks,
-        eagle=eagle,
         device=str(runner.device),
         dtype=str(runner.dtype).replace("torch.", ""),
     )
@@ -973,6 +808,25 @@ def show_progress() -> bool:
     import sys
 
     return sys.stderr.isatty() and logging.getLogger("selfspec").getEffectiveLevel() <= logging.WARNING
+
+
+def _saved(figures: dict[str, Any], candidates: list[Candidate]) -> tuple[dict[str, Any], list[str]]:
+    """What each drafter saves in ``selfspec.json`` (once per ``figures_key``) and its line for the CLI."""
+    saved: dict[str, Any] = {}
+    notes: list[str] = []
+    done: set[str] = set()
+    for name, hooks in _plannable():
+        key = hooks.figures_key or name
+        if key in done:
+            continue
+        done.add(key)
+        sharing = {n for n, h in _plannable() if (h.figures_key or n) == key}
+        entries = hooks.saved(figures.get(key), [c for c in candidates if c.method in sharing])
+        saved.update(entries)
+        note = hooks.note(entries)
+        if note:
+            notes.append(note)
+    return saved, notes
 
 
 def calibrate_on_first_load(engine: SpeculativeEngine, *, trees: bool = False) -> None:

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ..calibration.bench import DEFAULT_BENCH_TREE_NODES, METHOD_FAMILIES
+from ..calibration.bench import DEFAULT_BENCH_TREE_NODES, method_families
 from ..errors import SelfSpecError
 from ..modeling.loading import DEMO_MODEL
 from ..prompts import PROMPT_SETS, STOCK_PROMPT_SETS
@@ -152,15 +152,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         f"expected speedup {result.expected_speedup:.2f}x"
     )
     print(f"drafter='auto' plan: {result.plan.summary()}")
-    advice = result.plan.advice(engine.name_or_path, has_head=bool(result.eagle))
+    for note in result.notes:  # what each drafter's calibration saved
+        print(note)
+    advice = result.plan.advice(engine.name_or_path, has_head=bool(result.figures.get("eagle")))
     if advice:
         print(advice)
-    if result.layer_skip:
-        print(
-            f"layer skip: layers {result.layer_skip['layer_skip_layers']}, agreement "
-            f"{result.layer_skip['layer_skip_agreement']:.3f}, expected speedup "
-            f"{result.layer_skip['layer_skip_expected_speedup']:.2f}x"
-        )
     if result.tree_speed:
         speeds = ", ".join(f"{k}: {v:.1f}" for k, v in result.tree_speed.items())
         print(f"tokens/s by tree nodes ({speeds}); chosen tree_nodes={result.tree_nodes}")
@@ -269,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--methods",
         nargs="*",
         default=None,
-        help="method families to run (baselines always run): " + ", ".join(METHOD_FAMILIES) + "; default all",
+        help="method families to run (baselines always run): " + ", ".join(method_families()) + "; default all",
     )
     bench.add_argument("--temperatures", nargs="*", type=float, default=[0.7, 1.0])
     bench.add_argument(

@@ -42,12 +42,17 @@ def check_arguments(exit_layer: Any, num_draft_tokens: Any, drafter: Any, tree_n
         if not isinstance(drafter, str):
             raise ConfigurationError(f"unknown drafter {drafter!r}; choose one of {', '.join(list_drafters())}")
         drafter_spec(drafter)  # raises on an unknown name
-        if drafter == "auto" and exit_layer != "auto":
-            raise ConfigurationError(
-                f"exit_layer={exit_layer!r} sets the early exit's layer, and drafter='auto' takes it from the "
-                "calibrated plan: pass drafter='early_exit' (or 'hybrid') to choose the layer yourself"
-            )
+    _check_auto_exit_layer(drafter, exit_layer)
     check_tree_nodes(tree_nodes)  # None, 'auto' or an int in [1, MAX_TREE_NODES]
+
+
+def _check_auto_exit_layer(drafter: Any, exit_layer: Any) -> None:
+    """``drafter="auto"`` takes the exit layer from its plan: an explicit one means another drafter."""
+    if drafter == "auto" and exit_layer != "auto":
+        raise ConfigurationError(
+            f"exit_layer={exit_layer!r} sets the early exit's layer, and drafter='auto' takes it from the "
+            "calibrated plan: pass drafter='early_exit' (or 'hybrid') to choose the layer yourself"
+        )
 
 
 def wants_calibration(exit_layer: Any, num_draft_tokens: Any, drafter: Any, tree_nodes: Any) -> bool:
@@ -126,6 +131,7 @@ class EngineConfig:
             ConfigurationError: an argument is malformed or does not fit the model or drafter.
         """
         check_arguments(exit_layer, num_draft_tokens, "none", tree_nodes)
+        _check_auto_exit_layer(drafter, exit_layer)
         adapter_module = engine_exit_adapter(exit_adapter, runner, name_or_path, exit_layer, drafter)
         if adapter_module is not None:
             exit_layer = adapter_module.exit_layer  # the layer the adapter was trained for

@@ -17,7 +17,7 @@ import torch
 
 from ..core.constraints import TokenConstraint
 from ..drafting import Drafter, drafter_spec
-from ..drafting.auto import UNCALIBRATED_PLAN, Plan, plan_of
+from ..drafting.auto import Plan, plan_of, uncalibrated_plan
 from ..drafting.exit_adapter.adapter import ExitAdapter
 from ..drafting.medusa.drafter import MedusaHeads, load_medusa_heads
 from ..drafting.registry import drafters_using
@@ -161,7 +161,7 @@ class SpeculativeEngine:
         """What ``drafter="auto"`` runs and why (:class:`~selfspec.calibration.Plan`), else ``None``."""
         if self.config.drafter_name != "auto":
             return None
-        return plan_of(self.config.calibration) or UNCALIBRATED_PLAN
+        return plan_of(self.config.calibration) or uncalibrated_plan()
 
     def __getattr__(self, name: str) -> Any:
         """Settings read through to :attr:`config`: ``engine.exit_layer`` is ``engine.config.exit_layer``.

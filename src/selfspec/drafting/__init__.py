@@ -5,7 +5,10 @@
 registers itself. Importing this package registers the built-in drafters.
 """
 
+from typing import Any
+
 from .base import DecodeState, Draft, Drafter, NoDrafter, choose_token, draft_autoregressively
+from .planning import PLAIN, BenchContext, BenchRow, DrafterBench, DrafterCalibration, DrafterFactory, sampled
 from .registry import DrafterSpec, drafter_spec, list_drafters, register_drafter, unregister_drafter
 
 # built-in drafters, each registering itself (this order is the order of list_drafters())
@@ -23,7 +26,30 @@ def _make_none(engine: object, **options: object) -> NoDrafter:
     return NoDrafter()
 
 
-register_drafter("none", _make_none, description="plain decoding (the baseline)")
+class _PlainCalibration(DrafterCalibration):
+    """Plain decoding, the plan when no candidate beats it (calibration adds it at 1.0 itself)."""
+
+    def describe(self, name: str, settings: dict[str, Any]) -> str:
+        return "plain decoding"
+
+    def build(self, factory: DrafterFactory, engine: Any, settings: dict[str, Any], options: dict[str, Any]) -> Drafter:
+        return NoDrafter()
+
+
+def _plain_rows(name: str, context: BenchContext) -> list[BenchRow]:
+    row = BenchRow("selfspec_plain", context.engine(drafter=name), "selfspec loop without drafts", "plain")
+    return [row, *sampled(row, context.temperatures)]
+
+
+register_drafter(
+    PLAIN,
+    _make_none,
+    description="plain decoding (the baseline)",
+    calibration=_PlainCalibration(),
+    bench=DrafterBench(
+        _plain_rows, {"plain": "selfspec_plain (+ _tT): selfspec's loop without drafts, greedy and at each temperature"}
+    ),
+)
 
 __all__ = [
     "DecodeState",

@@ -1,35 +1,45 @@
 """The plan behind ``drafter="auto"``: the method calibration measured fastest on this model.
 
-A :class:`Plan` is saved in ``selfspec.json`` (under ``"plan"``) by
-:func:`~selfspec.calibration.calibrate` and read back by the ``"auto"`` drafter, which builds:
+A :class:`Plan` is a method (a registered drafter's name) and its settings; it is saved in
+``selfspec.json`` (under ``"plan"``) by :func:`~selfspec.calibration.calibrate` and read back by
+the ``"auto"`` drafter, which builds it through the method's registration
+(:class:`~selfspec.drafting.planning.DrafterCalibration`): no drafter is named here. Any
+registered drafter whose registration declares a ``calibration`` can be planned;
+:func:`plan_methods` lists them.
 
-- ``"none"``: plain decoding (nothing beat it on this model and hardware);
-- ``"prompt_lookup"``: copies from the prompt where it repeats, plain steps elsewhere;
-- ``"early_exit"``: the target's first ``exit_layer`` layers (through an exit adapter when one
-  is saved beside the model);
-- ``"hybrid"``: prompt lookup where the text repeats, else the early exit;
-- ``"layer_skip"``: a subset of the layers;
-- ``"eagle"``: an EAGLE-style feature head found for the model (:func:`~selfspec.drafting.eagle.head.find_eagle_head`);
-- ``"eagle_hybrid"``: prompt-lookup copies where the text repeats, the head's chains elsewhere.
-
-Per request the lookup part drafts only where the prompt gives it something to copy, and the
-online guard (:mod:`selfspec.decoding.controller`) pauses any drafting that does not pay.
+Per request the online guard (:mod:`selfspec.decoding.controller`) pauses any drafting that does
+not pay.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
-from .registry import register_drafter
+from ..errors import SelfSpecError
+from .planning import PLAIN, DrafterCalibration
+from .registry import drafter_spec, register_drafter, registered
 
 logger = logging.getLogger(__name__)
 
-#: Methods a plan can name.
-PLAN_METHODS = ("none", "prompt_lookup", "early_exit", "hybrid", "layer_skip", "eagle", "eagle_hybrid")
 #: A method must be predicted this much faster than plain decoding to be chosen.
 PLAIN_MARGIN = 1.05
+#: The settings a plan saved before plans held ``settings`` (selfspec 0.x, calibration version 3) kept flat.
+_FLAT_SETTINGS = ("exit_layer", "num_draft_tokens", "min_ngram", "layers", "exit_adapter", "eagle_head")
+
+
+def plan_methods() -> list[str]:
+    """The registered drafters a plan can name (their registration declares a ``calibration``)."""
+    return [spec.name for spec in registered() if spec.calibration is not None]
+
+
+def method_calibration(method: str) -> DrafterCalibration | None:
+    """The registration's calibration of ``method``, or ``None`` (not registered, or not plannable)."""
+    try:
+        return drafter_spec(method).calibration
+    except SelfSpecError:
+        return None
 
 
 @dataclass
@@ -37,46 +47,30 @@ class Plan:
     """What ``drafter="auto"`` runs, and why.
 
     Attributes:
-        method: one of :data:`PLAN_METHODS`.
-        exit_layer: the early exit's layer (``"early_exit"`` and ``"hybrid"``).
-        num_draft_tokens: the starting draft length (it adapts).
-        min_ngram: the shortest n-gram prompt lookup copies after.
-        layers: the layer-skip drafter's layers.
-        exit_adapter: whether the early exit reads the exit layer through the saved adapter.
-        eagle_head: the EAGLE head's folder (``"eagle"`` and ``"eagle_hybrid"``).
+        method: a registered drafter with a calibration (:func:`plan_methods`).
+        settings: the method's own settings (what its calibration's ``build`` reads), e.g.
+            ``{"exit_layer": 2, "num_draft_tokens": 3}``.
         predicted_speedup: predicted tokens/s relative to plain decoding on this hardware.
         reason: one line on why.
         calibrated: ``False`` for the fallback used when nothing was measured.
     """
 
-    method: str = "prompt_lookup"
-    exit_layer: int | None = None
-    num_draft_tokens: int = 4
-    min_ngram: int = 2
-    layers: list[int] = field(default_factory=list)
-    exit_adapter: bool = False
-    eagle_head: str | None = None
+    method: str = PLAIN
+    settings: dict[str, Any] = field(default_factory=dict)
     predicted_speedup: float | None = None
     reason: str = ""
     calibrated: bool = True
 
+    @property
+    def num_draft_tokens(self) -> int:
+        """The starting draft length (it adapts); 4 when the method has none."""
+        value = self.settings.get("num_draft_tokens")
+        return value if isinstance(value, int) and not isinstance(value, bool) else 4
+
     def summary(self) -> str:
-        """One line: the method, its settings and the prediction."""
-        if self.method == "none":
-            what = "plain decoding"
-        elif self.method == "prompt_lookup":
-            what = f"prompt lookup (min_ngram={self.min_ngram}), plain steps where nothing repeats"
-        elif self.method == "layer_skip":
-            what = f"layer skip ({len(self.layers)} layers, k={self.num_draft_tokens})"
-        elif self.method in ("eagle", "eagle_hybrid"):
-            what = f"EAGLE head, k={self.num_draft_tokens}"
-            if self.method == "eagle_hybrid":
-                what = f"{what}, prompt-lookup copies where the text repeats"
-        else:
-            adapter = " with its exit adapter" if self.exit_adapter else ""
-            what = f"early exit at layer {self.exit_layer}{adapter}, k={self.num_draft_tokens}"
-            if self.method == "hybrid":
-                what = f"prompt lookup where the text repeats, else {what}"
+        """One line: the method, its settings (in the method's own words) and the prediction."""
+        hooks = method_calibration(self.method)
+        what = hooks.describe(self.method, self.settings) if hooks is not None else self.method
         if not self.calibrated:
             return f"{what} (not calibrated: no measurements)"
         return f"{what}: {self.reason}" if self.reason else what
@@ -93,26 +87,52 @@ class Plan:
 
     def to_json(self) -> dict[str, Any]:
         """The ``"plan"`` entry of ``selfspec.json``."""
-        return asdict(self)
+        return {
+            "method": self.method,
+            "settings": dict(self.settings),
+            "predicted_speedup": self.predicted_speedup,
+            "reason": self.reason,
+            "calibrated": self.calibrated,
+        }
 
     @classmethod
     def from_json(cls, data: Any) -> Plan | None:
-        """Read a saved plan; ``None`` when missing or malformed."""
-        if not isinstance(data, dict) or data.get("method") not in PLAN_METHODS:
+        """Read a saved plan (also the older flat form); ``None`` when missing, malformed or unknown."""
+        if not isinstance(data, dict) or not isinstance(data.get("method"), str):
             return None
-        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
-        try:
-            plan = cls(**known)
-        except TypeError:
+        hooks = method_calibration(data["method"])
+        if hooks is None:
             return None
-        if plan.method in ("early_exit", "hybrid") and not isinstance(plan.exit_layer, int):
+        settings = data.get("settings")
+        if settings is None:  # the flat form: settings beside the method, unset ones as None or []
+            settings = {k: data[k] for k in _FLAT_SETTINGS if data.get(k) not in (None, [])}
+        speedup = data.get("predicted_speedup")
+        if (
+            not isinstance(settings, dict)
+            or not isinstance(data.get("reason", ""), str)
+            or not (speedup is None or isinstance(speedup, (int, float)))
+            or not hooks.valid(settings)
+        ):
             return None
-        return plan
+        return cls(
+            data["method"],
+            dict(settings),
+            speedup,
+            data.get("reason", ""),
+            bool(data.get("calibrated", True)),
+        )
 
 
-#: The plan ``drafter="auto"`` uses when no calibration was measured (``calibrate=False``):
-#: copying costs nothing to draft, and the guard pauses it where it does not pay.
-UNCALIBRATED_PLAN = Plan("prompt_lookup", num_draft_tokens=4, min_ngram=2, calibrated=False)
+def uncalibrated_plan() -> Plan:
+    """The plan ``drafter="auto"`` uses when no calibration was measured (``calibrate=False``).
+
+    The registration that declares ``fallback_settings`` (a drafter that costs nothing to draft,
+    which the guard pauses where it does not pay); plain decoding when none does.
+    """
+    for spec in registered():
+        if spec.calibration is not None and spec.calibration.fallback_settings is not None:
+            return Plan(spec.name, dict(spec.calibration.fallback_settings), calibrated=False)
+    return Plan(PLAIN, calibrated=False)
 
 
 def plan_of(calibration: dict[str, Any] | None) -> Plan | None:
@@ -126,57 +146,57 @@ def plan_settings(calibration: dict[str, Any]) -> dict[str, Any]:
     if plan is None:
         return calibration
     settings = {**calibration, "num_draft_tokens": plan.num_draft_tokens}
-    if isinstance(plan.exit_layer, int):
-        settings["exit_layer"] = plan.exit_layer
+    exit_layer = plan.settings.get("exit_layer")
+    if isinstance(exit_layer, int):
+        settings["exit_layer"] = exit_layer
     return settings
 
 
+def _build(plan: Plan, engine: Any, options: dict[str, Any]) -> Any:
+    spec = drafter_spec(plan.method)
+    if spec.calibration is None:
+        raise SelfSpecError(f"the registered drafter {plan.method!r} has no calibration")
+    return spec.calibration.build(spec.factory, engine, plan.settings, options)
+
+
 def make_auto(engine: Any, **options: Any) -> Any:
-    """The drafter of the engine's calibrated plan (:class:`Plan`), logged once per engine."""
-    from ..errors import ConfigurationError, ModelNotFoundError
-    from . import EarlyExitDrafter, HybridDrafter, LayerSkipDrafter, NoDrafter, PromptLookupDrafter
+    """The drafter of the engine's calibrated plan (:class:`Plan`), logged once per engine.
 
-    settings = engine.config
-    plan = plan_of(settings.calibration) or UNCALIBRATED_PLAN
-    num_layers = engine.runner.num_layers
-    adapter = settings.exit_adapter if plan.exit_adapter or settings.exit_adapter is not None else None
-    exit_layer = plan.exit_layer if isinstance(plan.exit_layer, int) and 1 <= plan.exit_layer < num_layers else None
-    if adapter is not None and exit_layer != adapter.exit_layer:
-        adapter = None
-    drafter: Any = None
-    if plan.method in ("eagle", "eagle_hybrid"):
-        from .eagle.drafter import make_eagle
-
-        try:
-            drafter = make_eagle(engine, eagle_head=plan.eagle_head, lookup=plan.method == "eagle_hybrid")
-        except (ConfigurationError, ModelNotFoundError) as error:  # the head was removed or no longer fits
-            logger.warning("drafter='auto': the planned EAGLE head is not usable (%s); using prompt lookup", error)
-            drafter = PromptLookupDrafter(min_ngram=plan.min_ngram, **options)
-    elif plan.method == "none":
-        drafter = NoDrafter()
-    elif plan.method == "prompt_lookup" or (plan.method in ("early_exit", "hybrid") and exit_layer is None):
-        drafter = PromptLookupDrafter(min_ngram=plan.min_ngram, **options)
-    elif plan.method == "early_exit":
-        drafter = EarlyExitDrafter(exit_layer, confidence=settings.draft_confidence, exit_adapter=adapter)  # type: ignore[arg-type]
-    elif plan.method == "hybrid":
-        agreement = (settings.calibration.get("agreement") or {}).get(str(exit_layer))
-        drafter = HybridDrafter(
-            exit_layer,  # type: ignore[arg-type]
-            min_ngram=plan.min_ngram,
-            exit_agreement=float(agreement) if isinstance(agreement, (int, float)) else 0.6,
-            confidence=settings.draft_confidence,
-            exit_adapter=adapter,
+    Built by the plan's method's registration; when it no longer fits (a head removed, an exit
+    layer the model does not have) the uncalibrated plan's drafter runs instead, with a warning.
+    """
+    plan = plan_of(engine.config.calibration) or uncalibrated_plan()
+    try:
+        drafter = _build(plan, engine, options)
+    except SelfSpecError as error:
+        fallback = uncalibrated_plan()
+        logger.warning(
+            "drafter='auto': the planned %s is not usable (%s); using %s", plan.method, error, fallback.method
         )
-    else:
-        layers = [i for i in plan.layers if 0 <= i < num_layers]
-        drafter = LayerSkipDrafter(layers) if layers else NoDrafter()
+        drafter = _build(fallback, engine, options)
     drafter.plan = plan
     if getattr(engine, "_logged_plan", None) != plan.summary():
         engine._logged_plan = plan.summary()
-        advice = plan.advice(engine.name_or_path, has_head=bool(settings.calibration.get("eagle")))
+        advice = plan.advice(engine.name_or_path, has_head=bool(engine.config.calibration.get("eagle")))
         logger.info("drafter='auto' for %s: %s%s", engine.name_or_path or "the model", plan.summary(),
                     f"; {advice}" if advice else "")  # fmt: skip
     return drafter
+
+
+def _auto_rows(name: str, context: Any) -> list[Any]:
+    from .planning import BenchRow, sampled
+
+    planned = context.engine(drafter=name, calibration=context.loaded.calibration)
+    about = f"drafter='auto': {planned.plan.summary() if planned.plan else 'plan'}"
+    row = BenchRow(f"selfspec_{name}", planned, about, name)
+    return [row, *sampled(BenchRow(row.name, planned, "drafter='auto'", name), context.temperatures)]
+
+
+def _bench() -> Any:
+    from .planning import DrafterBench
+
+    about = "selfspec_auto (+ _tT): the calibrated plan, greedy and at each temperature"
+    return DrafterBench(_auto_rows, {"auto": about})
 
 
 register_drafter(
@@ -185,4 +205,5 @@ register_drafter(
     description="the fastest method calibration measured on this model and hardware (plain when none pays)",
     exit_adapter=True,
     calibrated=True,
+    bench=_bench(),
 )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -11,6 +12,7 @@ from ..errors import ConfigurationError
 from ..modeling.cache import StaticKVCache
 from ..modeling.runner import ModelRunner
 from .base import DecodeState, Draft, Drafter, draft_autoregressively
+from .planning import BenchContext, BenchRow, DrafterBench
 from .registry import register_drafter
 
 
@@ -99,9 +101,21 @@ def make_draft_model(engine: Any, **options: Any) -> DraftModelDrafter:
     return DraftModelDrafter(settings.draft_model, engine.runner.vocab_size, **options)
 
 
+def _rows(name: str, context: BenchContext) -> list[BenchRow]:
+    """With a loaded draft model (sharing the tokenizer): a fixed-length row."""
+    if context.draft_model is None:
+        return []
+    k = context.num_draft_tokens
+    engine = context.engine(drafter=name, draft_model=context.draft_model, num_draft_tokens=k)
+    model = context.draft_model
+    shown = Path(getattr(model.config, "_name_or_path", "") or type(model).__name__).name
+    return [BenchRow(f"selfspec_{name}", engine, f"separate draft model {shown}, {k} drafts, fixed", name)]
+
+
 register_drafter(
     "draft_model",
     make_draft_model,
     description="a separate small model sharing the tokenizer (draft_model=)",
     engine_options=("draft_model",),
+    bench=DrafterBench(_rows, {"draft_model": "selfspec_draft_model (when a draft model is given)"}),
 )

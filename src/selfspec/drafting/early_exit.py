@@ -14,8 +14,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..errors import ConfigurationError
 from .base import DecodeState, Draft, Drafter, below_confidence, choose_token, draft_autoregressively
 from .exit_adapter.adapter import ExitAdapter
+from .planning import (
+    BenchContext,
+    BenchRow,
+    CalibrationContext,
+    Candidate,
+    DrafterBench,
+    DrafterCalibration,
+    DrafterFactory,
+    sampled,
+)
 from .registry import register_drafter
 
 if TYPE_CHECKING:
@@ -167,6 +178,84 @@ def make_early_exit(engine: Any, **options: Any) -> EarlyExitDrafter:
     return EarlyExitDrafter(settings.exit_layer, **options)
 
 
+# ----------------------------------------------------------------------------- calibration and bench
+
+
+def planned_exit(engine: Any, settings: dict[str, Any]) -> tuple[int, Any]:
+    """A plan's exit layer on ``engine``'s model and the exit adapter that reads it (or ``None``).
+
+    Raises:
+        ConfigurationError: the plan's exit layer is not a layer of this model.
+    """
+    exit_layer = settings.get("exit_layer")
+    if not isinstance(exit_layer, int) or not 1 <= exit_layer < engine.runner.num_layers:
+        raise ConfigurationError(f"exit layer {exit_layer!r} is not an exit layer of this model")
+    adapter = engine.config.exit_adapter
+    return exit_layer, adapter if adapter is not None and adapter.exit_layer == exit_layer else None
+
+
+def describe_exit(settings: dict[str, Any]) -> str:
+    """``"early exit at layer E[ with its exit adapter], k=K"``."""
+    adapter = " with its exit adapter" if settings.get("exit_adapter") else ""
+    return f"early exit at layer {settings.get('exit_layer')}{adapter}, k={settings.get('num_draft_tokens', 4)}"
+
+
+def exit_settings(context: CalibrationContext, layer: int, k: int) -> dict[str, Any]:
+    """A plan's early-exit settings: layer, draft length, and whether the engine's exit adapter reads it."""
+    return {"exit_layer": layer, "num_draft_tokens": k, "exit_adapter": context.exit_adapter_layer is not None}
+
+
+class EarlyExitCalibration(DrafterCalibration):
+    """The early exit is calibration's own measurement: the best layer and length it found."""
+
+    def candidates(self, name: str, context: CalibrationContext, figures: Any) -> list[Candidate]:
+        """The best (exit layer, draft length) pair (:attr:`CalibrationContext.best_exit`)."""
+        if not context.matches:
+            return []
+        layer, k, speed = context.best_exit
+        label = f"{name}(E={layer},k={k})"
+        return [Candidate(name, exit_settings(context, layer, k), speed, label, context.draft_cost[layer])]
+
+    def valid(self, settings: dict[str, Any]) -> bool:
+        """The plan names an exit layer."""
+        return isinstance(settings.get("exit_layer"), int)
+
+    def describe(self, name: str, settings: dict[str, Any]) -> str:
+        """The exit layer, the adapter and the draft length."""
+        return describe_exit(settings)
+
+    def build(self, factory: DrafterFactory, engine: Any, settings: dict[str, Any], options: dict[str, Any]) -> Drafter:
+        """The early exit at the plan's layer (through the engine's adapter when it reads that layer)."""
+        exit_layer, adapter = planned_exit(engine, settings)
+        return EarlyExitDrafter(exit_layer, confidence=engine.config.draft_confidence, exit_adapter=adapter)
+
+
+def _rows(name: str, context: BenchContext) -> list[BenchRow]:
+    """The fixed early exit, through the saved exit adapter when there is one, and its token trees."""
+    e, k = context.exit_layer, context.num_draft_tokens
+    fixed = BenchRow(
+        f"selfspec_E{e}_k{k}",
+        context.engine(drafter=name, exit_layer=e, num_draft_tokens=k),
+        f"early exit at layer {e}, {k} drafts, fixed",
+        name,
+    )
+    rows = [fixed]
+    adapted = context.engine(drafter=name, exit_adapter="auto", num_draft_tokens=k)
+    if adapted.exit_adapter is not None:
+        about = f"early exit at layer {adapted.exit_layer} through the trained exit adapter, {k} drafts, fixed"
+        rows.append(BenchRow(f"selfspec_exit_adapter_E{adapted.exit_layer}_k{k}", adapted, about, "exit_adapter"))
+    if context.tree_nodes:  # trees are compared with the fixed chain, greedy and sampling
+        chain = BenchRow(fixed.name, fixed.engine, "early-exit chain", "tree")
+        rows += sampled(chain, context.temperatures)
+    for nodes in context.tree_nodes:
+        engine = context.engine(drafter=name, exit_layer=e, num_draft_tokens=k, tree_nodes=nodes)
+        tree = BenchRow(
+            f"selfspec_tree_{nodes}", engine, f"early-exit token tree, at most {nodes} nodes and {k} levels", "tree"
+        )
+        rows += [tree, *sampled(tree, context.temperatures)]
+    return rows
+
+
 register_drafter(
     "early_exit",
     make_early_exit,
@@ -174,4 +263,13 @@ register_drafter(
     trees=True,
     exit_adapter=True,
     calibrated=True,
+    calibration=EarlyExitCalibration(),
+    bench=DrafterBench(
+        _rows,
+        {
+            "early_exit": "selfspec_E<e>_k<k>: early exit at a fixed layer and draft length",
+            "exit_adapter": "selfspec_exit_adapter_*, selfspec_hybrid_exit_adapter (when an adapter is saved)",
+            "tree": "selfspec_tree_N* and the fixed chain at each temperature (with --tree-nodes)",
+        },
+    ),
 )

@@ -5,10 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.speed import CostModel
 from ..modeling.runner import ModelRunner
 from .base import DecodeState, Draft, Drafter
-from .early_exit import EarlyExitDrafter
+from .early_exit import EarlyExitDrafter, describe_exit, exit_settings, planned_exit
 from .exit_adapter.adapter import ExitAdapter
+from .planning import (
+    BenchContext,
+    BenchRow,
+    CalibrationContext,
+    Candidate,
+    DrafterBench,
+    DrafterCalibration,
+    DrafterFactory,
+)
 from .prompt_lookup import PromptLookupDrafter
 from .registry import register_drafter
 
@@ -240,6 +250,52 @@ def make_hybrid(engine: Any, **options: Any) -> HybridDrafter:
     return hybrid
 
 
+class HybridCalibration(DrafterCalibration):
+    """Lookup where the text repeats, else the best early exit calibration found."""
+
+    def candidates(self, name: str, context: CalibrationContext, figures: Any) -> list[Candidate]:
+        """The best early exit's layer and length, replayed with copies where the text repeats."""
+        if not context.matches:
+            return []
+        layer, k, _ = context.best_exit
+        costs = CostModel(context.draft_cost[layer], context.verify_cost)
+        speed = context.replay(costs, k, matches=context.matches[layer], lookup=(2, 3)).speedup
+        settings = {**exit_settings(context, layer, k), "min_ngram": 2}
+        return [Candidate(name, settings, speed, f"{name}(E={layer},k={k})", context.draft_cost[layer])]
+
+    def valid(self, settings: dict[str, Any]) -> bool:
+        """The plan names an exit layer."""
+        return isinstance(settings.get("exit_layer"), int)
+
+    def describe(self, name: str, settings: dict[str, Any]) -> str:
+        """Lookup, else the early exit's layer, adapter and length."""
+        return f"prompt lookup where the text repeats, else {describe_exit(settings)}"
+
+    def build(self, factory: DrafterFactory, engine: Any, settings: dict[str, Any], options: dict[str, Any]) -> Drafter:
+        """The hybrid at the plan's exit layer, with that layer's calibrated agreement."""
+        exit_layer, adapter = planned_exit(engine, settings)
+        agreement = (engine.config.calibration.get("agreement") or {}).get(str(exit_layer))
+        return HybridDrafter(
+            exit_layer,
+            min_ngram=int(settings.get("min_ngram", 2)),
+            exit_agreement=float(agreement) if isinstance(agreement, (int, float)) else 0.6,
+            confidence=engine.config.draft_confidence,
+            exit_adapter=adapter,
+        )
+
+
+def _rows(name: str, context: BenchContext) -> list[BenchRow]:
+    """The adaptive hybrid, and through the saved exit adapter when there is one."""
+    about = "prompt lookup or early exit per round; adaptive"
+    engine = context.engine(drafter=name, exit_layer="auto", num_draft_tokens="auto")
+    rows = [BenchRow(f"selfspec_{name}", engine, about, name)]
+    adapted = context.engine(drafter=name, exit_adapter="auto", num_draft_tokens="auto")
+    if adapted.exit_adapter is not None:
+        about = f"prompt lookup, else early exit at layer {adapted.exit_layer} through the exit adapter; adaptive"
+        rows.append(BenchRow(f"selfspec_{name}_exit_adapter", adapted, about, "exit_adapter"))
+    return rows
+
+
 register_drafter(
     "hybrid",
     make_hybrid,
@@ -247,4 +303,6 @@ register_drafter(
     trees=True,
     exit_adapter=True,
     calibrated=True,
+    calibration=HybridCalibration(),
+    bench=DrafterBench(_rows, {"hybrid": "selfspec_hybrid: lookup or early exit per round"}),
 )

@@ -6,9 +6,19 @@ that are often right when the answer copies its context (RAG, summaries, edits).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
+from ..core.speed import CostModel
 from .base import DecodeState, Draft, Drafter
+from .planning import (
+    BenchContext,
+    BenchRow,
+    CalibrationContext,
+    Candidate,
+    DrafterBench,
+    DrafterCalibration,
+    DrafterFactory,
+)
 from .registry import register_drafter
 
 
@@ -79,4 +89,44 @@ def make_prompt_lookup(engine: Any, **options: Any) -> PromptLookupDrafter:
     return PromptLookupDrafter(**options)
 
 
-register_drafter("prompt_lookup", make_prompt_lookup, description="copy n-grams from the prompt and output")
+class LookupCalibration(DrafterCalibration):
+    """Copies cost nothing to draft: the shortest n-gram and draft length that replay fastest.
+
+    It is also ``drafter="auto"``'s plan before anything was measured (``fallback_settings``).
+    """
+
+    fallback_settings: ClassVar[dict[str, Any] | None] = {"num_draft_tokens": 4, "min_ngram": 2}
+
+    def candidates(self, name: str, context: CalibrationContext, figures: Any) -> list[Candidate]:
+        """The best ``min_ngram`` (1 or 2) and draft length (at most 6)."""
+        best = (2, 4, 0.0)
+        for min_ngram in (1, 2):
+            for k in [k for k in context.lengths if k <= 6] or context.lengths:
+                speed = context.replay(CostModel(0.0, context.verify_cost), k, lookup=(min_ngram, 3)).speedup
+                if speed > best[2]:
+                    best = (min_ngram, k, speed)
+        min_ngram, k, speed = best
+        settings = {"num_draft_tokens": k, "min_ngram": min_ngram}
+        return [Candidate(name, settings, speed, f"{name}(min_ngram={min_ngram})", 0.0)]
+
+    def describe(self, name: str, settings: dict[str, Any]) -> str:
+        """The shortest n-gram copied after."""
+        return f"prompt lookup (min_ngram={settings.get('min_ngram', 2)}), plain steps where nothing repeats"
+
+    def build(self, factory: DrafterFactory, engine: Any, settings: dict[str, Any], options: dict[str, Any]) -> Drafter:
+        """A lookup drafter with the plan's ``min_ngram`` (and the engine's drafter options)."""
+        return PromptLookupDrafter(min_ngram=int(settings.get("min_ngram", 2)), **options)
+
+
+def _rows(name: str, context: BenchContext) -> list[BenchRow]:
+    engine = context.engine(drafter=name, num_draft_tokens="auto")
+    return [BenchRow(f"selfspec_{name}", engine, "prompt lookup alone; adaptive length", name)]
+
+
+register_drafter(
+    "prompt_lookup",
+    make_prompt_lookup,
+    description="copy n-grams from the prompt and output",
+    calibration=LookupCalibration(),
+    bench=DrafterBench(_rows, {"prompt_lookup": "selfspec_prompt_lookup: n-gram lookup in the prompt and output"}),
+)

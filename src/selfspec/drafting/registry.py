@@ -13,17 +13,10 @@ else lists drafter names.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ..errors import ConfigurationError
-
-if TYPE_CHECKING:
-    from .base import Drafter
-
-#: ``factory(engine, **options) -> Drafter``.
-DrafterFactory = Callable[..., "Drafter"]
+from .planning import DrafterBench, DrafterCalibration, DrafterFactory
 
 
 @dataclass(frozen=True)
@@ -40,6 +33,11 @@ class DrafterSpec:
             (``from_pretrained`` measures one on first load when none is saved).
         engine_options: engine arguments only this kind of drafter uses (``"draft_model"``,
             ``"medusa_heads"``); passing them with another drafter is an error.
+        calibration: how calibration measures it and ``drafter="auto"`` replays it
+            (:class:`~selfspec.drafting.planning.DrafterCalibration`); ``None``: ``"auto"``
+            never considers it.
+        bench: the ``selfspec bench`` rows it adds (:class:`~selfspec.drafting.planning.DrafterBench`);
+            ``None``: one greedy row ``selfspec_<name>`` when it builds without arguments.
     """
 
     name: str
@@ -49,6 +47,8 @@ class DrafterSpec:
     exit_adapter: bool = False
     calibrated: bool = False
     engine_options: tuple[str, ...] = ()
+    calibration: DrafterCalibration | None = None
+    bench: DrafterBench | None = None
 
 
 _REGISTRY: dict[str, DrafterSpec] = {}
@@ -64,6 +64,8 @@ def register_drafter(
     exit_adapter: bool = False,
     calibrated: bool = False,
     engine_options: tuple[str, ...] = (),
+    calibration: DrafterCalibration | None = None,
+    bench: DrafterBench | None = None,
     replace: bool = False,
 ) -> None:
     """Make ``drafter=name`` build a drafter with ``factory(engine, **options)``.
@@ -79,6 +81,9 @@ def register_drafter(
         exit_adapter: the drafter uses the engine's exit adapter.
         calibrated: its ``"auto"`` settings come from the early-exit calibration.
         engine_options: engine arguments only this drafter uses.
+        calibration: how calibration measures it and ``drafter="auto"`` builds it from a plan
+            (:class:`~selfspec.drafting.planning.DrafterCalibration`).
+        bench: the ``selfspec bench`` rows it adds (:class:`~selfspec.drafting.planning.DrafterBench`).
         replace: allow replacing an existing registration (otherwise an error).
 
     Raises:
@@ -88,7 +93,9 @@ def register_drafter(
         raise ConfigurationError(f"a drafter name must be a non-empty identifier-like string, got {name!r}")
     if not callable(factory):
         raise ConfigurationError(f"the factory for drafter {name!r} must be callable, got {factory!r}")
-    spec = DrafterSpec(name, factory, description, trees, exit_adapter, calibrated, tuple(engine_options))
+    spec = DrafterSpec(
+        name, factory, description, trees, exit_adapter, calibrated, tuple(engine_options), calibration, bench
+    )
     with _LOCK:
         if name in _REGISTRY and not replace and _REGISTRY[name].factory is not factory:
             raise ConfigurationError(f"a drafter named {name!r} is already registered (pass replace=True)")
@@ -118,6 +125,12 @@ def drafter_spec(name: str) -> DrafterSpec:
     if spec is None:
         raise ConfigurationError(f"unknown drafter {name!r}; choose one of {', '.join(list_drafters())}")
     return spec
+
+
+def registered() -> list[DrafterSpec]:
+    """Every registration, in registration order."""
+    with _LOCK:
+        return list(_REGISTRY.values())
 
 
 def drafters_with(flag: str) -> list[str]:

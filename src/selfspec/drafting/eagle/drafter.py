@@ -39,6 +39,7 @@ from ..base import DecodeState, Draft, Drafter, draft_autoregressively
 from ..early_exit_tree import _Node, rerank
 from ..prompt_lookup import PromptLookupDrafter
 from ..registry import register_drafter
+from .calibration import EagleCalibration
 from .head import EagleHead, HeadCache, check_fits, find_eagle_head, load_eagle_head
 
 
@@ -333,6 +334,7 @@ register_drafter(
     description="an EAGLE-style feature head trained on the model's own text (eagle_head=, selfspec train-eagle)",
     trees=True,
     engine_options=("eagle_head",),
+    calibration=EagleCalibration(),
 )
 register_drafter(
     "eagle_hybrid",
@@ -340,4 +342,5 @@ register_drafter(
     description="prompt-lookup copies where the text repeats, else the EAGLE head (eagle_head=)",
     trees=True,
     engine_options=("eagle_head",),
+    calibration=EagleCalibration(lookup=True),
 )

@@ -35,6 +35,7 @@ from torch import nn
 from ...core.sampling import SamplingParams, logits_to_probs, sample
 from ...errors import ConfigurationError, ModelNotFoundError, UnsafeCheckpointError
 from ..base import DecodeState, Draft, Drafter, draft_autoregressively
+from ..planning import BenchContext, BenchRow, DrafterBench, sampled
 from ..registry import register_drafter
 
 #: File names of the published layout.
@@ -391,10 +392,35 @@ def make_medusa(engine: Any, **options: Any) -> MedusaDrafter:
     return MedusaDrafter(heads, tree=True, tree_nodes=tree_nodes, **options)
 
 
+def _rows(name: str, context: BenchContext) -> list[BenchRow]:
+    """With heads saved beside the model: the chain (one draft token per head) and its candidate trees."""
+    heads_folder = find_medusa_heads(context.loaded.name_or_path)
+    if heads_folder is None:
+        return []
+    num_heads = json.loads((heads_folder / "config.json").read_text())["medusa_num_heads"]
+    chain = BenchRow(
+        f"selfspec_{name}",
+        context.engine(drafter=name, num_draft_tokens=num_heads),
+        f"Medusa heads, {num_heads} drafts, fixed",
+        name,
+    )
+    rows = [chain, *sampled(chain, context.temperatures)]
+    for nodes in context.tree_nodes:  # the heads' candidates verified as a tree
+        tree = BenchRow(
+            f"selfspec_{name}_tree_{nodes}",
+            context.engine(drafter=name, num_draft_tokens=num_heads, tree_nodes=nodes),
+            f"Medusa candidate tree, at most {nodes} nodes and {num_heads} levels",
+            name,
+        )
+        rows += [tree, *sampled(tree, context.temperatures)]
+    return rows
+
+
 register_drafter(
     "medusa",
     make_medusa,
     description="Medusa heads on the last hidden state (medusa_heads=)",
     trees=True,
     engine_options=("medusa_heads",),
+    bench=DrafterBench(_rows, {"medusa": "selfspec_medusa* (when Medusa heads are saved beside the model)"}),
 )
