@@ -11,7 +11,7 @@ def test_equivalent_arguments_share_one_engine() -> None:
     clear_engines()
     first = get_engine("selfspec-demo")
     assert get_engine(
-        "selfspec-demo", exit_layer="auto", draft_model=None, quantization=None, drafter="early_exit"
+        "selfspec-demo", exit_layer="auto", draft_model=None, quantization=None, drafter="auto"
     ) is first
     assert get_engine("selfspec-demo", drafter="none") is not first
 

@@ -112,7 +112,7 @@ def test_cut_off_tool_call_is_reported_as_invalid(remote, local) -> None:
 
 
 def test_no_local_engine_and_metadata(selfspec_server) -> None:
-    from selfspec import registry
+    from selfspec.serving import engines as registry
 
     before = dict(registry._ENGINES)
     llm = SpeculativeLLM(model="selfspec-demo", exit_layer=3, max_new_tokens=4, **selfspec_server)

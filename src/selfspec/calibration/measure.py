@@ -29,20 +29,18 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
 from ..core.speed import CostModel, expected_tokens
+from ..decoding.engine import SpeculativeEngine
 from ..drafting.auto import PLAIN_MARGIN, Plan
 from ..drafting.planning import PLAIN, Candidate, DrafterCalibration
 from ..drafting.registry import registered
 from ..errors import ConfigurationError
 from .store import machine_fingerprint, save_calibration
-
-if TYPE_CHECKING:
-    from ..decoding.engine import SpeculativeEngine
 
 logger = logging.getLogger(__name__)
 
@@ -220,9 +218,7 @@ def generate_continuations(
     engine: SpeculativeEngine, prompt_ids: Sequence[list[int]], max_new_tokens: int
 ) -> Continuations:
     """Plain greedy continuations of each prompt (what any lossless method must reproduce)."""
-    engine_class = type(engine)  # sibling engines of the caller's class: no import back to selfspec.decoding.engine
-
-    plain = engine_class(engine.model, engine.tokenizer, drafter=PLAIN, calibration={})
+    plain = SpeculativeEngine(engine.model, engine.tokenizer, drafter=PLAIN, calibration={})
     sequences = [ids + plain.generate_ids(ids, max_new_tokens=max_new_tokens).token_ids for ids in prompt_ids]
     return Continuations(sequences, [len(ids) for ids in prompt_ids])
 
@@ -487,13 +483,12 @@ def measure_tree_speed(
 
     Interleaved: each pass runs every variant on every prompt, in a rotated order.
     """
-    engine_class = type(engine)  # sibling engines of the caller's class: no import back to selfspec.decoding.engine
-
     variants = [("chain", None), *((str(n), n) for n in candidates)]
     engines = {
-        name: engine_class(
+        name: SpeculativeEngine(
             engine.model,
             engine.tokenizer,
+            drafter="early_exit",
             exit_layer=exit_layer,
             num_draft_tokens=num_draft_tokens,
             tree_nodes=nodes,

@@ -151,7 +151,7 @@ def test_cut_off_tool_call_is_an_invalid_tool_call_in_both_modes(
 
 
 def test_no_local_engine_is_loaded(selfspec_server: dict[str, str]) -> None:
-    from selfspec import registry
+    from selfspec.serving import engines as registry
 
     before = dict(registry._ENGINES)
     llm = ChatSpeculative(model="selfspec-demo", exit_layer=3, num_draft_tokens=2, max_tokens=4, **selfspec_server)

@@ -215,8 +215,8 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("fields", "match"),
     [
-        ({"exit_layer": 99}, r"exit_layer must be in \[1, 15\]"),
-        ({"exit_layer": 0}, "exit_layer must be in"),
+        ({"drafter": "early_exit", "exit_layer": 99}, r"exit_layer must be in \[1, 15\]"),
+        ({"drafter": "early_exit", "exit_layer": 0}, "exit_layer must be in"),
         ({"num_draft_tokens": 0}, "num_draft_tokens must be 'auto' or an int >= 1"),
         ({"drafter": "magic"}, "unknown drafter 'magic'"),
     ],

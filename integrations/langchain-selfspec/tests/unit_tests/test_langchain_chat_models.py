@@ -39,7 +39,7 @@ class TestChatSpeculativeUnit(ChatModelUnitTests):
 
 
 def test_construction_loads_nothing() -> None:
-    from selfspec import registry
+    from selfspec.serving import engines as registry
 
     before = dict(registry._ENGINES)
     started = time.perf_counter()
