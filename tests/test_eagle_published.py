@@ -10,7 +10,7 @@ selfspec's loader:
 The loaded head must reproduce the reference (so a swapped concatenation, a missing or extra
 norm, the wrong norm eps or the wrong rotary base fail), and greedy output must equal
 transformers' ``generate`` in float64, with chains and with trees. Bad folders (pickle only,
-another model's shapes, no ``fc``, an EAGLE-3 head) get clear errors, and the engine works after.
+another model's shapes, no ``fc``, an EAGLE-3 head with a float ``d2t``) get clear errors, and the engine works after.
 """
 
 from __future__ import annotations
@@ -296,7 +296,8 @@ def broken_folders(tmp_path: Path, tiny: Any) -> dict[str, tuple[Path, type[Exce
         "vocabulary": (write_folder(tmp_path / "v128", weights, published_config(vocab_size=128)),
                        ConfigurationError, "vocab size 128 vs the model's 96"),
         "no fc": (write_folder(tmp_path / "nofc", no_fc, published_config()), ConfigurationError, "no fc.weight"),
-        "EAGLE-3": (eagle3_folder(tmp_path / "eagle3"), ConfigurationError, "EAGLE-3 heads are not supported yet"),
+        # EAGLE-3 heads load (tests/test_eagle3.py); this one's d2t was written as floats
+        "EAGLE-3, float d2t": (eagle3_folder(tmp_path / "eagle3"), ConfigurationError, "d2t must be a 1-D integer"),
         "two layers": (write_folder(tmp_path / "two", two_layers, published_config()), ConfigurationError,
                        "one-layer EAGLE heads"),
         "final norm": (write_folder(tmp_path / "norm", final_norm, published_config()), ConfigurationError,

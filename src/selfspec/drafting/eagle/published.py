@@ -19,8 +19,9 @@ a copy of the target's embedding that is only shape-checked: the target's own em
 head are used, as SGLang and vLLM do.
 
 EAGLE-3 heads (``midlayer.*``, ``fc`` over three target layers' features, their own ``norm``,
-``lm_head`` and ``d2t``/``t2d`` draft vocabulary) are recognised and refused: selfspec's drafter
-captures only the last layer's features. Facts and sources: ``docs/eagle.md`` ("Published heads").
+``lm_head`` and ``d2t``/``t2d`` draft vocabulary) load through :mod:`selfspec.eagle3`, and folders in
+vLLM's ``speculators`` layout through :mod:`selfspec.eagle_speculators`; :func:`load_published_head`
+dispatches. Facts and sources: ``docs/eagle.md`` ("Published heads").
 """
 
 from __future__ import annotations
@@ -285,12 +286,15 @@ def _eagle3_reason(raw: dict[str, Any], names: set[str], hidden: int, fc_shape: 
     return ""
 
 
-def load_published_head(folder: str | os.PathLike[str], model: Any) -> PublishedEagleHead:
-    """Load a published EAGLE-1 / EAGLE-2 head folder for ``model`` (on its device and dtype).
+def load_published_head(folder: str | os.PathLike[str], model: Any) -> EagleHead:
+    """Load a published EAGLE head folder for ``model`` (on its device and dtype).
+
+    Reads SafeAILab's EAGLE-1/EAGLE-2 layout (:class:`PublishedEagleHead`), SafeAILab's / SpecForge's
+    EAGLE-3 layout and vLLM's ``speculators`` layout (EAGLE-3, and EAGLE-1 heads): names and shapes
+    are checked from the safetensors headers before any weight is read.
 
     Args:
-        folder: a folder with ``config.json`` and ``model.safetensors`` (or a safetensors index)
-            in the layout of SafeAILab/EAGLE's EAGLE-1 heads (read by SGLang and vLLM too).
+        folder: a folder with ``config.json`` and ``model.safetensors`` (or a safetensors index).
         model: the target, a loaded Llama-layout transformers causal LM.
 
     Raises:
@@ -298,30 +302,57 @@ def load_published_head(folder: str | os.PathLike[str], model: Any) -> Published
         UnsafeCheckpointError: the folder holds only pickle weights (the message shows how to
             convert them to safetensors).
         ConfigurationError: the head does not fit the model (hidden size, vocabulary, layer
-            shapes), its files are unreadable, its weights are not the EAGLE-1 layout, or it is an
-            EAGLE-3 head (not supported yet).
+            shapes, feature layers), its files are unreadable, its weights are not its layout's, or
+            it is a variant selfspec does not run.
     """
-    from transformers import LlamaConfig
-
     path = Path(folder).expanduser()
     if not path.is_dir():
         raise ModelNotFoundError(f"no EAGLE head folder at {os.fspath(folder)!r}")
     raw = _read_config(path)
+    if "speculators_model_type" in raw:  # vLLM's speculators layout (issue 30)
+        from .eagle_speculators import load_speculators_head
+
+        return load_speculators_head(path, model, raw)
     files = _weight_files(path)
     shapes = _weight_shapes(files)
+    names = set(shapes)
+    target_hidden = int(model.config.hidden_size)
+    eagle3 = _eagle3_reason(raw, names, int(raw.get("hidden_size") or target_hidden), shapes.get("fc.weight"))
+    if eagle3:  # SafeAILab / SpecForge EAGLE-3 (midlayer.*, three fused target layers)
+        from .eagle3 import build_eagle3_head, read_safeailab_spec
+
+        return build_eagle3_head(path, model, read_safeailab_spec(raw, model), files, shapes)
+    return load_eagle1_tensors(path, model, raw, files, {name: name for name in names}, shapes)
+
+
+def load_eagle1_tensors(
+    path: Path,
+    model: Any,
+    raw: dict[str, Any],
+    files: list[Path],
+    stored: dict[str, str],
+    stored_shapes: dict[str, tuple[int, ...]] | None = None,
+) -> PublishedEagleHead:
+    """Load an EAGLE-1 head whose weights are stored under ``stored[safeailab_name]``.
+
+    Args:
+        path: the folder (for messages).
+        model: the target.
+        raw: the layer's config (SafeAILab's ``config.json``, or a speculators ``transformer_layer_config``
+            with ``bias``).
+        files: the safetensors files.
+        stored: SafeAILab's name of each weight -> the name it has in the files.
+        stored_shapes: the headers' shapes by stored name (read when ``None``).
+    """
+    from transformers import LlamaConfig
+
+    shapes_by_stored = stored_shapes if stored_shapes is not None else _weight_shapes(files)
+    shapes = {name: shapes_by_stored[file_name] for name, file_name in stored.items()}
     names = set(shapes)
     target = model.config
     target_hidden, target_vocab = int(target.hidden_size), int(target.vocab_size)
     where = f"the EAGLE head in {path}"
     fc_shape = shapes.get("fc.weight")
-    eagle3 = _eagle3_reason(raw, names, int(raw.get("hidden_size") or target_hidden), fc_shape)
-    if eagle3:
-        raise ConfigurationError(
-            f"{where} is an EAGLE-3 head ({eagle3}). EAGLE-3 heads read the fused hidden states of three target "
-            "layers (fc [H, 3H]) and score their own draft vocabulary (norm, lm_head, d2t); selfspec's EAGLE drafter "
-            "captures only the last layer's features, so EAGLE-3 heads are not supported yet. Use an EAGLE-1/EAGLE-2 "
-            "head, or train one for this model with `selfspec train-eagle --model M`."
-        )
     if fc_shape is None:
         raise ConfigurationError(
             f"{where} has no fc.weight: it is not an EAGLE-1/EAGLE-2 head (config.json + model.safetensors with "
@@ -376,6 +407,8 @@ def load_published_head(folder: str | os.PathLike[str], model: Any) -> Published
         "mlp_bias": mlp_bias,
         "attn_implementation": implementation if implementation in ("eager", "sdpa") else "sdpa",
     }
+    if raw.get("head_dim"):
+        fields["head_dim"] = raw["head_dim"]
     try:
         layer_config = LlamaConfig(**fields)
     except (ValueError, TypeError, KeyError) as exc:
@@ -402,8 +435,10 @@ def load_published_head(folder: str | os.PathLike[str], model: Any) -> Published
         raise ConfigurationError(f"{where} is not in the EAGLE-1 layout: {detail}")
     dtype = next(head.parameters()).dtype
     published = _published_names(head)
-    state = _read_weights(files, set(published.values()))
-    loaded = {mine: state[theirs].to(dtype) for mine, theirs in published.items() if theirs in state}
+    state = _read_weights(files, {stored[n] for n in published.values() if n in stored})
+    loaded = {
+        mine: state[stored[theirs]].to(dtype) for mine, theirs in published.items() if stored.get(theirs) in state
+    }
     if qkv_bias and "layer.self_attn.o_proj.bias" not in loaded:  # EAGLE's o_proj has no bias
         loaded["layer.self_attn.o_proj.bias"] = torch.zeros_like(head.layer.self_attn.o_proj.bias)
     try:
