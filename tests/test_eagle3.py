@@ -37,13 +37,13 @@ from test_distribution import PROMPT as DIST_PROMPT
 from test_distribution import chi_square_pvalue, exact_distribution, make_distribution_model, sampled_counts
 from tiny_models import make_model, reference_greedy
 
-import selfspec.eagle_published as eagle_published
+import selfspec.drafting.eagle.files as eagle_files
 from selfspec import SpeculativeEngine
-from selfspec.eagle import HeadCache, find_eagle_head
-from selfspec.eagle3 import Eagle3Head
-from selfspec.eagle_published import load_published_head
+from selfspec.core.sampling import SamplingParams
+from selfspec.drafting.eagle.eagle3 import Eagle3Head
+from selfspec.drafting.eagle.head import HeadCache, find_eagle_head
+from selfspec.drafting.eagle.published import load_published_head
 from selfspec.errors import ConfigurationError, UnsafeCheckpointError
-from selfspec.sampling import SamplingParams
 
 PROMPT = [5, 9, 3, 17, 4, 8]
 LAYERS = [1, 3, 6]  # the tiny target has 6 layers: 6 is its last layer's output (before the final norm)
@@ -421,14 +421,14 @@ def bad_folders(tmp_path: Path, tiny: Any) -> dict[str, tuple[Path, type[Excepti
 
 
 def test_bad_folders_are_refused_before_reading_weights(tmp_path, monkeypatch, tiny) -> None:
-    real_read = eagle_published._read_weights
+    real_read = eagle_files._read_weights
     reads: list[str] = []
 
     def counted_read(files: list[Path], wanted: set[str]) -> dict[str, torch.Tensor]:
         reads.append("read")
         return real_read(files, wanted)
 
-    monkeypatch.setattr(eagle_published, "_read_weights", counted_read)
+    monkeypatch.setattr(eagle_files, "_read_weights", counted_read)
     for name, (folder, error, message) in bad_folders(tmp_path, tiny).items():
         reads.clear()
         with pytest.raises(error, match=message):

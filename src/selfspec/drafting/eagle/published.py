@@ -19,8 +19,8 @@ a copy of the target's embedding that is only shape-checked: the target's own em
 head are used, as SGLang and vLLM do.
 
 EAGLE-3 heads (``midlayer.*``, ``fc`` over three target layers' features, their own ``norm``,
-``lm_head`` and ``d2t``/``t2d`` draft vocabulary) load through :mod:`selfspec.eagle3`, and folders in
-vLLM's ``speculators`` layout through :mod:`selfspec.eagle_speculators`; :func:`load_published_head`
+``lm_head`` and ``d2t``/``t2d`` draft vocabulary) load through :mod:`selfspec.drafting.eagle.eagle3`, and folders in
+vLLM's ``speculators`` layout through :mod:`selfspec.drafting.eagle.speculators`; :func:`load_published_head`
 dispatches. Facts and sources: ``docs/eagle.md`` ("Published heads").
 """
 
@@ -34,14 +34,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...errors import ConfigurationError, ModelNotFoundError, UnsafeCheckpointError
+from ...errors import ConfigurationError, ModelNotFoundError
+from . import files as eagle_files
+from .files import PUBLISHED_CONFIG, PUBLISHED_WEIGHTS, _read_config, _weight_files, _weight_shapes
 from .head import EagleHead, EagleHeadConfig
 
-#: The files of a published head folder.
-PUBLISHED_CONFIG = "config.json"
-PUBLISHED_WEIGHTS = "model.safetensors"
-PUBLISHED_INDEX = "model.safetensors.index.json"
-PUBLISHED_PICKLE = "pytorch_model.bin"
 #: The ``format`` of the :class:`~selfspec.drafting.eagle.head.EagleHeadConfig` of a loaded published head.
 PUBLISHED_FORMAT = "eagle-1"
 #: Weights a published EAGLE-1 head may hold beside ``fc`` and ``layers.0``: the target's own
@@ -59,11 +56,6 @@ _LAYER_WEIGHTS = (
     "mlp.up_proj.weight",
     "mlp.down_proj.weight",
     "post_attention_layernorm.weight",
-)
-_CONVERT = (
-    "import torch, safetensors.torch as st; "
-    "state = torch.load('pytorch_model.bin', map_location='cpu', weights_only=True); "
-    "st.save_file({k: v.contiguous() for k, v in state.items()}, 'model.safetensors')"
 )
 
 
@@ -205,73 +197,6 @@ def _rope_scaling(layer_config: Any) -> dict[str, Any] | None:
     return params
 
 
-def _read_config(path: Path) -> dict[str, Any]:
-    """The head's ``config.json`` (malformed JSON or no object: a clear error, as for model folders)."""
-    from ...modeling.loading import _read_local_config
-
-    raw = _read_local_config(str(path))
-    if raw is None:
-        raise ConfigurationError(f"{path / PUBLISHED_CONFIG} is missing: a published EAGLE head folder needs it")
-    return raw
-
-
-def _weight_files(path: Path) -> list[Path]:
-    """The safetensors files of a published head; clear errors for pickle-only or empty folders."""
-    if (path / PUBLISHED_WEIGHTS).is_file():
-        return [path / PUBLISHED_WEIGHTS]
-    if (path / PUBLISHED_INDEX).is_file():
-        try:
-            weight_map = json.loads((path / PUBLISHED_INDEX).read_text(encoding="utf-8"))["weight_map"]
-            files = sorted({path / str(name) for name in weight_map.values()})
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ConfigurationError(f"{path / PUBLISHED_INDEX} is not a readable safetensors index ({exc})") from exc
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise ModelNotFoundError(f"{path / PUBLISHED_INDEX} names missing files: {', '.join(missing)}")
-        return files
-    pickles = sorted(p.name for p in path.glob("*.bin"))
-    if pickles:
-        raise UnsafeCheckpointError(
-            f"the EAGLE head in {path} holds only pickle weights ({', '.join(pickles)}); selfspec loads "
-            f"safetensors only (pickle can run arbitrary code when loaded). Convert it once, in that folder: "
-            f'python -c "{_CONVERT}"'
-        )
-    raise ModelNotFoundError(
-        f"{path} has a {PUBLISHED_CONFIG} but no head weights ({PUBLISHED_WEIGHTS}); a published EAGLE head "
-        f"folder holds config.json and model.safetensors, a selfspec head eagle_config.json and "
-        "eagle_head.safetensors (`selfspec train-eagle`)"
-    )
-
-
-def _weight_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
-    """Every tensor's name and shape, read from the safetensors headers (no weights loaded yet)."""
-    from safetensors import SafetensorError, safe_open
-
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt") as reader:
-                for name in reader.keys():
-                    shapes[name] = tuple(reader.get_slice(name).get_shape())
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise ConfigurationError(f"{file} is not a readable safetensors file ({exc})") from exc
-    return shapes
-
-
-def _read_weights(files: list[Path], wanted: set[str]) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError, safe_open
-
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt") as reader:
-                for name in wanted & set(reader.keys()):
-                    state[name] = reader.get_tensor(name)
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise ConfigurationError(f"{file} is not a readable safetensors file ({exc})") from exc
-    return state
-
-
 def _eagle3_reason(raw: dict[str, Any], names: set[str], hidden: int, fc_shape: tuple[int, ...] | None) -> str:
     """Why this folder is an EAGLE-3 head (empty when it is not one)."""
     architectures = " ".join(str(a) for a in raw.get("architectures") or [])
@@ -309,8 +234,10 @@ def load_published_head(folder: str | os.PathLike[str], model: Any) -> EagleHead
     if not path.is_dir():
         raise ModelNotFoundError(f"no EAGLE head folder at {os.fspath(folder)!r}")
     raw = _read_config(path)
-    if "speculators_model_type" in raw:  # vLLM's speculators layout (issue 30)
-        from .eagle_speculators import load_speculators_head
+    if raw.get("speculators_model_type") == "eagle":  # speculators' EAGLE-1 layout (issue 30)
+        return _load_speculators_eagle1(path, model, raw)
+    if "speculators_model_type" in raw:  # vLLM's speculators layout, EAGLE-3 (issue 30)
+        from .speculators import load_speculators_head
 
         return load_speculators_head(path, model, raw)
     files = _weight_files(path)
@@ -435,7 +362,7 @@ def load_eagle1_tensors(
         raise ConfigurationError(f"{where} is not in the EAGLE-1 layout: {detail}")
     dtype = next(head.parameters()).dtype
     published = _published_names(head)
-    state = _read_weights(files, {stored[n] for n in published.values() if n in stored})
+    state = eagle_files._read_weights(files, {stored[n] for n in published.values() if n in stored})
     loaded = {
         mine: state[stored[theirs]].to(dtype) for mine, theirs in published.items() if stored.get(theirs) in state
     }
@@ -447,6 +374,41 @@ def load_eagle1_tensors(
         raise ConfigurationError(f"the weights in {path} do not match its {PUBLISHED_CONFIG}: {exc}") from exc
     head.eval().requires_grad_(False)
     return head
+
+
+def _load_speculators_eagle1(path: Path, model: Any, raw: dict[str, Any]) -> PublishedEagleHead:
+    """A speculators ``eagle`` head (EAGLE-1/2, HASS without extra norms) through the EAGLE-1 loader.
+
+    Names: ``fusion_fc.*`` -> ``fc.*``, ``transformer.*`` -> ``layers.0.*`` (speculators' ``EagleSpeculator``,
+    before its removal in 792b9e6c); the layer config is ``transformer_layer_config``.
+    """
+    files = _weight_files(path)
+    shapes = _weight_shapes(files)
+    where = f"the EAGLE head in {path}"
+    if raw.get("layernorms"):
+        raise ConfigurationError(f"{where} uses layernorms=true (extra RMS norms): not supported by selfspec yet")
+    layer = raw.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise ConfigurationError(f"{where}: config.json has no transformer_layer_config object")
+    renamed = {_eagle1_name(name): name for name in shapes}
+    if "fusion_fc.bias" in shapes and not raw.get("fusion_bias", False):
+        raise ConfigurationError(f"{where}: fusion_fc.bias is present but fusion_bias is false")
+    config = {**layer, "num_hidden_layers": 1, "bias": "fusion_fc.bias" in shapes}
+    rope = layer.get("rope_parameters")
+    if isinstance(rope, dict):  # transformers 5 writes the rotary settings as rope_parameters
+        config["rope_theta"] = rope.get("rope_theta", config.get("rope_theta"))
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        config["rope_scaling"] = scaling if scaling.get("rope_type", "default") != "default" else None
+    return load_eagle1_tensors(path, model, config, files, renamed, shapes)
+
+
+def _eagle1_name(name: str) -> str:
+    """Speculators EAGLE-1 names -> SafeAILab's (``fusion_fc`` -> ``fc``, ``transformer.`` -> ``layers.0.``)."""
+    if name.startswith("fusion_fc."):
+        return "fc." + name[len("fusion_fc.") :]
+    if name.startswith("transformer."):
+        return "layers.0." + name[len("transformer.") :]
+    return name
 
 
 def _published_names(head: PublishedEagleHead) -> dict[str, str]:

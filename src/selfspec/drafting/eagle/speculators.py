@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
-from .eagle import EagleHead
+from ...errors import ConfigurationError
 from .eagle3 import Eagle3Head, Eagle3Spec, build_eagle3_head, default_feature_layers
-from .errors import ConfigurationError
+from .head import EagleHead
 
 #: The speculators model types selfspec reads.
 SPECULATORS_TYPES = ("eagle3", "eagle")
@@ -79,7 +79,7 @@ def _speculative_tokens(raw: dict[str, Any]) -> int | None:
 
 
 def read_speculators_spec(raw: dict[str, Any], model: Any, where: str) -> Eagle3Spec:
-    """The :class:`~selfspec.eagle3.Eagle3Spec` of a speculators ``eagle3`` config (no weight read).
+    """The :class:`~selfspec.drafting.eagle.eagle3.Eagle3Spec` of a speculators ``eagle3`` config (no weight read).
 
     Raises:
         ConfigurationError: the config lacks the layer config, or uses a variant selfspec does not run.
@@ -122,50 +122,17 @@ def load_speculators_head(path: Path, model: Any, raw: dict[str, Any]) -> EagleH
         ConfigurationError: an unknown model type, a variant selfspec does not run, or a head that
             does not fit the model (names and shapes are checked from the headers first).
     """
-    from .eagle_published import _weight_files, _weight_shapes
+    from .files import _weight_files, _weight_shapes
 
     where = f"the EAGLE head in {path}"
     kind = raw.get("speculators_model_type")
-    if kind not in SPECULATORS_TYPES:
+    if kind != "eagle3":
         raise ConfigurationError(
             f"{where} is a speculators {kind!r} model; selfspec reads speculators types {', '.join(SPECULATORS_TYPES)}"
         )
     files = _weight_files(path)
     shapes = _weight_shapes(files)
-    if kind == "eagle":
-        return _load_eagle1(path, model, raw, files, shapes)
     return build_eagle3_head(path, model, read_speculators_spec(raw, model, where), files, shapes)
-
-
-def _load_eagle1(path: Path, model: Any, raw: dict[str, Any], files: list[Path], shapes: dict[str, Any]) -> EagleHead:
-    """A speculators ``eagle`` head (EAGLE-1/2, HASS without extra norms) through the EAGLE-1 loader."""
-    from .eagle_published import load_eagle1_tensors
-
-    where = f"the EAGLE head in {path}"
-    if raw.get("layernorms"):
-        raise ConfigurationError(f"{where} uses layernorms=true (extra RMS norms): not supported by selfspec yet")
-    layer = raw.get("transformer_layer_config")
-    if not isinstance(layer, dict):
-        raise ConfigurationError(f"{where}: config.json has no transformer_layer_config object")
-    renamed = {_eagle1_name(name): name for name in shapes}
-    if "fusion_fc.bias" in shapes and not raw.get("fusion_bias", False):
-        raise ConfigurationError(f"{where}: fusion_fc.bias is present but fusion_bias is false")
-    config = {**layer, "num_hidden_layers": 1, "bias": "fusion_fc.bias" in shapes}
-    rope = layer.get("rope_parameters")
-    if isinstance(rope, dict):  # transformers 5 writes the rotary settings as rope_parameters
-        config["rope_theta"] = rope.get("rope_theta", config.get("rope_theta"))
-        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-        config["rope_scaling"] = scaling if scaling.get("rope_type", "default") != "default" else None
-    return load_eagle1_tensors(path, model, config, files, renamed, shapes)
-
-
-def _eagle1_name(name: str) -> str:
-    """Speculators EAGLE-1 names -> SafeAILab's (``fusion_fc`` -> ``fc``, ``transformer.`` -> ``layers.0.``)."""
-    if name.startswith("fusion_fc."):
-        return "fc." + name[len("fusion_fc.") :]
-    if name.startswith("transformer."):
-        return "layers.0." + name[len("transformer.") :]
-    return name
 
 
 # ----------------------------------------------------------------------------- writing

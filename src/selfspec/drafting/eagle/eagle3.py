@@ -21,7 +21,7 @@ widened to 2H. The embedding is the file's ``embed_tokens.weight`` when the fold
 does), else the target's. Sources (read, never copied): vllm-project/speculators
 ``models/eagle3/{core,model_definitions,config}.py``, SafeAILab/EAGLE ``eagle/model/cnets.py``
 (``Model``, ``LlamaDecoderLayeremb``) and ``modeling_llama_kv.py`` (which layers are tapped). The
-two published layouts are read by :mod:`selfspec.eagle_speculators` (``config.json`` with
+two published layouts are read by :mod:`selfspec.drafting.eagle.speculators` (``config.json`` with
 ``speculators_model_type: "eagle3"``, weights ``layers.0.*``) and :func:`load_safeailab_eagle3`
 (SafeAILab / SpecForge: weights ``midlayer.*``).
 """
@@ -38,10 +38,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .eagle import EagleHead, EagleHeadConfig
-from .errors import ConfigurationError
+from ...errors import ConfigurationError
+from .head import EagleHead, EagleHeadConfig
 
-#: The ``format`` of the :class:`~selfspec.eagle.EagleHeadConfig` of a loaded EAGLE-3 head.
+#: The ``format`` of the :class:`~selfspec.drafting.eagle.head.EagleHeadConfig` of a loaded EAGLE-3 head.
 EAGLE3_FORMAT = "eagle-3"
 #: transformer_layer_config model types whose decoder layer an EAGLE-3 head may use.
 LAYER_TYPES = {"llama": "Llama", "qwen3": "Qwen3"}
@@ -158,10 +158,10 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3Head(EagleHead):
-    """A published EAGLE-3 head, drafting like any selfspec head (:class:`~selfspec.eagle.EagleHead`).
+    """A published EAGLE-3 head, drafting like any selfspec head (:class:`~selfspec.drafting.eagle.head.EagleHead`).
 
     The drafter hands it the concatenated input states of :attr:`capture_layers` (the verifier
-    captures them during its forward, see :mod:`selfspec.verify`); :meth:`target_features` fuses
+    captures them during its forward, see :mod:`selfspec.decoding.verify`); :meth:`target_features` fuses
     them with ``fc``; :meth:`forward` runs :class:`Eagle3Layer` and returns the pre-norm output,
     which is fed back as the next feature; :meth:`draft_logits` applies the head's own norm and LM
     head over its draft vocabulary, mapped to target ids by ``d2t``.
@@ -279,10 +279,11 @@ class Eagle3Head(EagleHead):
         return logits.float()
 
     def save(self, folder: str | os.PathLike[str], dtype: torch.dtype = torch.float16) -> Path:
-        """Write the head in vLLM's ``speculators`` layout (``save_speculators_eagle3``)."""
-        from .eagle_speculators import save_speculators_eagle3
-
-        return save_speculators_eagle3(self, folder, verifier=self.spec.verifier, dtype=dtype)
+        """Not selfspec's format: write EAGLE-3 heads with :func:`selfspec.drafting.eagle.export.export_eagle`."""
+        raise ConfigurationError(
+            "EAGLE-3 heads are saved in vLLM's speculators layout: "
+            "selfspec.drafting.eagle.export.export_eagle(model, head, folder) or `selfspec export-eagle`"
+        )
 
     def published_state(self) -> dict[str, torch.Tensor]:
         """The head's weights under their published names (``layers.0.*`` / ``midlayer.*`` as read)."""
@@ -303,7 +304,7 @@ def build_eagle3_head(
     Raises:
         ConfigurationError: the head does not fit the model, or its weights are not the layout's.
     """
-    from .eagle_published import _read_weights
+    from . import files as eagle_files
 
     target = model.config
     target_hidden, target_vocab, num_layers = (
@@ -376,7 +377,7 @@ def build_eagle3_head(
 
     # the weights
     wanted = set(expected) | ({"d2t", "t2d"} & set(shapes))
-    state = _read_weights(files, wanted)
+    state = eagle_files._read_weights(files, wanted)
     dtype = head.fc.weight.dtype
     mine = {n: state[published_name(n, spec.prefix)].to(dtype) for n in head.state_dict()}
     head.load_state_dict(mine, strict=True)
