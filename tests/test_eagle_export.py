@@ -174,3 +174,39 @@ def test_cli(tmp_path, tiny, safeailab_folder, capsys) -> None:
     ):
         code = main(["export-eagle", "--model", str(model_folder), "--out", str(tmp_path / "x"), *args])
         assert code == 2 and message in capsys.readouterr().err, args
+
+
+# ----------------------------------------------------------------------------- a head trained by train-eagle
+@pytest.fixture(scope="module")
+def trained_eagle3(tmp_path_factory) -> Path:
+    """An EAGLE-3 head trained by train-eagle (``head_format="eagle3"``) for a few seconds, saved as it saves."""
+    from selfspec.drafting.eagle.train import EagleTrainConfig, save_trained_head, train_eagle_head
+
+    model = make_model("llama", agreeing=True, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    prompts: list[tuple[str, Any]] = [
+        ("ids", torch.randint(3, 96, (6,), generator=generator).tolist()) for _ in range(32)
+    ]
+    config = EagleTrainConfig(
+        max_seconds=90, new_tokens=24, batch_size=16, draft_vocab_size=64, max_steps=100, eval_every=50, lr=3e-3,
+        unroll_after=0.0, head_format="eagle3", feature_layers=(1, 3, 6),
+    )  # fmt: skip
+    result = train_eagle_head(model, None, config, target_name="org/tiny-llama", prompts=prompts, progress=False)
+    assert result.figures["steps"] == 100 and result.figures["answer_tokens"] > 300, result.figures
+    return save_trained_head(result, tmp_path_factory.mktemp("trained") / "eagle3-head")
+
+
+def test_a_head_trained_by_train_eagle_exports_with_identical_drafts(tmp_path, tiny, trained_eagle3) -> None:
+    config = json.loads((trained_eagle3 / "config.json").read_text(encoding="utf-8"))
+    assert config["speculators_model_type"] == "eagle3" and set(config) - PRETRAINED_FIELDS == EAGLE3_CONFIG_FIELDS
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "org/tiny-llama"
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 6]
+    out = export_eagle(tiny, trained_eagle3, tmp_path / "exported")
+    for prompt in (PROMPT, [60, 61, 7]):
+        runs = [
+            drafts_of(SpeculativeEngine(tiny, drafter="eagle", eagle_head=head, num_draft_tokens=3), prompt, 30)
+            for head in (trained_eagle3, out)
+        ]
+        assert runs[0] == runs[1]
+        assert runs[0][1] == reference_greedy(tiny, prompt, 30)
+        assert sum(len(draft) for draft in runs[0][0]) > 0

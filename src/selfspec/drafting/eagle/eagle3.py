@@ -427,3 +427,64 @@ def read_safeailab_spec(raw: dict[str, Any], model: Any) -> Eagle3Spec:
         layout="safeailab",
         extra=extra,
     )
+
+
+def new_eagle3_head(
+    model: Any, feature_layers: tuple[int, ...], draft_token_ids: torch.Tensor | None, target_name: str = ""
+) -> Eagle3Head:
+    """A new EAGLE-3 head for ``model``, to train (``selfspec train-eagle --format eagle3``).
+
+    The layer is a Llama (or, for Qwen3 targets, Qwen3) layer shaped like the target's layers; the
+    LM head starts as the target's rows of the draft vocabulary and stays frozen (as the
+    speculators trainer does), the norm starts at ones, ``fc`` and the layer at their default
+    initialisation; the embedding is the target's. ``norm_before_residual`` is false (SafeAILab's rule).
+    """
+    config = model.config
+    model_type = config.model_type if config.model_type in LAYER_TYPES else "llama"
+    rope = dict(getattr(config, "rope_parameters", None) or {"rope_theta": getattr(config, "rope_theta", 10000.0)})
+    if "full_attention" in rope and isinstance(rope["full_attention"], dict):  # per-layer-type rotary (Gemma 3)
+        rope = dict(rope["full_attention"])
+    layer_config: dict[str, Any] = {
+        "model_type": model_type,
+        "hidden_size": int(config.hidden_size),
+        "intermediate_size": int(config.intermediate_size),
+        "num_attention_heads": int(config.num_attention_heads),
+        "num_key_value_heads": int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads),
+        "head_dim": int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads),
+        "hidden_act": str(getattr(config, "hidden_act", "silu")),
+        "rms_norm_eps": float(getattr(config, "rms_norm_eps", 1e-6)),
+        "max_position_embeddings": int(getattr(config, "max_position_embeddings", 4096) or 4096),
+        "vocab_size": int(config.vocab_size),
+        "attention_bias": bool(getattr(config, "attention_bias", False)),
+        "rope_parameters": rope,
+    }
+    vocab = int(config.vocab_size)
+    draft_vocab = int(draft_token_ids.numel()) if draft_token_ids is not None else vocab
+    spec = Eagle3Spec(
+        layer_config=layer_config,
+        feature_layers=[int(i) for i in feature_layers],
+        draft_vocab_size=draft_vocab,
+        norm_before_residual=False,
+        prefix="layers.0.",
+        layout="speculators",
+        verifier=target_name,
+        extra={"verifier_architectures": [str(a) for a in (getattr(config, "architectures", None) or [])]},
+    )
+    head_config = EagleHeadConfig(
+        target=target_name or str(getattr(config, "_name_or_path", "") or ""),
+        model_type=str(config.model_type),
+        hidden_size=int(config.hidden_size),
+        vocab_size=vocab,
+        num_target_layers=int(config.num_hidden_layers),
+        feature_layers=[int(i) for i in feature_layers],
+        draft_vocab_size=draft_vocab if draft_vocab != vocab else 0,
+        format=EAGLE3_FORMAT,
+    )
+    head = Eagle3Head(model, head_config, spec, draft_token_ids=draft_token_ids)
+    with torch.no_grad():
+        weight = model.lm_head.weight.detach()
+        rows = weight if draft_token_ids is None else weight.index_select(0, draft_token_ids.to(weight.device))
+        head.lm_head.weight.copy_(rows.to(head.lm_head.weight.dtype))
+        head.norm.weight.fill_(1.0)
+    head.lm_head.weight.requires_grad_(False)
+    return head
