@@ -10,7 +10,7 @@ selfspec's loader:
 The loaded head must reproduce the reference (so a swapped concatenation, a missing or extra
 norm, the wrong norm eps or the wrong rotary base fail), and greedy output must equal
 transformers' ``generate`` in float64, with chains and with trees. Bad folders (pickle only,
-another model's shapes, no ``fc``, an EAGLE-3 head) get clear errors, and the engine works after.
+another model's shapes, no ``fc``, an EAGLE-3 head with a float ``d2t``) get clear errors, and the engine works after.
 """
 
 from __future__ import annotations
@@ -296,7 +296,8 @@ def broken_folders(tmp_path: Path, tiny: Any) -> dict[str, tuple[Path, type[Exce
         "vocabulary": (write_folder(tmp_path / "v128", weights, published_config(vocab_size=128)),
                        ConfigurationError, "vocab size 128 vs the model's 96"),
         "no fc": (write_folder(tmp_path / "nofc", no_fc, published_config()), ConfigurationError, "no fc.weight"),
-        "EAGLE-3": (eagle3_folder(tmp_path / "eagle3"), ConfigurationError, "EAGLE-3 heads are not supported yet"),
+        # EAGLE-3 heads load (tests/test_eagle3.py); this one's d2t was written as floats
+        "EAGLE-3, float d2t": (eagle3_folder(tmp_path / "eagle3"), ConfigurationError, "d2t must be a 1-D integer"),
         "two layers": (write_folder(tmp_path / "two", two_layers, published_config()), ConfigurationError,
                        "one-layer EAGLE heads"),
         "final norm": (write_folder(tmp_path / "norm", final_norm, published_config()), ConfigurationError,
@@ -322,3 +323,31 @@ def test_bad_folders_get_clear_errors_and_the_engine_works_after(tmp_path, tiny,
     ).generate_ids(PROMPT, max_new_tokens=6).token_ids == reference_greedy(tiny, PROMPT, 6)
     engine = SpeculativeEngine(tiny, drafter="eagle", eagle_head=trained_folder, num_draft_tokens=2)
     assert engine.generate_ids(PROMPT, max_new_tokens=8).token_ids == reference_greedy(tiny, PROMPT, 8)
+
+
+def test_speculators_eagle1_layout_loads_like_safeailab(tmp_path, tiny, trained_weights, trained_folder) -> None:
+    """The same head in speculators' ``eagle`` layout (``fusion_fc``, ``transformer.*``) drafts the same tokens."""
+    renamed = {
+        name.replace("fc.", "fusion_fc.", 1).replace("layers.0.", "transformer.", 1): value
+        for name, value in trained_weights.items()
+        if name != "embed_tokens.weight"  # speculators never saves the embedding
+    }
+    layer = {k: v for k, v in published_config().items() if k not in ("bias", "architectures", "torch_dtype")}
+    config = {
+        "architectures": ["EagleSpeculator", "LlamaDecoderLayer"], "speculators_model_type": "eagle",
+        "speculators_version": "0.1.0", "transformer_layer_architecture": "LlamaDecoderLayer",
+        "transformer_layer_config": layer, "layernorms": False, "fusion_bias": True,
+        "speculators_config": {"algorithm": "eagle", "default_proposal_method": "greedy",
+                               "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 5}],
+                               "verifier": {"name_or_path": "tiny", "architectures": ["LlamaForCausalLM"]}},
+    }  # fmt: skip
+    folder = write_folder(tmp_path / "speculators-eagle", renamed, config)
+    head, reference = load_published_head(folder, tiny), load_published_head(trained_folder, tiny)
+    assert isinstance(head, PublishedEagleHead)
+    for name, value in reference.state_dict().items():
+        assert torch.equal(head.state_dict()[name], value), name
+    engine = SpeculativeEngine(tiny, drafter="eagle", eagle_head=folder, num_draft_tokens=3)
+    out = engine.generate_ids(PROMPT, max_new_tokens=20)
+    assert out.token_ids == reference_greedy(tiny, PROMPT, 20) and out.stats.num_accepted > 3
+    with pytest.raises(ConfigurationError, match="layernorms=true"):
+        load_published_head(write_folder(tmp_path / "norms", renamed, {**config, "layernorms": True}), tiny)

@@ -289,11 +289,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
 
     from ..drafting.eagle.cli import add_train_eagle_parser
+    from ..drafting.eagle.export_cli import add_export_eagle_parser
     from ..drafting.exit_adapter.cli import add_train_adapter_parser
     from ..drafting.medusa.cli import add_train_medusa_parser
 
     add_train_adapter_parser(sub)
     add_train_eagle_parser(sub)
+    add_export_eagle_parser(sub)
 
     add_train_medusa_parser(sub)
 

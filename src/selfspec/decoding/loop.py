@@ -81,7 +81,10 @@ def start_row(
     if isinstance(cache, BatchedKVCache):
         hidden, logits = prefill_row(runner, cache, row, run.prompt_ids)
     else:
-        hidden, logits = prefill(runner, cache, run.prompt_ids, keep_all=drafter.needs_committed_hidden)
+        keep_all = drafter.needs_committed_hidden
+        hidden, logits = prefill(
+            runner, cache, run.prompt_ids, keep_all=keep_all, feature_layers=drafter.feature_layers
+        )
     first, _ = choose_token(logits, run.params, run.generator, run.constraint)
     run.stats.target_forwards += 1
     run.stats.verify_seconds += time.perf_counter() - started
@@ -100,6 +103,7 @@ def start_row(
         last_hidden=hidden[:, -1:] if drafter.needs_hidden else None,
         pending_hidden=hidden if drafter.needs_committed_hidden else None,
         row=row,
+        feature_layers=drafter.feature_layers,  # EAGLE-3 taps (issue 30): the verifier keeps these layers' inputs
     )
     return Row(state, run)
 

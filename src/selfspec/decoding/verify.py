@@ -21,19 +21,49 @@ from ..modeling.runner import ModelRunner
 
 
 def prefill(
-    runner: ModelRunner, cache: StaticKVCache, prompt_ids: list[int], keep_all: bool = False
+    runner: ModelRunner,
+    cache: StaticKVCache,
+    prompt_ids: list[int],
+    keep_all: bool = False,
+    feature_layers: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the prompt through every layer into ``cache``.
 
     Returns:
         The last position's ``[1, 1, hidden]`` output state (every position's with ``keep_all``)
-        and the last position's ``[vocab]`` logits.
+        and the last position's ``[vocab]`` logits. With ``feature_layers`` (EAGLE-3), the states
+        handed back are the inputs of those layers, concatenated (:func:`drafter_states`).
     """
     ids = torch.tensor([prompt_ids], device=runner.device)
     positions = torch.arange(len(prompt_ids), device=runner.device)
-    hidden = runner.run_layers(runner.embed(ids), 0, runner.num_layers, positions, cache)
+    capture = feature_capture(feature_layers)
+    hidden = runner.run_layers(runner.embed(ids), 0, runner.num_layers, positions, cache, capture=capture)
     last = hidden[:, -1:]
-    return (hidden if keep_all else last), runner.logits(last)[0]
+    states = drafter_states(hidden, feature_layers, capture)
+    return (states if keep_all else states[:, -1:]), runner.logits(last)[0]
+
+
+# --- EAGLE-3 feature taps (selfspec issue 30): the verifier hands the drafter the states entering
+# --- the layers it names, captured during the forward that runs anyway (nothing recomputed).
+def feature_capture(feature_layers: tuple[int, ...] | None) -> dict[int, torch.Tensor | None] | None:
+    """An empty capture dict for :meth:`ModelRunner.run_layers` (``None`` without feature layers)."""
+    return dict.fromkeys(feature_layers) if feature_layers else None
+
+
+def drafter_states(
+    hidden: torch.Tensor, feature_layers: tuple[int, ...] | None, capture: dict[int, torch.Tensor | None] | None
+) -> torch.Tensor:
+    """The states a drafter reads: the last layer's output, or the captured layers' inputs concatenated.
+
+    Returns:
+        ``[1, q, hidden]``, or ``[1, q, len(feature_layers) * hidden]`` in the order of ``feature_layers``.
+    """
+    if not feature_layers or capture is None:
+        return hidden
+    taps = [capture[i] for i in feature_layers]
+    if any(t is None for t in taps):
+        raise RuntimeError(f"feature layers {feature_layers} were not all captured by this forward")
+    return torch.cat(taps, dim=-1)  # type: ignore[arg-type]
 
 
 def prefill_row(
@@ -66,7 +96,11 @@ def score_chain(state: DecodeState, draft: Draft, keep_hidden: bool = False) -> 
         hidden = runner.run_layers(exit_states, exit_layer, runner.num_layers, positions, cache)
     else:
         ids = torch.tensor([[state.last_token, *draft.tokens]], device=device)
-        hidden = runner.run_layers(runner.embed(ids), 0, runner.num_layers, positions, cache)
+        capture = feature_capture(state.feature_layers if keep_hidden else None)
+        hidden = runner.run_layers(runner.embed(ids), 0, runner.num_layers, positions, cache, capture=capture)
+        if capture is not None:
+            state.last_hidden = drafter_states(hidden, state.feature_layers, capture)
+            return runner.logits(hidden)
     if keep_hidden:
         state.last_hidden = hidden
     return runner.logits(hidden)
@@ -102,7 +136,13 @@ def score_tree(state: DecodeState, draft: Draft, keep_hidden: bool = False) -> t
         hidden = runner.run_layers(exit_states, exit_layer, runner.num_layers, positions, cache, tree=full)
     else:
         ids = torch.tensor([[state.last_token, *draft.tokens]], device=device)
-        hidden = runner.run_layers(runner.embed(ids), 0, runner.num_layers, positions, cache, tree=full)
+        capture = feature_capture(state.feature_layers if keep_hidden else None)
+        hidden = runner.run_layers(
+            runner.embed(ids), 0, runner.num_layers, positions, cache, tree=full, capture=capture
+        )
+        if capture is not None:
+            state.last_hidden = drafter_states(hidden, state.feature_layers, capture)
+            return runner.logits(hidden)
     if keep_hidden:
         state.last_hidden = hidden
     return runner.logits(hidden)

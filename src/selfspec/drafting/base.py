@@ -26,7 +26,10 @@ keeps ``state.last_hidden``, the last decoder layer's output (before the final n
 position that chose ``state.last_token`` (Medusa heads read it). A drafter that also sets
 ``needs_committed_hidden = True`` gets those states for every position the text commits, in
 ``state.pending_hidden`` (a feature head such as EAGLE feeds them to its own cache and sets the
-field back to ``None``). Per-generation memory (an
+field back to ``None``). A drafter that reads other layers' states (an EAGLE-3 head) sets
+``feature_layers``: the verifier then keeps, instead of the last layer's output, the states
+*entering* those layers (``i == num_layers``: the last layer's output before the final norm),
+concatenated in that order, captured during the forwards that run anyway. Per-generation memory (an
 n-gram index, a draft model's cache) lives in ``state.memory(self, factory)``, never in the
 drafter object, which is shared by every generation of an engine.
 
@@ -87,6 +90,8 @@ class DecodeState:
             ``last_token`` and accepted drafts), ending at ``position - 1``; kept only for
             drafters with ``needs_committed_hidden``, which reset it to ``None`` once read.
         row: this generation's row in a batched cache (``0`` alone).
+        feature_layers: the drafter's :attr:`Drafter.feature_layers` (``None``: the last layer's
+            output is what ``last_hidden`` / ``pending_hidden`` hold).
     """
 
     runner: ModelRunner
@@ -101,6 +106,7 @@ class DecodeState:
     last_hidden: torch.Tensor | None = None
     pending_hidden: torch.Tensor | None = None
     row: int = 0
+    feature_layers: tuple[int, ...] | None = None
     _memory: dict[int, Any] = field(default_factory=dict, repr=False)
 
     def memory(self, owner: object, factory: Callable[[], T]) -> T:
@@ -158,6 +164,9 @@ class Drafter(ABC):
     needs_hidden: bool = False
     #: whether the loop must also hand over every committed position's state (``DecodeState.pending_hidden``)
     needs_committed_hidden: bool = False
+    #: the target layers whose input states the verifier hands over instead of the last layer's
+    #: output, concatenated in this order (EAGLE-3's fused features); ``None``: the last layer's output
+    feature_layers: tuple[int, ...] | None = None
     #: whether this drafter's generations may share batched rounds (see :meth:`propose_batch`)
     can_batch: bool = False
 

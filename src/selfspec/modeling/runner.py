@@ -151,6 +151,7 @@ class ModelRunner:
         positions: torch.Tensor,
         cache: StaticKVCache,
         tree: TreeMask | None = None,
+        capture: dict[int, torch.Tensor | None] | None = None,
     ) -> torch.Tensor:
         """Run decoder layers ``[start, end)`` on one row's new positions, writing their KV to ``cache``.
 
@@ -163,6 +164,9 @@ class ModelRunner:
             cache: the generation's cache; every layer in the range must hold the same length.
             tree: for token-tree nodes (:mod:`selfspec.core.tree`): which of the tree nodes at the
                 end of the cache each query sees; ``None`` is plain causal attention.
+            capture: (EAGLE-3 feature taps) layer ids ``i`` whose *input* states (the residual
+                stream entering layer ``i``; ``i == end`` is the last layer's output before the
+                final norm) are stored into this dict as the layers run: no extra computation.
 
         Returns:
             ``[1, q, hidden]`` output states of layer ``end - 1``.
@@ -175,7 +179,7 @@ class ModelRunner:
             masks = self._tree_masks(positions, kv_length, hidden.dtype, tree)
         else:
             masks = self.causal_masks(position_ids, kv_length, hidden.dtype)
-        return self._forward(hidden, start, end, position_ids, masks, cache)
+        return self._forward(hidden, start, end, position_ids, masks, cache, capture)
 
     def run_rows(
         self,
@@ -214,6 +218,7 @@ class ModelRunner:
         position_ids: torch.Tensor,
         masks: dict[str, torch.Tensor | None],
         cache: Any,
+        capture: dict[int, torch.Tensor | None] | None = None,
     ) -> torch.Tensor:
         """The layer loop: ``[m, q, hidden]`` through layers ``[start, end)`` at ``[m, q]`` positions."""
         rotary = self._rotary(hidden, position_ids, {self.layer_types[i] for i in range(start, end)})
@@ -222,10 +227,16 @@ class ModelRunner:
             # [m, q, head_dim] -> [m, 1, q, head_dim], broadcast over heads
             cos_sin = {t: (cos.unsqueeze(1), sin.unsqueeze(1)) for t, (cos, sin) in rotary.items()}
             for i in range(start, end):
+                if capture is not None and i in capture:  # EAGLE-3 tap: the state entering layer i
+                    capture[i] = hidden
                 cos, sin = cos_sin[self.layer_types[i]]
                 hidden = layer_forward(fast[i], hidden, cos, sin, masks[self.layer_types[i]], cache, i)
+            if capture is not None and end in capture:  # EAGLE-3 tap: the last layer's output
+                capture[end] = hidden
             return hidden
         for i in range(start, end):
+            if capture is not None and i in capture:  # EAGLE-3 tap: the state entering layer i
+                capture[i] = hidden
             layer_type = self.layer_types[i]
             hidden = self.layers[i](
                 hidden,
@@ -235,6 +246,8 @@ class ModelRunner:
                 use_cache=True,
                 position_embeddings=rotary[layer_type],
             )
+        if capture is not None and end in capture:  # EAGLE-3 tap: the last layer's output
+            capture[end] = hidden
         return hidden
 
     def _rotary(

@@ -35,6 +35,13 @@ def add_train_eagle_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=64, help="prompts written together")
     parser.add_argument("--draft-vocab", type=int, default=8192, help="reduced draft vocabulary (0: full)")
     parser.add_argument("--unroll", type=int, default=3, help="training-time-test steps")
+    parser.add_argument(
+        "--format",
+        default="selfspec",
+        choices=("selfspec", "eagle3"),
+        help="selfspec: EAGLE-1-style head on the last layer (default); eagle3: an EAGLE-3 head on three layers, "
+        "saved in vLLM's speculators layout (vllm serve runs it)",
+    )
     parser.add_argument("--max-samples", type=int, default=None, help="the most prompts answered")
     parser.add_argument("--max-steps", type=int, default=None, help="the most optimizer steps")
     parser.add_argument("--restart", action="store_true", help="ignore the saved data and checkpoint of an earlier run")
@@ -72,7 +79,7 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
     if tokenizer is None:
         raise ConfigurationError(f"{args.model} has no tokenizer: train-eagle needs one to write its prompts")
     out = args.out if args.out is not None else head_folder_for(path)
-    state_dir = cache_dir() / "eagle_train" / _model_key(path)
+    state_dir = cache_dir() / "eagle_train" / (_model_key(path) + ("-eagle3" if args.format == "eagle3" else ""))
     if args.restart and state_dir.is_dir():
         shutil.rmtree(state_dir)
     config = EagleTrainConfig(
@@ -81,12 +88,15 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         draft_vocab_size=args.draft_vocab,
         unroll=args.unroll,
+        head_format=args.format,
         max_samples=args.max_samples,
         max_steps=args.max_steps,
         seed=args.seed,
         threads=args.threads,
     )
     target_name = Path(str(path)).name if Path(str(path)).exists() else str(path)
+    if args.format == "eagle3":  # the verifier vLLM loads: the hub id or path as given
+        target_name = str(args.model)
     result = train_eagle_head(model, tokenizer, config, target_name=target_name, prompts=prompts, state_dir=state_dir)
     saved = save_trained_head(result, out)
     figures = result.figures

@@ -98,6 +98,7 @@ class EagleDrafter(Drafter):
         self.tree_width = tree_width
         self.costs = costs
         self.lookup = PromptLookupDrafter(max_ngram=3, min_ngram=2) if lookup else None
+        self.feature_layers = head.capture_layers  # EAGLE-3: the target layers whose inputs the verifier keeps
         if lookup:
             self.name = "eagle_hybrid"
 

@@ -171,6 +171,8 @@ class EagleHead(nn.Module):
     """
 
     draft_token_ids: torch.Tensor | None
+    #: the target layers whose input states the head reads (EAGLE-3); ``None``: the last layer's output
+    capture_layers: tuple[int, ...] | None = None
 
     def __init__(
         self,
@@ -474,14 +476,15 @@ def head_folder_for(name_or_path: str) -> Path:
 def find_eagle_head(name_or_path: str, model: Any = None) -> Path | None:
     """The head ``eagle_head="auto"`` uses: beside the model, in the user cache, or shipped.
 
-    Looks in :func:`head_folder_for` (the model folder's ``eagle_head/`` or the user cache), then
+    Looks in :func:`head_folder_for` (the model folder's ``eagle_head/`` or the user cache: a
+    selfspec head, or a published EAGLE-1/2/3 or ``speculators`` head folder put there), then
     in the heads shipped with selfspec (:data:`SHIPPED_HEADS`), whose target name must match
     the model's name (ignoring folders, case and GGUF quantization tags) and, when ``model`` is
     given, whose shapes must fit it. Returns ``None`` when there is none.
     """
     if name_or_path:
         own = head_folder_for(name_or_path)
-        if (own / HEAD_CONFIG).is_file():
+        if (own / HEAD_CONFIG).is_file() or (own / "config.json").is_file():  # selfspec's, or a published head
             return own
     key = _model_key(name_or_path) if name_or_path else ""
     if not key or not SHIPPED_HEADS.is_dir():

@@ -19,8 +19,9 @@ a copy of the target's embedding that is only shape-checked: the target's own em
 head are used, as SGLang and vLLM do.
 
 EAGLE-3 heads (``midlayer.*``, ``fc`` over three target layers' features, their own ``norm``,
-``lm_head`` and ``d2t``/``t2d`` draft vocabulary) are recognised and refused: selfspec's drafter
-captures only the last layer's features. Facts and sources: ``docs/eagle.md`` ("Published heads").
+``lm_head`` and ``d2t``/``t2d`` draft vocabulary) load through :mod:`selfspec.drafting.eagle.eagle3`, and folders in
+vLLM's ``speculators`` layout through :mod:`selfspec.drafting.eagle.speculators`; :func:`load_published_head`
+dispatches. Facts and sources: ``docs/eagle.md`` ("Published heads").
 """
 
 from __future__ import annotations
@@ -33,14 +34,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...errors import ConfigurationError, ModelNotFoundError, UnsafeCheckpointError
+from ...errors import ConfigurationError, ModelNotFoundError
+from . import files as eagle_files
+from .files import PUBLISHED_CONFIG, PUBLISHED_WEIGHTS, _read_config, _weight_files, _weight_shapes
 from .head import EagleHead, EagleHeadConfig
 
-#: The files of a published head folder.
-PUBLISHED_CONFIG = "config.json"
-PUBLISHED_WEIGHTS = "model.safetensors"
-PUBLISHED_INDEX = "model.safetensors.index.json"
-PUBLISHED_PICKLE = "pytorch_model.bin"
 #: The ``format`` of the :class:`~selfspec.drafting.eagle.head.EagleHeadConfig` of a loaded published head.
 PUBLISHED_FORMAT = "eagle-1"
 #: Weights a published EAGLE-1 head may hold beside ``fc`` and ``layers.0``: the target's own
@@ -58,11 +56,6 @@ _LAYER_WEIGHTS = (
     "mlp.up_proj.weight",
     "mlp.down_proj.weight",
     "post_attention_layernorm.weight",
-)
-_CONVERT = (
-    "import torch, safetensors.torch as st; "
-    "state = torch.load('pytorch_model.bin', map_location='cpu', weights_only=True); "
-    "st.save_file({k: v.contiguous() for k, v in state.items()}, 'model.safetensors')"
 )
 
 
@@ -204,73 +197,6 @@ def _rope_scaling(layer_config: Any) -> dict[str, Any] | None:
     return params
 
 
-def _read_config(path: Path) -> dict[str, Any]:
-    """The head's ``config.json`` (malformed JSON or no object: a clear error, as for model folders)."""
-    from ...modeling.loading import _read_local_config
-
-    raw = _read_local_config(str(path))
-    if raw is None:
-        raise ConfigurationError(f"{path / PUBLISHED_CONFIG} is missing: a published EAGLE head folder needs it")
-    return raw
-
-
-def _weight_files(path: Path) -> list[Path]:
-    """The safetensors files of a published head; clear errors for pickle-only or empty folders."""
-    if (path / PUBLISHED_WEIGHTS).is_file():
-        return [path / PUBLISHED_WEIGHTS]
-    if (path / PUBLISHED_INDEX).is_file():
-        try:
-            weight_map = json.loads((path / PUBLISHED_INDEX).read_text(encoding="utf-8"))["weight_map"]
-            files = sorted({path / str(name) for name in weight_map.values()})
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ConfigurationError(f"{path / PUBLISHED_INDEX} is not a readable safetensors index ({exc})") from exc
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise ModelNotFoundError(f"{path / PUBLISHED_INDEX} names missing files: {', '.join(missing)}")
-        return files
-    pickles = sorted(p.name for p in path.glob("*.bin"))
-    if pickles:
-        raise UnsafeCheckpointError(
-            f"the EAGLE head in {path} holds only pickle weights ({', '.join(pickles)}); selfspec loads "
-            f"safetensors only (pickle can run arbitrary code when loaded). Convert it once, in that folder: "
-            f'python -c "{_CONVERT}"'
-        )
-    raise ModelNotFoundError(
-        f"{path} has a {PUBLISHED_CONFIG} but no head weights ({PUBLISHED_WEIGHTS}); a published EAGLE head "
-        f"folder holds config.json and model.safetensors, a selfspec head eagle_config.json and "
-        "eagle_head.safetensors (`selfspec train-eagle`)"
-    )
-
-
-def _weight_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
-    """Every tensor's name and shape, read from the safetensors headers (no weights loaded yet)."""
-    from safetensors import SafetensorError, safe_open
-
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt") as reader:
-                for name in reader.keys():
-                    shapes[name] = tuple(reader.get_slice(name).get_shape())
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise ConfigurationError(f"{file} is not a readable safetensors file ({exc})") from exc
-    return shapes
-
-
-def _read_weights(files: list[Path], wanted: set[str]) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError, safe_open
-
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt") as reader:
-                for name in wanted & set(reader.keys()):
-                    state[name] = reader.get_tensor(name)
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise ConfigurationError(f"{file} is not a readable safetensors file ({exc})") from exc
-    return state
-
-
 def _eagle3_reason(raw: dict[str, Any], names: set[str], hidden: int, fc_shape: tuple[int, ...] | None) -> str:
     """Why this folder is an EAGLE-3 head (empty when it is not one)."""
     architectures = " ".join(str(a) for a in raw.get("architectures") or [])
@@ -285,12 +211,15 @@ def _eagle3_reason(raw: dict[str, Any], names: set[str], hidden: int, fc_shape: 
     return ""
 
 
-def load_published_head(folder: str | os.PathLike[str], model: Any) -> PublishedEagleHead:
-    """Load a published EAGLE-1 / EAGLE-2 head folder for ``model`` (on its device and dtype).
+def load_published_head(folder: str | os.PathLike[str], model: Any) -> EagleHead:
+    """Load a published EAGLE head folder for ``model`` (on its device and dtype).
+
+    Reads SafeAILab's EAGLE-1/EAGLE-2 layout (:class:`PublishedEagleHead`), SafeAILab's / SpecForge's
+    EAGLE-3 layout and vLLM's ``speculators`` layout (EAGLE-3, and EAGLE-1 heads): names and shapes
+    are checked from the safetensors headers before any weight is read.
 
     Args:
-        folder: a folder with ``config.json`` and ``model.safetensors`` (or a safetensors index)
-            in the layout of SafeAILab/EAGLE's EAGLE-1 heads (read by SGLang and vLLM too).
+        folder: a folder with ``config.json`` and ``model.safetensors`` (or a safetensors index).
         model: the target, a loaded Llama-layout transformers causal LM.
 
     Raises:
@@ -298,30 +227,59 @@ def load_published_head(folder: str | os.PathLike[str], model: Any) -> Published
         UnsafeCheckpointError: the folder holds only pickle weights (the message shows how to
             convert them to safetensors).
         ConfigurationError: the head does not fit the model (hidden size, vocabulary, layer
-            shapes), its files are unreadable, its weights are not the EAGLE-1 layout, or it is an
-            EAGLE-3 head (not supported yet).
+            shapes, feature layers), its files are unreadable, its weights are not its layout's, or
+            it is a variant selfspec does not run.
     """
-    from transformers import LlamaConfig
-
     path = Path(folder).expanduser()
     if not path.is_dir():
         raise ModelNotFoundError(f"no EAGLE head folder at {os.fspath(folder)!r}")
     raw = _read_config(path)
+    if raw.get("speculators_model_type") == "eagle":  # speculators' EAGLE-1 layout (issue 30)
+        return _load_speculators_eagle1(path, model, raw)
+    if "speculators_model_type" in raw:  # vLLM's speculators layout, EAGLE-3 (issue 30)
+        from .speculators import load_speculators_head
+
+        return load_speculators_head(path, model, raw)
     files = _weight_files(path)
     shapes = _weight_shapes(files)
+    names = set(shapes)
+    target_hidden = int(model.config.hidden_size)
+    eagle3 = _eagle3_reason(raw, names, int(raw.get("hidden_size") or target_hidden), shapes.get("fc.weight"))
+    if eagle3:  # SafeAILab / SpecForge EAGLE-3 (midlayer.*, three fused target layers)
+        from .eagle3 import build_eagle3_head, read_safeailab_spec
+
+        return build_eagle3_head(path, model, read_safeailab_spec(raw, model), files, shapes)
+    return load_eagle1_tensors(path, model, raw, files, {name: name for name in names}, shapes)
+
+
+def load_eagle1_tensors(
+    path: Path,
+    model: Any,
+    raw: dict[str, Any],
+    files: list[Path],
+    stored: dict[str, str],
+    stored_shapes: dict[str, tuple[int, ...]] | None = None,
+) -> PublishedEagleHead:
+    """Load an EAGLE-1 head whose weights are stored under ``stored[safeailab_name]``.
+
+    Args:
+        path: the folder (for messages).
+        model: the target.
+        raw: the layer's config (SafeAILab's ``config.json``, or a speculators ``transformer_layer_config``
+            with ``bias``).
+        files: the safetensors files.
+        stored: SafeAILab's name of each weight -> the name it has in the files.
+        stored_shapes: the headers' shapes by stored name (read when ``None``).
+    """
+    from transformers import LlamaConfig
+
+    shapes_by_stored = stored_shapes if stored_shapes is not None else _weight_shapes(files)
+    shapes = {name: shapes_by_stored[file_name] for name, file_name in stored.items()}
     names = set(shapes)
     target = model.config
     target_hidden, target_vocab = int(target.hidden_size), int(target.vocab_size)
     where = f"the EAGLE head in {path}"
     fc_shape = shapes.get("fc.weight")
-    eagle3 = _eagle3_reason(raw, names, int(raw.get("hidden_size") or target_hidden), fc_shape)
-    if eagle3:
-        raise ConfigurationError(
-            f"{where} is an EAGLE-3 head ({eagle3}). EAGLE-3 heads read the fused hidden states of three target "
-            "layers (fc [H, 3H]) and score their own draft vocabulary (norm, lm_head, d2t); selfspec's EAGLE drafter "
-            "captures only the last layer's features, so EAGLE-3 heads are not supported yet. Use an EAGLE-1/EAGLE-2 "
-            "head, or train one for this model with `selfspec train-eagle --model M`."
-        )
     if fc_shape is None:
         raise ConfigurationError(
             f"{where} has no fc.weight: it is not an EAGLE-1/EAGLE-2 head (config.json + model.safetensors with "
@@ -376,6 +334,8 @@ def load_published_head(folder: str | os.PathLike[str], model: Any) -> Published
         "mlp_bias": mlp_bias,
         "attn_implementation": implementation if implementation in ("eager", "sdpa") else "sdpa",
     }
+    if raw.get("head_dim"):
+        fields["head_dim"] = raw["head_dim"]
     try:
         layer_config = LlamaConfig(**fields)
     except (ValueError, TypeError, KeyError) as exc:
@@ -402,8 +362,10 @@ def load_published_head(folder: str | os.PathLike[str], model: Any) -> Published
         raise ConfigurationError(f"{where} is not in the EAGLE-1 layout: {detail}")
     dtype = next(head.parameters()).dtype
     published = _published_names(head)
-    state = _read_weights(files, set(published.values()))
-    loaded = {mine: state[theirs].to(dtype) for mine, theirs in published.items() if theirs in state}
+    state = eagle_files._read_weights(files, {stored[n] for n in published.values() if n in stored})
+    loaded = {
+        mine: state[stored[theirs]].to(dtype) for mine, theirs in published.items() if stored.get(theirs) in state
+    }
     if qkv_bias and "layer.self_attn.o_proj.bias" not in loaded:  # EAGLE's o_proj has no bias
         loaded["layer.self_attn.o_proj.bias"] = torch.zeros_like(head.layer.self_attn.o_proj.bias)
     try:
@@ -412,6 +374,41 @@ def load_published_head(folder: str | os.PathLike[str], model: Any) -> Published
         raise ConfigurationError(f"the weights in {path} do not match its {PUBLISHED_CONFIG}: {exc}") from exc
     head.eval().requires_grad_(False)
     return head
+
+
+def _load_speculators_eagle1(path: Path, model: Any, raw: dict[str, Any]) -> PublishedEagleHead:
+    """A speculators ``eagle`` head (EAGLE-1/2, HASS without extra norms) through the EAGLE-1 loader.
+
+    Names: ``fusion_fc.*`` -> ``fc.*``, ``transformer.*`` -> ``layers.0.*`` (speculators' ``EagleSpeculator``,
+    before its removal in 792b9e6c); the layer config is ``transformer_layer_config``.
+    """
+    files = _weight_files(path)
+    shapes = _weight_shapes(files)
+    where = f"the EAGLE head in {path}"
+    if raw.get("layernorms"):
+        raise ConfigurationError(f"{where} uses layernorms=true (extra RMS norms): not supported by selfspec yet")
+    layer = raw.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise ConfigurationError(f"{where}: config.json has no transformer_layer_config object")
+    renamed = {_eagle1_name(name): name for name in shapes}
+    if "fusion_fc.bias" in shapes and not raw.get("fusion_bias", False):
+        raise ConfigurationError(f"{where}: fusion_fc.bias is present but fusion_bias is false")
+    config = {**layer, "num_hidden_layers": 1, "bias": "fusion_fc.bias" in shapes}
+    rope = layer.get("rope_parameters")
+    if isinstance(rope, dict):  # transformers 5 writes the rotary settings as rope_parameters
+        config["rope_theta"] = rope.get("rope_theta", config.get("rope_theta"))
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        config["rope_scaling"] = scaling if scaling.get("rope_type", "default") != "default" else None
+    return load_eagle1_tensors(path, model, config, files, renamed, shapes)
+
+
+def _eagle1_name(name: str) -> str:
+    """Speculators EAGLE-1 names -> SafeAILab's (``fusion_fc`` -> ``fc``, ``transformer.`` -> ``layers.0.``)."""
+    if name.startswith("fusion_fc."):
+        return "fc." + name[len("fusion_fc.") :]
+    if name.startswith("transformer."):
+        return "layers.0." + name[len("transformer.") :]
+    return name
 
 
 def _published_names(head: PublishedEagleHead) -> dict[str, str]:

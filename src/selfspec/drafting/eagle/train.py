@@ -82,6 +82,9 @@ class EagleTrainConfig:
         threads: torch threads (``None``: leave as is).
         init_from_last_layer: start the head's layer from a copy of the target's last layer
             (``False``: the layer class's own random initialisation).
+        head_format: ``"selfspec"`` (EAGLE-1-style: the last layer's features, the target's norm
+            and LM head) or ``"eagle3"`` (EAGLE-3: fused taps of ``feature_layers``, its own norm
+            and LM head; saved in vLLM's ``speculators`` layout, which ``vllm serve`` runs).
     """
 
     max_seconds: float = 1200.0
@@ -106,6 +109,14 @@ class EagleTrainConfig:
     seed: int = 0
     threads: int | None = None
     init_from_last_layer: bool = False
+    head_format: str = "selfspec"
+    #: ``head_format="eagle3"``: the target layers tapped (``None``: EAGLE-3's default ``2, L // 2, L - 3``).
+    feature_layers: tuple[int, ...] | None = None
+
+
+#: Head formats :func:`train_eagle_head` trains: selfspec's own (EAGLE-1-style, last-layer features)
+#: and EAGLE-3 (fused taps of three layers; exports to vLLM's speculators layout).
+HEAD_FORMATS = ("selfspec", "eagle3")
 
 
 @dataclass
@@ -118,6 +129,7 @@ class Sample:
     log_norm: torch.Tensor  # [T] float32: logsumexp of the model's logits at each position
     argmax: torch.Tensor  # [T] int64: the model's greedy next token at each position
     kind: str = ""
+    taps: torch.Tensor | None = None  # [T, n * H] float16: EAGLE-3 format, the states entering the tapped layers
 
 
 @dataclass
@@ -165,6 +177,7 @@ def write_batch(
     cfg: EagleTrainConfig,
     sampled: bool,
     seed: int,
+    feature_layers: tuple[int, ...] | None = None,
 ) -> list[Sample]:
     """The model's own answers to a batch of prompts, with what it computed along the way.
 
@@ -175,6 +188,8 @@ def write_batch(
     The prompt positions' logits (the prefill keeps only the last one) come from their features
     and the frozen LM head. An answer ends at the first end-of-sequence token (finished rows
     idle until every row is done); the last written token has no feature yet and is dropped.
+    With ``feature_layers`` (EAGLE-3 heads), forward hooks also keep the states entering those
+    layers, computed by the same forwards.
     """
     from transformers import DynamicCache
 
@@ -194,6 +209,8 @@ def write_batch(
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
     cache = DynamicCache(config=model.config)
     step_features, step_log_norm, step_argmax, written = [], [], [], []
+    tapped: dict[int, list[torch.Tensor]] = {}
+    hooks = _tap_hooks(model, feature_layers, tapped) if feature_layers else []
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     inputs = ids
     for _ in range(cfg.new_tokens):
@@ -221,7 +238,10 @@ def write_batch(
         inputs = token[:, None]
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         positions = positions[:, -1:] + 1
+    for hook in hooks:
+        hook.remove()
     features = torch.cat(step_features, dim=1)  # [B, width + steps - 1, H]
+    taps = torch.cat([torch.cat(tapped[i], dim=1) for i in feature_layers], dim=-1) if feature_layers else None
     log_norm = torch.stack(step_log_norm, dim=1).cpu()  # [B, steps]: at position width - 1 + i
     argmax = torch.stack(step_argmax, dim=1).cpu()
     tokens = torch.stack(written, dim=1).tolist()  # [B, steps]
@@ -256,9 +276,33 @@ def write_batch(
                 log_norm=row_log_norm,
                 argmax=row_argmax,
                 kind=kinds[row],
+                taps=None if taps is None else taps[row, first : first + kept].to(torch.float16).cpu(),
             )
         )
     return samples
+
+
+def _tap_hooks(model: Any, feature_layers: tuple[int, ...], tapped: dict[int, list[torch.Tensor]]) -> list[Any]:
+    """Forward hooks that append the state entering each tapped layer (``L``: the last output) per step."""
+    layers = model.model.layers
+    for i in feature_layers:
+        tapped[i] = []
+
+    def before(index: int) -> Any:
+        def hook(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            tapped[index].append(args[0] if args else kwargs["hidden_states"])
+
+        return hook
+
+    def after(_module: Any, _args: Any, out: Any) -> None:
+        tapped[len(layers)].append(out if torch.is_tensor(out) else out[0])
+
+    hooks = [
+        layers[i].register_forward_pre_hook(before(i), with_kwargs=True) for i in set(feature_layers) if i < len(layers)
+    ]
+    if len(layers) in feature_layers:
+        hooks.append(layers[-1].register_forward_hook(after))
+    return hooks
 
 
 def choose_draft_vocab(samples: list[Sample], size: int, vocab_size: int) -> torch.Tensor | None:
@@ -312,6 +356,7 @@ class _Batch:
     argmax: torch.Tensor  # [B, T]
     valid: torch.Tensor  # [B, T - 1]: entry j is trained on (it has a target)
     answer: torch.Tensor  # [B, T - 1]: entry j's target x_{j+2} is an answer token
+    taps: torch.Tensor | None = None  # [B, T, n * H] float32: EAGLE-3 taps
 
 
 def collate(samples: list[Sample], device: torch.device) -> _Batch:
@@ -325,8 +370,11 @@ def collate(samples: list[Sample], device: torch.device) -> _Batch:
     argmax = torch.zeros(b, width, dtype=torch.long)
     valid = torch.zeros(b, width - 1, dtype=torch.bool)
     answer = torch.zeros(b, width - 1, dtype=torch.bool)
+    taps = torch.zeros(b, width, samples[0].taps.shape[-1]) if samples[0].taps is not None else None
     for row, s in enumerate(samples):
         n = int(s.ids.shape[0])
+        if taps is not None and s.taps is not None:
+            taps[row, :n] = s.taps.float()
         ids[row, :n], features[row, :n], log_norm[row, :n], argmax[row, :n] = (
             s.ids,
             s.features.float(),
@@ -336,7 +384,13 @@ def collate(samples: list[Sample], device: torch.device) -> _Batch:
         valid[row, : n - 1] = True
         answer[row, max(0, s.answer_start - 2) : n - 1] = True
     return _Batch(
-        ids.to(device), features.to(device), log_norm.to(device), argmax.to(device), valid.to(device), answer.to(device)
+        ids.to(device),
+        features.to(device),
+        log_norm.to(device),
+        argmax.to(device),
+        valid.to(device),
+        answer.to(device),
+        None if taps is None else taps.to(device),
     )
 
 
@@ -351,7 +405,11 @@ def unrolled_forward(head: EagleHead, batch: _Batch, steps: int, noise: float = 
     positions = torch.arange(n, device=device)[None].expand(b, -1)
     next_tokens = batch.ids[:, 1:]
     cache = _UnrollCache()
-    features = batch.features[:, :n].to(head.fc.weight.dtype)
+    if head.capture_layers is not None:  # EAGLE-3: the fused taps
+        assert batch.taps is not None
+        features = head.target_features(batch.taps[:, :n])
+    else:
+        features = batch.features[:, :n].to(head.fc.weight.dtype)
     if noise > 0:
         features = features + (torch.rand_like(features) * 2 - 1) * noise
     predictions = []
@@ -386,8 +444,10 @@ def loss_and_agreement(
         count = weight.sum().clamp_min(1.0)
         log_q = torch.log_softmax(head.draft_logits(predicted), dim=-1)  # [B, n, V_d]
         ce = -(target_probs * log_q).sum(-1)
-        regression = torch.nn.functional.smooth_l1_loss(predicted.float(), target_features, reduction="none").mean(-1)
-        step_loss = ((ce + cfg.regression_weight * regression) * weight).sum() / count
+        if head.capture_layers is None:  # EAGLE-1: the predicted feature lives in the target's feature space
+            regression = torch.nn.functional.smooth_l1_loss(predicted.float(), target_features, reduction="none")
+            ce = ce + cfg.regression_weight * regression.mean(-1)
+        step_loss = (ce * weight).sum() / count
         total = total + cfg.step_decay**step * step_loss
         guess = log_q.argmax(-1)
         if draft_ids is not None:
@@ -460,7 +520,14 @@ def write_data(
             break
         sampled = index % 2 == 1
         samples += write_batch(
-            model, tokenizer, [ids for _, ids in chunk], [kind for kind, _ in chunk], cfg, sampled, cfg.seed + index
+            model,
+            tokenizer,
+            [ids for _, ids in chunk],
+            [kind for kind, _ in chunk],
+            cfg,
+            sampled,
+            cfg.seed + index,
+            feature_layers=tap_layers(model, cfg),
         )
         if progress is not None:
             tokens = sum(int(s.ids.shape[0]) - s.answer_start for s in samples)
@@ -514,6 +581,8 @@ def train_eagle_head(
         raise ConfigurationError("train-eagle needs unroll >= 1, micro_batch >= 1, batch_size >= 1, new_tokens >= 2")
     if not 0.0 < cfg.write_share < 1.0:
         raise ConfigurationError(f"write_share must be in (0, 1), got {cfg.write_share}")
+    if cfg.head_format not in HEAD_FORMATS:
+        raise ConfigurationError(f"head format {cfg.head_format!r} is not one of {', '.join(HEAD_FORMATS)}")
     from tqdm.auto import tqdm
 
     if cfg.threads:
@@ -541,6 +610,8 @@ def train_eagle_head(
             _save_state(data_file, {"samples": samples, "figures": write_figures})
     if len(samples) < 2:
         raise ConfigurationError("the model wrote fewer than two answers in the budget: raise --minutes")
+    if cfg.head_format == "eagle3" and any(s.taps is None for s in samples):
+        raise ConfigurationError("the saved training data has no EAGLE-3 taps (another head format): use --restart")
     rng = random.Random(cfg.seed)
     order = list(range(len(samples)))
     rng.shuffle(order)
@@ -550,8 +621,14 @@ def train_eagle_head(
 
     # 3. train
     draft_ids = choose_draft_vocab(train, cfg.draft_vocab_size, int(model.config.vocab_size))
-    config = EagleHeadConfig.for_target(model, target_name)
-    head = EagleHead(model, config, draft_token_ids=draft_ids, init_from_last_layer=cfg.init_from_last_layer)
+    head: EagleHead
+    if cfg.head_format == "eagle3":
+        from .eagle3 import new_eagle3_head
+
+        head = new_eagle3_head(model, tap_layers(model, cfg) or (), draft_ids, target_name)
+    else:
+        config = EagleHeadConfig.for_target(model, target_name)
+        head = EagleHead(model, config, draft_token_ids=draft_ids, init_from_last_layer=cfg.init_from_last_layer)
     head = head.float().train()
     optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     step, trained_seconds, history = 0, 0.0, []
@@ -648,9 +725,36 @@ def train_eagle_head(
     return EagleTrainResult(head=head, figures=figures, history=history)
 
 
+def tap_layers(model: Any, cfg: EagleTrainConfig) -> tuple[int, ...] | None:
+    """The target layers an EAGLE-3 head taps (``None`` for selfspec's own format)."""
+    if cfg.head_format != "eagle3":
+        return None
+    if cfg.feature_layers:
+        return tuple(int(i) for i in cfg.feature_layers)
+    from .eagle3 import default_feature_layers
+
+    return tuple(default_feature_layers(int(model.config.num_hidden_layers)))
+
+
 def save_trained_head(result: EagleTrainResult, out: str | Path) -> Path:
-    """Save the head (fp16) and :data:`RECORD_FILE` (figures and held-out history) into ``out``."""
-    path = result.head.save(out)
+    """Save the head (fp16) and :data:`RECORD_FILE` (figures and held-out history) into ``out``.
+
+    An EAGLE-3 head is written in vLLM's ``speculators`` layout (its verifier: the head's target name).
+    """
+    from .eagle3 import Eagle3Head
+
+    head = result.head
+    if isinstance(head, Eagle3Head):
+        from .speculators import save_speculators_eagle3
+
+        path = save_speculators_eagle3(
+            head,
+            out,
+            verifier=head.spec.verifier or head.head_config.target,
+            verifier_architectures=head.spec.extra.get("verifier_architectures"),
+        )
+    else:
+        path = head.save(out)
     record = {"figures": result.figures, "history": result.history}
     (path / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     return path
