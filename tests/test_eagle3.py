@@ -435,4 +435,5 @@ def test_bad_folders_are_refused_before_reading_weights(tmp_path, monkeypatch, t
             SpeculativeEngine(tiny, drafter="eagle", eagle_head=folder)
         if name != "d2t out of range":  # the vocabulary map's values are checked once read
             assert reads == [], name
-    assert SpeculativeEngine(tiny, drafter="early_exit").generate_ids(PROMPT, max_new_tokens=6).token_ids == reference_greedy(tiny, PROMPT, 6)
+    engine = SpeculativeEngine(tiny, drafter="early_exit")
+    assert engine.generate_ids(PROMPT, max_new_tokens=6).token_ids == reference_greedy(tiny, PROMPT, 6)
