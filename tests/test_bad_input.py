@@ -363,7 +363,7 @@ from tiny_models import make_model, reference_greedy
 from selfspec import GenerationMemoryError, SpeculativeEngine
 
 model = make_model("llama", max_position_embeddings=2**22)
-engine = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=3)
+engine = SpeculativeEngine(model, drafter="early_exit", exit_layer=2, num_draft_tokens=3)
 expected = reference_greedy(model, [5, 6, 7, 8, 9], 12)
 
 def vm_size():

@@ -114,7 +114,7 @@ def test_seeded_sampling_gives_the_solo_text(drafter: str) -> None:
     kwargs: dict[str, Any] = {"temperature": 0.8, "top_k": 20, "top_p": 0.95, "seed": 11}
     options: dict[str, Any] = {"exit_layer": 2, "calibration": {}}
     if drafter == "early_exit+adapter":
-        options["exit_adapter"] = random_adapter(model, 2)
+        options.update(exit_adapter=random_adapter(model, 2), drafter="early_exit")
     else:
         options["drafter"] = drafter
     alone = SpeculativeEngine(model, **options)
