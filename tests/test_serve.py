@@ -331,6 +331,35 @@ def _raw(body: str) -> bytes:
     return body.encode()
 
 
+#: issue 29's hostile schemas and tools
+BIG_ENUM = {"enum": [f"{i:06d}" + "x" * 74 for i in range(20_000)]}  # 1.6 MB
+BIG_TOOL = {  # 19,000 property names of 96 characters: 2 MB
+    "type": "function",
+    "function": {
+        "name": "big",
+        "parameters": {"type": "object", "properties": {f"{i:06d}" + "k" * 90: {} for i in range(19_000)}},
+    },
+}
+SMALL_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+BIG_CALL = {  # an assistant's past call whose arguments are all keys
+    "role": "assistant",
+    "content": None,
+    "tool_calls": [
+        {
+            "id": "c1",
+            "type": "function",
+            "function": {"name": "f", "arguments": {f"{i:05d}" + "k" * 25: 0 for i in range(10_000)}},
+        }
+    ],
+}
+RECURSIVE = {
+    "$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "required": ["x"]}},
+    "$ref": "#/$defs/a",
+}
+RECURSIVE_TOOL = {"type": "function", "function": {"name": "rec", "parameters": RECURSIVE}}
+MUTUAL = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+
+
 HTTP_BAD_INPUT = [
     # (id, path, body: dict | bytes, extra headers, status, param or code)
     ("temperature<0", "completions", {**GOOD, "temperature": -1}, {}, 400, "temperature"),
@@ -431,6 +460,63 @@ HTTP_BAD_INPUT = [
         "response_format",
     ),
     ("tool_choice without tools", "chat/completions", {**CHAT, "tool_choice": "required"}, {}, 400, "tool_choice"),
+    ("top_logprobs", "chat/completions", {**CHAT, "top_logprobs": 2}, {}, 400, "top_logprobs"),
+    # issue 29: everything that becomes prompt or grammar is bounded before any work
+    (
+        "1.6 MB enum schema",
+        "chat/completions",
+        {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": BIG_ENUM}}},
+        {},
+        400,
+        "invalid_schema",
+    ),
+    ("2 MB tool (19,000 keys)", "chat/completions", {**CHAT, "tools": [BIG_TOOL]}, {}, 400, "invalid_schema"),
+    ("129 tools", "chat/completions", {**CHAT, "tools": [SMALL_TOOL] * 129}, {}, 400, "invalid_schema"),
+    (
+        "tool_calls arguments of 300,000 keys' characters",
+        "chat/completions",
+        {**CHAT, "messages": [*MESSAGES, BIG_CALL, {"role": "user", "content": "and?"}]},
+        {},
+        400,
+        "context_length_exceeded",
+    ),
+    (
+        "recursive required schema",
+        "chat/completions",
+        {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": RECURSIVE}}},
+        {},
+        400,
+        "invalid_schema",
+    ),
+    (
+        "recursive required tool, forced",
+        "chat/completions",
+        {**CHAT, "tools": [RECURSIVE_TOOL], "tool_choice": {"type": "function", "function": {"name": "rec"}}},
+        {},
+        400,
+        "invalid_schema",
+    ),
+    (
+        "schema admitting nothing ($ref #)",
+        "chat/completions",
+        {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"$ref": "#"}}}},
+        {},
+        400,
+        "invalid_schema",
+    ),
+    (
+        "mutual $refs",
+        "chat/completions",
+        {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": MUTUAL}}},
+        {},
+        400,
+        "invalid_schema",
+    ),
+    ("17 stop strings", "completions", {**GOOD, "stop": [f"s{i}" for i in range(17)]}, {}, 400, "stop"),
+    ("100,000 stop strings", "completions", {**GOOD, "stop": ["zq"] * 100_000}, {}, 400, "stop"),
+    ("a 257-character stop", "completions", {**GOOD, "stop": ["x" * 257]}, {}, 400, "stop"),
+    ("temperature=1e-38 (greedy)", "completions", {**GOOD, "temperature": 1e-38}, {}, 200, None),
+    ("temperature=5e-324 (subnormal)", "completions", {**GOOD, "temperature": 5e-324}, {}, 200, None),
     ("not JSON", "completions", b"{not json", {}, 400, None),
     ("invalid UTF-8", "completions", b'{"model": "selfspec-demo", "prompt": "\xff\xfe"}', {}, 400, None),
     ("a JSON list", "completions", b"[1, 2, 3]", {}, 400, None),
@@ -499,6 +585,7 @@ def test_http_bad_input_table(base_url: str, good_text: str, path, body, headers
         if status != 200:
             error = response.json()["error"]
             assert set(error) == {"message", "type", "param", "code"} and error["message"]
+            assert "\n" not in error["message"] and len(error["message"]) < 1000  # one clean line
             if what is not None:
                 assert what in (error["param"], error["code"]), error
             assert elapsed < 5  # refused at once (the 1 MB prompt is never tokenized)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..core.bounds import check_prompt_chars, text_chars
 from ..core.constraints import TokenConstraint
 from ..drafting import Drafter, drafter_spec
 from ..drafting.auto import UNCALIBRATED_PLAN, Plan, plan_of
@@ -298,6 +299,12 @@ class SpeculativeEngine:
         """
         return encode_prompt(self._require_tokenizer("text prompts"), prompt, tools)
 
+    def _encode_checked(self, prompt: Prompt, truncate_prompt: bool) -> list[int]:
+        """:meth:`encode_prompt`, refusing first (unless ``truncate_prompt``) a text too long in characters to fit."""
+        if not truncate_prompt:
+            check_prompt_chars(text_chars(prompt), self._require_tokenizer("text prompts"), self.context_window)
+        return self.encode_prompt(prompt)
+
     def _require_tokenizer(self, what: str) -> Any:
         if self.tokenizer is None:
             raise ConfigurationError(
@@ -329,7 +336,7 @@ class SpeculativeEngine:
         Returns:
             The text, new token ids, finish reason and speculation statistics.
         """
-        ids = self.encode_prompt(prompt)
+        ids = self._encode_checked(prompt, truncate_prompt)
         return self.generate_ids(ids, **_options(max_new_tokens, temperature, top_k, top_p, stop, seed, constraint,
                                                  truncate_prompt))  # fmt: skip
 
@@ -355,7 +362,7 @@ class SpeculativeEngine:
         The deltas join to exactly ``generate(...).text``. Call ``.close()`` to abandon the
         stream early; ``.stats`` and ``.output`` are set once it is exhausted or closed.
         """
-        ids = self.encode_prompt(prompt)
+        ids = self._encode_checked(prompt, truncate_prompt)
         return self.stream_ids(ids, **_options(max_new_tokens, temperature, top_k, top_p, stop, seed, constraint,
                                                truncate_prompt))  # fmt: skip
 

@@ -29,7 +29,7 @@ from collections.abc import AsyncGenerator, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from ..errors import InvalidPromptError, ModelNotFoundError, SamplingError
+from ..errors import InvalidPromptError, InvalidSchemaError, ModelNotFoundError, SamplingError
 from .tools import ContentDelta, InvalidToolCall, StreamEvent, ToolCall, ToolCallChunk, new_call_id
 
 
@@ -334,7 +334,9 @@ def translate_error(error: Exception, base_url: str) -> Exception:
     """The error a local engine raises for what the server refused (else ``error`` itself).
 
     A 400 about a sampling field becomes :class:`SamplingError`, one about the prompt or the
-    messages :class:`InvalidPromptError`, any other 400 a ``ValueError``; a 404 for the
+    messages :class:`InvalidPromptError`, one with code ``invalid_schema`` (a schema or tools
+    over the bounds, invalid, admitting no value) :class:`InvalidSchemaError`, any other 400 a
+    ``ValueError``; a 404 for the
     model becomes :class:`ModelNotFoundError`. The server's message is kept.
     """
     openai = _openai()
@@ -348,6 +350,8 @@ def translate_error(error: Exception, base_url: str) -> Exception:
     if isinstance(error, openai.NotFoundError):
         return ModelNotFoundError(message + where)
     if isinstance(error, (openai.BadRequestError, openai.UnprocessableEntityError)):
+        if str(detail.get("code") or "") == "invalid_schema":
+            return InvalidSchemaError(message + where)
         if param in _SAMPLING_PARAMS:
             return SamplingError(message + where)
         if param.startswith(("messages", "prompt")):

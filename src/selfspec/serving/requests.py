@@ -37,6 +37,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
+from ..core.bounds import check_prompt_chars, check_schema_size, check_tools_size, text_chars
 from ..errors import InvalidPromptError
 from .tools import ParsedOutput, parse_tool_calls, tool_schema
 
@@ -201,6 +202,33 @@ def response_schema(response_format: Mapping[str, Any] | None) -> dict[str, Any]
         "response_format must be {'type': 'text'}, {'type': 'json_object'} or "
         f"{{'type': 'json_schema', 'json_schema': {{'schema': {{...}}}}}}, got {dict(response_format)!r}"
     )
+
+
+def check_request_bounds(
+    engine: SpeculativeEngine,
+    prompt: str | Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]],
+    schema: Mapping[str, Any] | None,
+    *,
+    truncate_prompt: bool = False,
+) -> None:
+    """Refuse, before rendering, tokenizing or compiling anything, what is too large (:mod:`selfspec.bounds`).
+
+    The tools and the schema are bounded in size; the characters of everything that becomes
+    prompt (messages, tool-call arguments, tools and schema, dictionary keys included) must fit
+    the context window unless ``truncate_prompt``.
+
+    Raises:
+        InvalidSchemaError: tools or a schema over the bounds.
+        InvalidPromptError: more characters than the context window can hold.
+    """
+    if tools:
+        check_tools_size(list(tools))
+    if schema is not None:
+        check_schema_size(schema)
+    if not truncate_prompt and engine.tokenizer is not None:
+        chars = text_chars(prompt) + text_chars(list(tools)) + (text_chars(schema) if schema is not None else 0)
+        check_prompt_chars(chars, engine.tokenizer, engine.context_window)
 
 
 # ------------------------------------------------------------------------------- constraints
@@ -676,6 +704,7 @@ def plan_request(
         normalized = []
     forced = forced_tool(choice, normalized)
     schema = dict(json_schema) if json_schema is not None else response_schema(response_format)
+    check_request_bounds(engine, prompt, normalized, schema, truncate_prompt=truncate_prompt)
     constraint = plan_constraint(
         engine.tokenizer,
         normalized,
