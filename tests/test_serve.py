@@ -19,6 +19,7 @@ from selfspec.serving.server import serve_in_background  # noqa: E402
 
 MODEL = "selfspec-demo"
 KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 N = 16
 MESSAGES = [{"role": "user", "content": "Tell me a story about the sea."}]
 PROMPT = "It is a truth universally acknowledged"
@@ -113,10 +114,10 @@ def test_seeded_sampling_is_reproducible(client: Any, demo_engine: Any) -> None:
 def test_models_health_and_metrics(client: Any, base_url: str) -> None:
     assert [m.id for m in client.models.list()] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
-    health = httpx.get(f"{base_url}/health")
-    assert health.status_code == 200 and health.json()["status"] == "ok"
+    health = httpx.get(f"{base_url}/health", headers=AUTH)
+    assert health.status_code == 200 and health.json() == {"status": "ok", "model": MODEL}
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
-    metrics = httpx.get(f"{base_url}/metrics")
+    metrics = httpx.get(f"{base_url}/metrics", headers=AUTH)
     assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
     text = metrics.text
     for name in (
@@ -211,14 +212,16 @@ def test_disconnecting_stream_cancels_and_the_server_goes_on(client: Any, base_u
         assert first["object"] == "text_completion"
     # the abandoned generation is cancelled: it stops long before 2,000 tokens
     deadline = time.monotonic() + 30
-    while 'selfspec_generations_total{finish_reason="cancelled"} 1' not in httpx.get(f"{base_url}/metrics").text:
+    cancelled = 'selfspec_generations_total{finish_reason="cancelled"} 1'
+    while cancelled not in httpx.get(f"{base_url}/metrics", headers=AUTH).text:
         assert time.monotonic() < deadline, "the abandoned generation was not cancelled"
         time.sleep(0.1)
     # a non-streamed request whose client gives up is cancelled too
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{base_url}/v1/completions", json={**body, "stream": False}, headers=headers, timeout=0.5)
     deadline = time.monotonic() + 30
-    while 'selfspec_generations_total{finish_reason="cancelled"} 2' not in httpx.get(f"{base_url}/metrics").text:
+    cancelled = 'selfspec_generations_total{finish_reason="cancelled"} 2'
+    while cancelled not in httpx.get(f"{base_url}/metrics", headers=AUTH).text:
         assert time.monotonic() < deadline, "the abandoned generation was not cancelled"
         time.sleep(0.1)
     expected = demo_engine.generate(MESSAGES, max_new_tokens=8)
@@ -606,7 +609,7 @@ def test_http_get_and_unknown_paths(base_url: str) -> None:
 
 def test_metrics_count_refusals_and_no_500(base_url: str) -> None:
     def count(status: int) -> float:
-        text = httpx.get(f"{base_url}/metrics").text
+        text = httpx.get(f"{base_url}/metrics", headers=AUTH).text
         assert 'status="500"' not in text  # not one of the bad requests above was a 500
         prefix = f'selfspec_requests_total{{endpoint="/v1/completions",status="{status}"}} '
         return sum(float(line[len(prefix) :]) for line in text.splitlines() if line.startswith(prefix))

@@ -16,6 +16,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -289,10 +290,11 @@ def _calls_per_round(engine, counter) -> int:
     return -(-(counter.calls - start) // out.stats.target_forwards)
 
 
-def _cancelled_count(base_url: str) -> int:
+def _cancelled_count(mode: dict[str, Any]) -> int:
     import httpx
 
-    text = httpx.get(base_url.removesuffix("/v1") + "/metrics").text
+    headers = {"Authorization": f"Bearer {mode['api_key']}"}  # /metrics needs the key too
+    text = httpx.get(mode["base_url"].removesuffix("/v1") + "/metrics", headers=headers).text
     prefix = 'selfspec_generations_total{finish_reason="cancelled"}'
     line = next((x for x in text.splitlines() if x.startswith(prefix)), "")
     return int(float(line.split()[-1])) if line else 0
@@ -301,7 +303,7 @@ def _cancelled_count(base_url: str) -> int:
 def test_closing_a_stream_stops_the_engine(mode, demo_llm, monkeypatch, reference) -> None:
     counter = ForwardCounter(demo_llm.engine, monkeypatch)
     per_round = _calls_per_round(demo_llm.engine, counter)
-    cancelled = _cancelled_count(mode["base_url"]) if mode else 0
+    cancelled = _cancelled_count(mode) if mode else 0
     stream = make(mode, max_new_tokens=1500).stream_chat([ChatMessage(role="user", content="Tell me a long story.")])
     for _, response in zip(range(3), stream, strict=False):
         assert response.delta is not None
@@ -310,14 +312,14 @@ def test_closing_a_stream_stops_the_engine(mode, demo_llm, monkeypatch, referenc
     stream.close()
     assert counter.settle() - at_close <= (per_round if not mode else 2 * per_round)
     if mode:
-        assert _cancelled_count(mode["base_url"]) == cancelled + 1  # finish_reason="cancelled"
+        assert _cancelled_count(mode) == cancelled + 1  # finish_reason="cancelled"
     assert make(mode).complete(REFERENCE_QUESTION).text == reference
 
 
 def test_cancelling_an_async_stream_stops_the_engine(mode, demo_llm, monkeypatch, reference) -> None:
     counter = ForwardCounter(demo_llm.engine, monkeypatch)
     per_round = _calls_per_round(demo_llm.engine, counter)
-    cancelled = _cancelled_count(mode["base_url"]) if mode else 0
+    cancelled = _cancelled_count(mode) if mode else 0
     llm = make(mode, max_new_tokens=1500)
 
     async def main():
@@ -339,5 +341,5 @@ def test_cancelling_an_async_stream_stops_the_engine(mode, demo_llm, monkeypatch
     at_cancel = asyncio.run(main())
     assert counter.settle() - at_cancel <= 2 * per_round
     if mode:
-        assert _cancelled_count(mode["base_url"]) == cancelled + 1
+        assert _cancelled_count(mode) == cancelled + 1
     assert make(mode).complete(REFERENCE_QUESTION).text == reference

@@ -166,6 +166,7 @@ def chat_body(
     truncate_prompt: bool = False,
     stream: bool = False,
     constrain_tool_calls: bool = True,
+    escape_special_tokens: bool = False,
 ) -> dict[str, Any]:
     """The keyword arguments of ``client.chat.completions.create`` for one call.
 
@@ -186,6 +187,8 @@ def chat_body(
         stream: stream the answer (usage is then asked for in a last chunk).
         constrain_tool_calls: ``False`` asks ``selfspec serve`` not to constrain the calls the
             model chooses to make under ``tool_choice="auto"`` (other servers never do).
+        escape_special_tokens: ask ``selfspec serve`` to encode special-token strings in the
+            messages and tools as plain text (sent in the extra body; other servers ignore it).
     """
     body = _sampling(
         model=model,
@@ -207,6 +210,8 @@ def chat_body(
             body.setdefault("extra_body", {})["constrain_tool_calls"] = False
     if response_format is not None:
         body["response_format"] = _wire_response_format(response_format)
+    if escape_special_tokens:
+        body.setdefault("extra_body", {})["escape_special_tokens"] = True
     return body
 
 

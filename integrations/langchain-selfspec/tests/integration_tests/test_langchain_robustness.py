@@ -306,10 +306,11 @@ def _calls_per_round(demo_engine: Any, counter: ForwardCounter) -> int:
     return -(-(counter.calls - start) // out.stats.target_forwards)  # ceil
 
 
-def _cancelled_count(base_url: str) -> int:
+def _cancelled_count(mode: dict[str, Any]) -> int:
     import httpx
 
-    text = httpx.get(base_url.removesuffix("/v1") + "/metrics").text
+    headers = {"Authorization": f"Bearer {mode['api_key']}"}  # /metrics needs the key too
+    text = httpx.get(mode["base_url"].removesuffix("/v1") + "/metrics", headers=headers).text
     line = next(
         (x for x in text.splitlines() if x.startswith('selfspec_generations_total{finish_reason="cancelled"}')), ""
     )
@@ -321,7 +322,7 @@ def test_closing_a_stream_stops_the_engine(
 ) -> None:
     counter = ForwardCounter(demo_engine, monkeypatch)
     per_round = _calls_per_round(demo_engine, counter)
-    cancelled = _cancelled_count(mode["base_url"]) if mode else 0
+    cancelled = _cancelled_count(mode) if mode else 0
     llm = make(mode, max_tokens=1500)
     stream = llm.stream("Tell me a long story about the sea.")
     for _, chunk in zip(range(3), stream, strict=False):
@@ -333,7 +334,7 @@ def test_closing_a_stream_stops_the_engine(
     # within one round (it checks before every delta)
     assert counter.settle() - at_close <= (0 if not mode else 2 * per_round)
     if mode:
-        assert _cancelled_count(mode["base_url"]) == cancelled + 1  # finish_reason="cancelled"
+        assert _cancelled_count(mode) == cancelled + 1  # finish_reason="cancelled"
     assert make(mode).invoke(REFERENCE_QUESTION).content == reference
 
 
@@ -342,7 +343,7 @@ def test_cancelling_an_async_stream_stops_the_engine(
 ) -> None:
     counter = ForwardCounter(demo_engine, monkeypatch)
     per_round = _calls_per_round(demo_engine, counter)
-    cancelled = _cancelled_count(mode["base_url"]) if mode else 0
+    cancelled = _cancelled_count(mode) if mode else 0
     llm = make(mode, max_tokens=1500)
     started = asyncio.Event()
 
@@ -362,5 +363,5 @@ def test_cancelling_an_async_stream_stops_the_engine(
     at_cancel = asyncio.run(main())
     assert counter.settle() - at_cancel <= 2 * per_round  # the round in flight, at most
     if mode:
-        assert _cancelled_count(mode["base_url"]) == cancelled + 1
+        assert _cancelled_count(mode) == cancelled + 1
     assert make(mode).invoke(REFERENCE_QUESTION).content == reference

@@ -16,6 +16,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import re
 import threading
 import time
@@ -23,6 +24,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -301,12 +303,17 @@ class _Server:
 
     # -- checks
     async def check_key(self, request: Request) -> None:
-        """Refuse a request without the right ``Authorization: Bearer`` key (when one is set)."""
+        """Refuse a request without the right ``Authorization: Bearer`` key (when one is set).
+
+        The key is compared as UTF-8 bytes with the bytes the client sent, in constant time, so a
+        non-ASCII key matches a client that sends it in UTF-8 (as ``openai`` and ``httpx`` do).
+        """
         if self.api_key is None:
             return
-        header = request.headers.get("authorization", "")
+        header = request.headers.get("authorization", "")  # decoded as latin-1: each byte one character
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+        sent = token.strip().encode("latin-1")  # the bytes the client sent
+        if scheme.lower() != "bearer" or not hmac.compare_digest(sent, self.api_key.encode("utf-8")):
             message = "Incorrect API key provided." if header else "Missing API key: send 'Authorization: Bearer KEY'."
             raise APIError(401, message, code="invalid_api_key")
 
@@ -332,7 +339,9 @@ class _Server:
         # the adapters' request planner (selfspec.serving.requests): prompt, constraint and budget alike
         stated = schema if schema != {"type": "object"} else None
         with _bad_request("messages"):
-            prompt_ids = encode_request(engine, messages, tools, stated, forced)
+            prompt_ids = encode_request(
+                engine, messages, tools, stated, forced, escape_special_tokens=body.escape_special_tokens
+            )
         plan = plan_constraint(
             engine.tokenizer,
             tools,
@@ -584,7 +593,8 @@ def create_app(
             (a hub id, a local folder, or ``"selfspec-demo"``).
         model_id: the model id clients send and ``/v1/models`` lists; default: the model
             name given, else the engine's ``name_or_path``.
-        api_key: when set, ``/v1/*`` requests need ``Authorization: Bearer <api_key>``.
+        api_key: when set, every route (``/v1/*``, ``/health``, ``/metrics``, ``/docs``,
+            ``/redoc``, ``/openapi.json``) needs ``Authorization: Bearer <api_key>``.
         batching: load a named model with ``batching=True`` (concurrent requests decode
             together); an engine passed in keeps its own setting.
         limits: body size, timeouts, concurrency, accepted hosts and CORS origins
@@ -617,10 +627,19 @@ def create_app(
         finally:
             await asyncio.get_running_loop().run_in_executor(None, server.shutdown)
 
-    app = FastAPI(title="selfspec", summary="OpenAI-compatible self-speculative decoding", lifespan=lifespan)
+    # the docs and the schema are served below, behind the key like every other route
+    app = FastAPI(
+        title="selfspec",
+        summary="OpenAI-compatible self-speculative decoding",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
     app.state.selfspec = server
     _add_error_handlers(app)
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(server.check_key)])
+    keyed = [Depends(server.check_key)]
+    v1 = APIRouter(prefix="/v1", dependencies=keyed)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -644,13 +663,29 @@ def create_app(
 
     app.include_router(v1)
 
-    @app.get("/health")
+    @app.get("/health", dependencies=keyed)
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": server.model_id}
+        return {"status": "ok", "model": _public_name(server.model_id)}
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=keyed)
     async def metrics() -> Response:
         return PlainTextResponse(server.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/openapi.json", dependencies=keyed, include_in_schema=False)
+    async def openapi() -> Response:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", dependencies=keyed, include_in_schema=False)
+    async def docs() -> Response:
+        from fastapi.openapi.docs import get_swagger_ui_html
+
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="selfspec")
+
+    @app.get("/redoc", dependencies=keyed, include_in_schema=False)
+    async def redoc() -> Response:
+        from fastapi.openapi.docs import get_redoc_html
+
+        return get_redoc_html(openapi_url="/openapi.json", title="selfspec")
 
     endpoints = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"})
 
@@ -674,6 +709,13 @@ def create_app(
         count=count,
     )
     return app
+
+
+def _public_name(model_id: str) -> str:
+    """A model id fit for ``/health``: a local path is cut to its last part (never an absolute path)."""
+    if os.path.isabs(model_id) or model_id.startswith(("~", "./", "../")):
+        return Path(model_id).name
+    return model_id
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -724,7 +766,7 @@ def serve(
         model: a model name (hub id, local folder, ``"selfspec-demo"``) or an engine.
         host: the interface to bind; ``"0.0.0.0"`` exposes the server to the network.
         port: the TCP port.
-        api_key: require ``Authorization: Bearer <api_key>`` on ``/v1/*``.
+        api_key: require ``Authorization: Bearer <api_key>`` on every route.
         model_id: the id clients use (default: ``model`` when it is a name).
         log_level: uvicorn's log level.
         limits: the server's limits (:class:`~selfspec.serving.server.limits.ServerLimits`).

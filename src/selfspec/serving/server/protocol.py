@@ -172,6 +172,10 @@ class ChatCompletionRequest(_SamplingRequest):
     constrain_tool_calls: bool = True
     #: ``False``: at most one tool call per answer (enforced by the grammar when calls are constrained)
     parallel_tool_calls: bool | None = None
+    #: selfspec's own field: ``True`` encodes special-token strings in the messages and tools as
+    #: plain text (``selfspec serve --escape-special-tokens`` does it for every request; a request
+    #: cannot turn it off)
+    escape_special_tokens: bool = False
 
     @property
     def token_limit(self) -> int | None:
