@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..core.bounds import check_prompt_chars, text_chars
+from ..core.bounds import check_prompt_chars, check_tools_size, text_chars
 from ..core.constraints import TokenConstraint
 from ..drafting import Drafter, drafter_spec
 from ..drafting.auto import UNCALIBRATED_PLAN, Plan, plan_of
@@ -317,6 +317,8 @@ class SpeculativeEngine:
         ``escape_special_tokens`` (``None``: the engine's setting, or ``True`` for this call)
         special-token strings in the messages and tools are encoded as plain text.
         """
+        if tools:
+            check_tools_size(list(tools))  # before the template renders them
         escape = self.escape_special_tokens or bool(escape_special_tokens)
         return encode_prompt(self._require_tokenizer("text prompts"), prompt, tools, escape_special_tokens=escape)
 

@@ -346,6 +346,10 @@ def translate_error(error: Exception, base_url: str) -> Exception:
     """
     openai = _openai()
     if not isinstance(error, openai.APIStatusError):
+        # an error event inside a stream (the grammar failed mid-generation): no status, the same body
+        body = getattr(error, "body", None) if isinstance(error, openai.APIError) else None
+        if isinstance(body, Mapping) and body.get("code") == "invalid_schema":
+            return InvalidSchemaError(f"{body.get('message') or error} (from the server at {base_url})")
         return error
     body = error.body if isinstance(error.body, Mapping) else {}
     detail = body.get("error", body) if isinstance(body.get("error", body), Mapping) else {}
@@ -431,7 +435,7 @@ class EndpointClient:
         try:
             for chunk in chunks:
                 yield from reader.feed(chunk)
-        except _openai().APIStatusError as error:
+        except _openai().APIError as error:  # a status error, or an error event inside the stream
             _reraise(error, self.base_url)
         finally:
             chunks.close()
@@ -458,7 +462,7 @@ class EndpointClient:
                 async for chunk in chunks:
                     for event in reader.feed(chunk):
                         yield event
-            except _openai().APIStatusError as error:
+            except _openai().APIError as error:  # a status error, or an error event inside the stream
                 _reraise(error, self.base_url)
             finally:
                 await chunks.close()
