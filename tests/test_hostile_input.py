@@ -417,7 +417,7 @@ def test_escape_special_tokens_on_the_server(demo_engine: Any, server: str) -> N
 def test_serve_has_the_escape_flag() -> None:
     import argparse
 
-    from selfspec.serving.server import add_serve_parser
+    from selfspec.cli.serve import add_serve_parser
 
     parser = argparse.ArgumentParser(prog="selfspec")
     add_serve_parser(parser.add_subparsers(dest="command", required=True))
