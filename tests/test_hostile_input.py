@@ -130,7 +130,7 @@ def test_tiny_temperatures_keep_the_exactness_rule() -> None:
     from selfspec import SpeculativeEngine
 
     model = make_model("llama")
-    engine = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=3)
+    engine = SpeculativeEngine(model, drafter="early_exit", exit_layer=2, num_draft_tokens=3)
     prompt = [5, 6, 7, 8, 9]
     expected = reference_greedy(model, prompt, 16)
     for temperature in (1e-38, 5e-324, 1e-6):
@@ -201,18 +201,19 @@ CORRUPT_CALIBRATIONS = {
 
 @pytest.mark.parametrize("corruption", list(CORRUPT_CALIBRATIONS), ids=list(CORRUPT_CALIBRATIONS))
 @pytest.mark.parametrize("drafter", ["auto", "early_exit", "layer_skip"])
-def test_a_corrupt_calibration_is_ignored_with_a_warning(tmp_path: Path, caplog: Any, corruption: str,
-                                                         drafter: str) -> None:  # fmt: skip
+def test_a_corrupt_calibration_is_ignored_with_a_warning(tmp_path: Path, caplog: Any, monkeypatch: Any,
+                                                         corruption: str, drafter: str) -> None:  # fmt: skip
     from tiny_models import make_model, reference_greedy
 
     from selfspec import SpeculativeEngine
     from selfspec.calibration import load_calibration, save_calibration
 
-    model = make_model("llama")
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    model = make_model("llama")  # float64 on the CPU: the calibration's key
     model.config._name_or_path = str(tmp_path)
-    save_calibration(tmp_path, {"exit_layer": 2, **CORRUPT_CALIBRATIONS[corruption]})
+    save_calibration(tmp_path, {"exit_layer": 2, "dtype": "float64", **CORRUPT_CALIBRATIONS[corruption]})
     with caplog.at_level("WARNING", logger="selfspec.calibration.store"):
-        assert load_calibration(tmp_path) is None
+        assert load_calibration(tmp_path, dtype="float64") is None
     assert "ignoring the corrupt calibration" in caplog.text
     tree = {"tree_nodes": "auto"} if drafter == "early_exit" else {}
     engine = SpeculativeEngine(model, drafter=drafter, **tree)
@@ -223,12 +224,20 @@ def test_a_corrupt_calibration_is_ignored_with_a_warning(tmp_path: Path, caplog:
     assert len(sampled.token_ids) == 12
 
 
-def test_a_valid_calibration_is_still_read(tmp_path: Path) -> None:
+def test_a_valid_calibration_is_still_read(tmp_path: Path, monkeypatch: Any) -> None:
+    from tiny_models import make_model
+
+    from selfspec import SpeculativeEngine
     from selfspec.calibration import load_calibration, save_calibration
 
-    good = {"exit_layer": 2, "num_draft_tokens": 3, "tree_nodes": None, "costs": {"draft": 0.0, "verify": {"1": 1.1}}}
-    save_calibration(tmp_path, good)
-    assert {k: load_calibration(tmp_path)[k] for k in good} == good  # type: ignore[index]
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    good = {"exit_layer": 3, "num_draft_tokens": 3, "tree_nodes": None, "costs": {"draft": 0.0, "verify": {"1": 1.1}}}
+    save_calibration(tmp_path, {**good, "dtype": "float64"})
+    assert {k: load_calibration(tmp_path, dtype="float64")[k] for k in good} == good  # type: ignore[index]
+    model = make_model("llama")
+    model.config._name_or_path = str(tmp_path)
+    engine = SpeculativeEngine(model, drafter="early_exit")  # the same place the corrupt ones were ignored from
+    assert engine.calibration["exit_layer"] == 3 and engine.exit_layer == 3
     demo = json.loads((Path(__file__).parents[1] / "src/selfspec/models/selfspec-demo/selfspec.json").read_text())
     from selfspec.calibration.store import calibration_problem
 
