@@ -103,10 +103,14 @@ TOOL = st.fixed_dictionaries(
     }
 )
 JSON_SCHEMA_FORMAT = st.fixed_dictionaries({"name": st.just("a"), "schema": ANY_SCHEMA})
-TOOLS = st.one_of(st.lists(TOOL, max_size=3), st.lists(TOOL, min_size=126, max_size=130), JSON)
-STOP = st.one_of(
-    st.text(min_size=1, max_size=5),
-    st.lists(st.text(min_size=1, max_size=5), max_size=20),
+SOME_TOOLS = st.lists(TOOL, max_size=3)
+TOOLS = st.one_of(SOME_TOOLS, SOME_TOOLS, SOME_TOOLS, st.lists(TOOL, min_size=126, max_size=130), JSON)
+SOME_STOPS = st.one_of(st.text(min_size=1, max_size=5), st.lists(st.text(min_size=1, max_size=5), max_size=3))
+STOP = st.one_of(  # mostly a few short stops (valid), else too many or too long ones
+    SOME_STOPS,
+    SOME_STOPS,
+    SOME_STOPS,
+    st.lists(st.text(min_size=1, max_size=5), min_size=14, max_size=20),
     st.lists(st.text(min_size=250, max_size=260), min_size=1, max_size=2),
     st.just(["zq"] * 100_000),
 )
