@@ -220,3 +220,19 @@ def test_api_key_order(monkeypatch: pytest.MonkeyPatch) -> None:
     client = EndpointClient("http://server/v1", "given", timeout=3.0, max_retries=0)
     assert "given" not in repr(client)
     assert client.sync_client.api_key == "given" and client.sync_client.max_retries == 0
+
+
+def test_invalid_schema_refusals_become_invalid_schema_errors() -> None:
+    """Issue 29: the server's 400 ``invalid_schema`` (and the same error as a stream's error event)."""
+    from selfspec.errors import InvalidSchemaError
+
+    request = httpx.Request("POST", "http://server/v1/chat/completions")
+    body = {"message": "the schema admits no JSON value", "type": "invalid_request_error",
+            "param": "response_format", "code": "invalid_schema"}  # fmt: skip
+    response = httpx.Response(400, request=request, content=json.dumps({"error": body}).encode())
+    refused = translate_error(openai.BadRequestError("x", response=response, body=body), "http://server/v1")
+    assert type(refused) is InvalidSchemaError and "admits no JSON value" in str(refused)
+    in_stream = translate_error(openai.APIError("x", request, body=body), "http://server/v1")
+    assert type(in_stream) is InvalidSchemaError
+    other = openai.APIError("x", request, body={"code": "internal_error"})
+    assert translate_error(other, "x") is other

@@ -1,5 +1,10 @@
 """A hypothesis fuzz test of the HTTP API: random JSON, types, sizes and unicode never get a 500.
 
+Besides random JSON, the bodies carry JSON schemas built from JSON Schema's own words (recursive,
+unsatisfiable, self-referencing, invalid, and a few of 1.6-2 MB), tools with such parameters (up to
+130 of them), stop lists up to 100,000 strings and tiny temperatures: the inputs of issue 29. Every
+refusal must be one clean line.
+
 The 2,000 bodies go through the whole ASGI app in-process (Starlette's ``TestClient``: the same
 request guard, routes and error handlers a network client meets, with the bytes and headers
 given here), which keeps the test to about a minute. What only a socket can show (body limits
@@ -58,14 +63,64 @@ def mostly(valid: st.SearchStrategy[Any], junk: st.SearchStrategy[Any]) -> st.Se
     return st.one_of(valid, valid, valid, valid, junk)
 
 
+# issue 29: the schemas, tools and stop lists that found its bugs. A schema is built from JSON
+# Schema's own words (types, properties, required, enums, anyOf, $ref into $defs or to "#"), so
+# that recursive, unsatisfiable and self-referencing schemas come up, plus a few huge ones.
+SCHEMA_TYPES = st.sampled_from(["object", "string", "integer", "number", "boolean", "array", "null", "strin"])
+REFS = st.sampled_from(["#", "#/$defs/a", "#/$defs/b", "#/$defs/missing", "#/properties/x"])
+SCHEMA = st.recursive(
+    st.one_of(
+        st.fixed_dictionaries({"type": SCHEMA_TYPES}),
+        st.fixed_dictionaries({"$ref": REFS}),
+        st.fixed_dictionaries({"enum": st.lists(SCALARS, max_size=4)}),
+        st.fixed_dictionaries({"type": st.just("string")}, optional={"pattern": st.sampled_from(["(", "a+", "[z-a]"])}),
+    ),
+    lambda children: st.one_of(
+        st.fixed_dictionaries(
+            {"type": st.just("object"), "properties": st.dictionaries(st.sampled_from(["x", "y", "<|im_start|>"]),
+                                                                      children, max_size=3)},
+            optional={"required": st.lists(st.sampled_from(["x", "y", "z"]), max_size=3),
+                      "additionalProperties": st.booleans()},
+        ),
+        st.fixed_dictionaries({"anyOf": st.lists(children, max_size=3)}),
+        st.fixed_dictionaries({"type": st.just("array"), "items": children}, optional={"minItems": st.integers(0, 3)}),
+        st.fixed_dictionaries({"$defs": st.fixed_dictionaries({"a": children}, optional={"b": children}),
+                               "$ref": REFS}),
+    ),
+    max_leaves=8,
+)  # fmt: skip
+#: a few bodies near the size limit (built once; sampled rarely): issue 29's 1.6 MB enum and 2 MB tool
+HUGE_ENUM = {"enum": [f"{i:06d}" + "x" * 74 for i in range(20_000)]}
+HUGE_PROPERTIES = {"type": "object", "properties": {f"{i:06d}" + "k" * 90: {} for i in range(19_000)}}
+ANY_SCHEMA = st.one_of(SCHEMA, SCHEMA, SCHEMA, SCHEMA, st.sampled_from([HUGE_ENUM, HUGE_PROPERTIES]), JSON)
+TOOL = st.fixed_dictionaries(
+    {
+        "type": st.just("function"),
+        "function": st.fixed_dictionaries(
+            {"name": st.one_of(st.sampled_from(["f", "g", "rec"]), TEXT)},
+            optional={"parameters": ANY_SCHEMA, "description": TEXT},
+        ),
+    }
+)
+JSON_SCHEMA_FORMAT = st.fixed_dictionaries({"name": st.just("a"), "schema": ANY_SCHEMA})
+SOME_TOOLS = st.lists(TOOL, max_size=3)
+TOOLS = st.one_of(SOME_TOOLS, SOME_TOOLS, SOME_TOOLS, st.lists(TOOL, min_size=126, max_size=130), JSON)
+SOME_STOPS = st.one_of(st.text(min_size=1, max_size=5), st.lists(st.text(min_size=1, max_size=5), max_size=3))
+STOP = st.one_of(  # mostly a few short stops (valid), else too many or too long ones
+    SOME_STOPS,
+    SOME_STOPS,
+    SOME_STOPS,
+    st.lists(st.text(min_size=1, max_size=5), min_size=14, max_size=20),
+    st.lists(st.text(min_size=250, max_size=260), min_size=1, max_size=2),
+    st.just(["zq"] * 100_000),
+)
 OPTIONAL = {
-    "temperature": mostly(st.sampled_from([0, 0.7, 1.0, 1e-3, 50]), SCALARS),
+    "temperature": mostly(st.sampled_from([0, 0.7, 1.0, 1e-3, 50, 1e-38, 5e-324, 1e-5]), SCALARS),
     "top_p": mostly(st.sampled_from([0.5, 1.0]), SCALARS),
     "top_k": mostly(st.sampled_from([0, 5]), SCALARS),
     "seed": mostly(st.integers(min_value=0, max_value=2**64 - 1), SCALARS),
-    "stop": mostly(
-        st.one_of(st.text(min_size=1, max_size=5), st.lists(st.text(min_size=1, max_size=5), max_size=3)), SCALARS
-    ),
+    "stop": mostly(STOP, SCALARS),
+    "top_logprobs": mostly(st.none(), SCALARS),
     "stream": mostly(st.booleans(), SCALARS),
     "stream_options": mostly(st.fixed_dictionaries({"include_usage": st.booleans()}), JSON),
     "n": mostly(st.just(1), SCALARS),
@@ -79,21 +134,17 @@ MESSAGE = st.fixed_dictionaries(
     optional={"content": mostly(st.text(max_size=40), JSON), "name": TEXT},
 )
 CHAT_ONLY = {
-    "tools": st.one_of(
-        st.lists(
-            st.fixed_dictionaries(
-                {
-                    "type": st.just("function"),
-                    "function": st.fixed_dictionaries({"name": TEXT}, optional={"parameters": JSON}),
-                }
-            ),
-            max_size=2,
-        ),
+    "tools": TOOLS,
+    "tool_choice": st.one_of(
+        st.sampled_from(["auto", "none", "required", {"type": "function", "function": {"name": "rec"}}]), JSON
+    ),
+    "response_format": st.one_of(
+        st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
+        st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": JSON_SCHEMA_FORMAT}),
         JSON,
     ),
-    "tool_choice": st.one_of(st.sampled_from(["auto", "none", "required"]), JSON),
-    "response_format": st.one_of(st.sampled_from([{"type": "text"}, {"type": "json_object"}]), JSON),
     "constrain_tool_calls": SCALARS,
+    "escape_special_tokens": mostly(st.booleans(), SCALARS),
 }
 
 
@@ -183,8 +234,11 @@ def test_fuzzed_bodies_never_get_a_500(client: Any, demo_engine: Any) -> None:
         if response.status_code != 200:
             error = response.json()["error"]
             assert set(error) == {"message", "type", "param", "code"} and error["message"]
+            # one clean line: no native backtrace, parser dump or build path (issue 29)
+            assert "\n" not in error["message"] and len(error["message"]) < 1500, error["message"][:500]
         elif response.headers["content-type"].startswith("text/event-stream"):
             assert '"server_error"' not in response.text and response.text.rstrip().endswith("data: [DONE]")
+            assert '"finish_reason": "cancelled"' not in response.text
         else:
             assert response.json()["object"] in ("text_completion", "chat.completion")
 

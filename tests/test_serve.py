@@ -19,6 +19,7 @@ from selfspec.serving.server import serve_in_background  # noqa: E402
 
 MODEL = "selfspec-demo"
 KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 N = 16
 MESSAGES = [{"role": "user", "content": "Tell me a story about the sea."}]
 PROMPT = "It is a truth universally acknowledged"
@@ -113,10 +114,10 @@ def test_seeded_sampling_is_reproducible(client: Any, demo_engine: Any) -> None:
 def test_models_health_and_metrics(client: Any, base_url: str) -> None:
     assert [m.id for m in client.models.list()] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
-    health = httpx.get(f"{base_url}/health")
-    assert health.status_code == 200 and health.json()["status"] == "ok"
+    health = httpx.get(f"{base_url}/health", headers=AUTH)
+    assert health.status_code == 200 and health.json() == {"status": "ok", "model": MODEL}
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
-    metrics = httpx.get(f"{base_url}/metrics")
+    metrics = httpx.get(f"{base_url}/metrics", headers=AUTH)
     assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
     text = metrics.text
     for name in (
@@ -211,14 +212,16 @@ def test_disconnecting_stream_cancels_and_the_server_goes_on(client: Any, base_u
         assert first["object"] == "text_completion"
     # the abandoned generation is cancelled: it stops long before 2,000 tokens
     deadline = time.monotonic() + 30
-    while 'selfspec_generations_total{finish_reason="cancelled"} 1' not in httpx.get(f"{base_url}/metrics").text:
+    cancelled = 'selfspec_generations_total{finish_reason="cancelled"} 1'
+    while cancelled not in httpx.get(f"{base_url}/metrics", headers=AUTH).text:
         assert time.monotonic() < deadline, "the abandoned generation was not cancelled"
         time.sleep(0.1)
     # a non-streamed request whose client gives up is cancelled too
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{base_url}/v1/completions", json={**body, "stream": False}, headers=headers, timeout=0.5)
     deadline = time.monotonic() + 30
-    while 'selfspec_generations_total{finish_reason="cancelled"} 2' not in httpx.get(f"{base_url}/metrics").text:
+    cancelled = 'selfspec_generations_total{finish_reason="cancelled"} 2'
+    while cancelled not in httpx.get(f"{base_url}/metrics", headers=AUTH).text:
         assert time.monotonic() < deadline, "the abandoned generation was not cancelled"
         time.sleep(0.1)
     expected = demo_engine.generate(MESSAGES, max_new_tokens=8)
@@ -331,6 +334,35 @@ def _raw(body: str) -> bytes:
     return body.encode()
 
 
+#: issue 29's hostile schemas and tools
+BIG_ENUM = {"enum": [f"{i:06d}" + "x" * 74 for i in range(20_000)]}  # 1.6 MB
+BIG_TOOL = {  # 19,000 property names of 96 characters: 2 MB
+    "type": "function",
+    "function": {
+        "name": "big",
+        "parameters": {"type": "object", "properties": {f"{i:06d}" + "k" * 90: {} for i in range(19_000)}},
+    },
+}
+SMALL_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+BIG_CALL = {  # an assistant's past call whose arguments are all keys
+    "role": "assistant",
+    "content": None,
+    "tool_calls": [
+        {
+            "id": "c1",
+            "type": "function",
+            "function": {"name": "f", "arguments": {f"{i:05d}" + "k" * 25: 0 for i in range(10_000)}},
+        }
+    ],
+}
+RECURSIVE = {
+    "$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "required": ["x"]}},
+    "$ref": "#/$defs/a",
+}
+RECURSIVE_TOOL = {"type": "function", "function": {"name": "rec", "parameters": RECURSIVE}}
+MUTUAL = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+
+
 HTTP_BAD_INPUT = [
     # (id, path, body: dict | bytes, extra headers, status, param or code)
     ("temperature<0", "completions", {**GOOD, "temperature": -1}, {}, 400, "temperature"),
@@ -431,6 +463,63 @@ HTTP_BAD_INPUT = [
         "response_format",
     ),
     ("tool_choice without tools", "chat/completions", {**CHAT, "tool_choice": "required"}, {}, 400, "tool_choice"),
+    ("top_logprobs", "chat/completions", {**CHAT, "top_logprobs": 2}, {}, 400, "top_logprobs"),
+    # issue 29: everything that becomes prompt or grammar is bounded before any work
+    (
+        "1.6 MB enum schema",
+        "chat/completions",
+        {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": BIG_ENUM}}},
+        {},
+        400,
+        "invalid_schema",
+    ),
+    ("2 MB tool (19,000 keys)", "chat/completions", {**CHAT, "tools": [BIG_TOOL]}, {}, 400, "invalid_schema"),
+    ("129 tools", "chat/completions", {**CHAT, "tools": [SMALL_TOOL] * 129}, {}, 400, "invalid_schema"),
+    (
+        "tool_calls arguments of 300,000 keys' characters",
+        "chat/completions",
+        {**CHAT, "messages": [*MESSAGES, BIG_CALL, {"role": "user", "content": "and?"}]},
+        {},
+        400,
+        "context_length_exceeded",
+    ),
+    (
+        "recursive required schema",
+        "chat/completions",
+        {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": RECURSIVE}}},
+        {},
+        400,
+        "invalid_schema",
+    ),
+    (
+        "recursive required tool, forced",
+        "chat/completions",
+        {**CHAT, "tools": [RECURSIVE_TOOL], "tool_choice": {"type": "function", "function": {"name": "rec"}}},
+        {},
+        400,
+        "invalid_schema",
+    ),
+    (
+        "schema admitting nothing ($ref #)",
+        "chat/completions",
+        {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"$ref": "#"}}}},
+        {},
+        400,
+        "invalid_schema",
+    ),
+    (
+        "mutual $refs",
+        "chat/completions",
+        {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": MUTUAL}}},
+        {},
+        400,
+        "invalid_schema",
+    ),
+    ("17 stop strings", "completions", {**GOOD, "stop": [f"s{i}" for i in range(17)]}, {}, 400, "stop"),
+    ("100,000 stop strings", "completions", {**GOOD, "stop": ["zq"] * 100_000}, {}, 400, "stop"),
+    ("a 257-character stop", "completions", {**GOOD, "stop": ["x" * 257]}, {}, 400, "stop"),
+    ("temperature=1e-38 (greedy)", "completions", {**GOOD, "temperature": 1e-38}, {}, 200, None),
+    ("temperature=5e-324 (subnormal)", "completions", {**GOOD, "temperature": 5e-324}, {}, 200, None),
     ("not JSON", "completions", b"{not json", {}, 400, None),
     ("invalid UTF-8", "completions", b'{"model": "selfspec-demo", "prompt": "\xff\xfe"}', {}, 400, None),
     ("a JSON list", "completions", b"[1, 2, 3]", {}, 400, None),
@@ -499,6 +588,7 @@ def test_http_bad_input_table(base_url: str, good_text: str, path, body, headers
         if status != 200:
             error = response.json()["error"]
             assert set(error) == {"message", "type", "param", "code"} and error["message"]
+            assert "\n" not in error["message"] and len(error["message"]) < 1000  # one clean line
             if what is not None:
                 assert what in (error["param"], error["code"]), error
             assert elapsed < 5  # refused at once (the 1 MB prompt is never tokenized)
@@ -519,7 +609,7 @@ def test_http_get_and_unknown_paths(base_url: str) -> None:
 
 def test_metrics_count_refusals_and_no_500(base_url: str) -> None:
     def count(status: int) -> float:
-        text = httpx.get(f"{base_url}/metrics").text
+        text = httpx.get(f"{base_url}/metrics", headers=AUTH).text
         assert 'status="500"' not in text  # not one of the bad requests above was a 500
         prefix = f'selfspec_requests_total{{endpoint="/v1/completions",status="{status}"}} '
         return sum(float(line[len(prefix) :]) for line in text.splitlines() if line.startswith(prefix))

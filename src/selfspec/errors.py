@@ -7,6 +7,26 @@ standard types.
 
 from __future__ import annotations
 
+import re
+
+#: The longest error text passed on to a client (native libraries' own can hold multi-line dumps).
+MAX_ERROR_CHARS = 300
+_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[/\\][\w.@+-]+){2,}")
+_NOISE = ("panicked at", "stack backtrace", "note:", "<state>", "at /", "thread '")
+
+
+def one_line(message: str) -> str:
+    """An error text as one clean line: no parser dump, backtrace or file path, at most 300 characters.
+
+    Native libraries (llguidance's Rust panics, its parser-state dumps) write many lines, with
+    the build machine's paths; a client gets the first line that says what went wrong.
+    """
+    lines = [line.strip() for line in str(message).splitlines()]
+    kept = [line for line in lines if line and not line.startswith(_NOISE) and not line[:1].isdigit()]
+    first = kept[0] if kept else "the library failed"
+    first = _PATH.sub("<path>", first)
+    return first if len(first) <= MAX_ERROR_CHARS else first[: MAX_ERROR_CHARS - 3] + "..."
+
 
 class SelfSpecError(Exception):
     """Base class of every selfspec-specific error."""
@@ -28,12 +48,23 @@ class SamplingError(SelfSpecError, ValueError):
     """A sampling argument (temperature, top-k, top-p, max_new_tokens, stop) is invalid."""
 
 
+class InvalidSchemaError(SelfSpecError, ValueError):
+    """A JSON schema or tools (structured output, tool parameters) are invalid, too large, or admit no value.
+
+    Raised before decoding where it can be seen up front, else when the grammar cannot follow.
+    """
+
+
 class QuantizationError(SelfSpecError, ValueError):
     """The requested quantization cannot run here (no bitsandbytes backend, or layer sizes)."""
 
 
 class ModelNotFoundError(SelfSpecError, OSError):
     """The model name is neither a local folder nor a reachable hub repository."""
+
+
+class CorruptCheckpointError(SelfSpecError, OSError):
+    """A checkpoint file exists but cannot be read (truncated, corrupt); the message names the file."""
 
 
 class UnsafeCheckpointError(SelfSpecError, ValueError):

@@ -353,6 +353,11 @@ class ChatSpeculative(BaseChatModel):
     under the tools' grammar too (valid names and arguments; free text stays unconstrained).
     Needs ``<tool_call>`` as a single token of the tokenizer; otherwise calls are only parsed."""
 
+    escape_special_tokens: bool = False
+    """Encode special-token strings written in messages, tools and history as plain text, so that only
+    the chat template's markup becomes control tokens (``<|im_start|>`` in a user's message cannot open
+    a turn). Default ``False``, as transformers and vLLM. Endpoint mode asks ``selfspec serve``."""
+
     truncate_prompt: bool = False
     """When the prompt and the answer do not fit in the context window, keep only the prompt's end
     (left truncation) instead of raising ``InvalidPromptError``. Without ``max_tokens``, a prompt
@@ -625,6 +630,7 @@ class ChatSpeculative(BaseChatModel):
             truncate_prompt=self.truncate_prompt,
             stream=stream,
             constrain_tool_calls=self.constrain_tool_calls,
+            escape_special_tokens=self.escape_special_tokens,
         )
         if tools and kwargs.get("parallel_tool_calls") is False:
             body["parallel_tool_calls"] = False

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import platform
 from pathlib import Path
@@ -99,8 +100,8 @@ def load_calibration(
         check_machine: ignore a file measured on another machine (:func:`machine_fingerprint`).
 
     Returns:
-        The saved settings, or ``None`` (no file, unreadable, an older version, another
-        machine, device type or dtype: each logged, and the caller measures afresh).
+        The saved settings, or ``None`` (no file, unreadable, corrupt (:func:`calibration_problem`), an
+        older version, another machine, device type or dtype: each logged, and the caller measures afresh).
     """
     if not name_or_path:
         return None
@@ -127,6 +128,10 @@ def load_calibration(
         if measured_in != (_kind(device), _dtype(dtype)):
             logger.info("calibration %s was measured on %s %s, not %s %s; measuring again", path, *measured_in,
                         _kind(device), _dtype(dtype))  # fmt: skip
+            continue
+        problem = calibration_problem(data)
+        if problem is not None:
+            logger.warning("ignoring the corrupt calibration %s (%s); it will be measured again", path, problem)
             continue
         shipped = _bundled(path)  # shipped with the package: measured when the model was built
         if not shipped and data.get("selfspec_version") != _selfspec_version():
@@ -180,3 +185,103 @@ def save_calibration(
     target.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     logger.info("saved the calibration of %s to %s", name_or_path, target)
     return target
+
+
+# ------------------------------------------------------------------------------- validation
+def _is_int(value: Any, low: int, high: int | None = None) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low and (high is None or value <= high)
+
+
+def _is_number(value: Any, low: float, *, positive: bool = False) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    return value > low if positive else value >= low
+
+
+def _curve_problem(name: str, curve: Any, *, positive: bool) -> str | None:
+    """A ``{"k": cost}`` curve: keys are draft lengths, values finite costs (``> 0`` with ``positive``)."""
+    from ..core.validation import MAX_DRAFT_TOKENS
+
+    if not isinstance(curve, dict):
+        return f"{name} is not an object"
+    for key, value in curve.items():
+        if not (isinstance(key, str) and key.isdigit() and 1 <= int(key) <= MAX_DRAFT_TOKENS):
+            return f"{name} has the draft length {key!r}"
+        if not _is_number(value, 0.0, positive=positive):
+            return f"{name}[{key!r}] is {value!r}, not a finite {'positive ' if positive else ''}cost"
+    return None
+
+
+def calibration_problem(data: dict[str, Any]) -> str | None:
+    """The first field of a calibration that is not what the engine reads, or ``None``.
+
+    Every field a reader uses is checked, so that a corrupt or hand-edited file is ignored
+    (and measured again) instead of breaking the engine: zero or negative costs (every call
+    would divide by them), non-integer layers, a ``tree_nodes`` or draft length beyond the
+    engine's own bounds, booleans where numbers belong (``num_draft_tokens: true``).
+    """
+    from ..core.validation import MAX_DRAFT_TOKENS, MAX_TREE_NODES
+
+    ints = {"exit_layer": (1, None), "num_draft_tokens": (1, MAX_DRAFT_TOKENS),
+            "layer_skip_num_draft_tokens": (1, MAX_DRAFT_TOKENS)}  # fmt: skip
+    for name, (low, high) in ints.items():
+        if name in data and not _is_int(data[name], low, high):
+            return f"{name} is {data[name]!r}, not an int in [{low}, {high or 'inf'}]"
+    if "tree_nodes" in data and data["tree_nodes"] is not None and not _is_int(data["tree_nodes"], 1, MAX_TREE_NODES):
+        return f"tree_nodes is {data['tree_nodes']!r}, not null or an int in [1, {MAX_TREE_NODES}]"
+    if "layer_skip_layers" in data:
+        layers = data["layer_skip_layers"]
+        if not isinstance(layers, list) or not all(_is_int(i, 0) for i in layers):
+            return f"layer_skip_layers is {layers!r:.80}, not a list of layer indices"
+    if "step_seconds" in data and not _is_number(data["step_seconds"], 0.0, positive=True):
+        return f"step_seconds is {data['step_seconds']!r}, not a positive number"
+    if "costs" in data:
+        costs = data["costs"]
+        if not isinstance(costs, dict) or not _is_number(costs.get("draft", 0.0), 0.0):
+            return f"costs is {costs!r:.80}, not {{'draft': cost >= 0, 'verify': {{...}}}}"
+        problem = _curve_problem("costs.verify", costs.get("verify") or {}, positive=True)
+        if problem is not None:
+            return problem
+    for name, positive in (("verify_cost", True), ("draft_cost", False)):
+        if name in data:
+            problem = _curve_problem(name, data[name], positive=positive)
+            if problem is not None:
+                return problem
+    if "eagle" in data:
+        eagle = data["eagle"]
+        if not isinstance(eagle, dict) or not _is_number(eagle.get("draft_cost", 0.0), 0.0):
+            return f"eagle is {eagle!r:.80}, not {{'draft_cost': cost >= 0, ...}}"
+    if "agreement" in data:
+        agreement = data["agreement"]
+        if not isinstance(agreement, dict) or not all(
+            isinstance(k, str) and k.isdigit() and _is_number(v, 0.0) and v <= 1 for k, v in agreement.items()
+        ):
+            return f"agreement is {agreement!r:.80}, not {{'layer': rate in [0, 1]}}"
+    if "plan" in data:
+        return _plan_problem(data["plan"])
+    return None
+
+
+def _plan_problem(plan: Any) -> str | None:
+    from ..core.validation import MAX_DRAFT_TOKENS
+    from ..drafting.auto import PLAN_METHODS
+
+    if not isinstance(plan, dict) or plan.get("method") not in PLAN_METHODS:
+        return f"plan is {plan!r:.80}, not a plan with a method in {PLAN_METHODS}"
+    if plan.get("exit_layer") is not None and not _is_int(plan["exit_layer"], 1):
+        return f"plan.exit_layer is {plan['exit_layer']!r}"
+    if "num_draft_tokens" in plan and not _is_int(plan["num_draft_tokens"], 1, MAX_DRAFT_TOKENS):
+        return f"plan.num_draft_tokens is {plan['num_draft_tokens']!r}"
+    if "min_ngram" in plan and not _is_int(plan["min_ngram"], 1, 64):
+        return f"plan.min_ngram is {plan['min_ngram']!r}"
+    layers = plan.get("layers", [])
+    if not isinstance(layers, list) or not all(_is_int(i, 0) for i in layers):
+        return f"plan.layers is {layers!r:.80}, not a list of layer indices"
+    if "exit_adapter" in plan and not isinstance(plan["exit_adapter"], bool):
+        return f"plan.exit_adapter is {plan['exit_adapter']!r}"
+    if plan.get("eagle_head") is not None and not isinstance(plan["eagle_head"], str):
+        return f"plan.eagle_head is {plan['eagle_head']!r}"
+    speedup = plan.get("predicted_speedup")
+    if speedup is not None and not _is_number(speedup, 0.0, positive=True):
+        return f"plan.predicted_speedup is {speedup!r}"
+    return None

@@ -85,7 +85,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV),
-        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}, else no key)",
+        help=f"require 'Authorization: Bearer KEY' on every route (default: ${API_KEY_ENV}, else no key)",
+    )
+    parser.add_argument(
+        "--escape-special-tokens",
+        action="store_true",
+        help="encode special-token strings written in messages, tools and history as plain text, so that "
+        "only the chat template's markup becomes control tokens (default: off, as transformers and vLLM)",
     )
     parser.add_argument(
         "--batching",
@@ -170,6 +176,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model_id=args.model_id,
         log_level=args.log_level,
         batching=args.batching,
+        escape_special_tokens=args.escape_special_tokens,
         limits=server_limits(args, ServerLimits),
         **engine_kwargs(args),
     )

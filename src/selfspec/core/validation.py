@@ -29,6 +29,8 @@ import torch
 
 from ..errors import ConfigurationError, InvalidPromptError, SamplingError
 
+#: Temperatures below this decode greedily (see :func:`check_temperature`).
+GREEDY_TEMPERATURE = 1e-5
 #: Largest token tree (``tree_nodes``): every call sizes attention masks and cache slots by it.
 MAX_TREE_NODES = 1024
 #: Largest draft length (``num_draft_tokens``).
@@ -38,6 +40,10 @@ MAX_DRAFT_TOKENS = 128
 MAX_NEW_TOKENS_WITHOUT_WINDOW = 1 << 20
 #: Seeds are unsigned 64-bit integers (``torch.Generator.manual_seed``).
 MAX_SEED = 2**64 - 1
+#: The most stop strings a call may give (the matcher checks each one after every token; OpenAI allows 4).
+MAX_STOP_STRINGS = 16
+#: The longest stop string, in characters.
+MAX_STOP_CHARS = 256
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -82,11 +88,16 @@ def as_real(value: Any) -> float | None:
 
 
 def check_temperature(value: Any) -> float:
-    """``0`` (greedy) or a finite positive number."""
+    """``0`` (greedy) or a finite positive number; below :data:`GREEDY_TEMPERATURE` it is ``0``.
+
+    Dividing logits by a temperature such as ``1e-38`` (or a subnormal) overflows them to
+    infinity; the distribution it asks for is, to float precision, all on the most likely token,
+    so such temperatures decode greedily (vLLM draws the line at the same ``1e-5``).
+    """
     temperature = as_real(value)
     if temperature is None or not math.isfinite(temperature) or temperature < 0:
         raise SamplingError(f"temperature must be >= 0 and finite (0 means greedy), got {_kind(value)} {value!r}")
-    return temperature
+    return 0.0 if temperature < GREEDY_TEMPERATURE else temperature
 
 
 def check_top_k(value: Any) -> int | None:
@@ -144,12 +155,16 @@ def check_stop(stop: Any) -> list[str]:
     elif isinstance(stop, (list, tuple)):
         stops = list(stop)
     else:
-        raise SamplingError(f"stop must be a str or a list of non-empty str, got {_kind(stop)} {stop!r}")
+        raise SamplingError(f"stop must be a str or a list of non-empty str, got {_kind(stop)} {stop!r:.100}")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise SamplingError(f"stop holds {len(stops)} strings; at most {MAX_STOP_STRINGS} are accepted")
     for item in stops:
         if not isinstance(item, str):
             raise SamplingError(f"stop strings must be str, got {_kind(item)}: {item!r}")
         if item == "":
             raise SamplingError("stop strings must not be empty (an empty stop would match at once)")
+        if len(item) > MAX_STOP_CHARS:
+            raise SamplingError(f"stop strings are at most {MAX_STOP_CHARS} characters long, got one of {len(item)}")
         check_text(item, "a stop string", error=SamplingError)
     return stops
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..core.bounds import check_prompt_chars, check_tools_size, text_chars
 from ..core.constraints import TokenConstraint
 from ..drafting import Drafter, drafter_spec
 from ..drafting.auto import Plan, plan_of, uncalibrated_plan
@@ -91,6 +92,11 @@ class SpeculativeEngine:
         drafter_options: keyword options for the drafter's factory (``factory(engine, **options)``).
         fast_path: use the lean layer path where it applies (``None``: on, unless the
             environment sets ``SELFSPEC_FAST_PATH=0``).
+        escape_special_tokens: encode special-token strings written in chat messages, tools
+            and assistant history as plain text, so that only the chat template's own markup
+            becomes control tokens (``<|im_start|>`` in a user's message cannot open a turn).
+            Default ``False``: such strings become control tokens, as in transformers'
+            ``apply_chat_template`` and vLLM. Raw text prompts are encoded as given either way.
 
     Example:
         >>> from selfspec import SpeculativeEngine
@@ -119,10 +125,14 @@ class SpeculativeEngine:
         batching: bool = False,
         drafter_options: dict[str, Any] | None = None,
         fast_path: bool | None = None,
+        escape_special_tokens: bool = False,
     ) -> None:
         arguments = dict(locals())  # every argument but the model's own parts is a setting (see configure)
-        for name in ("self", "model", "tokenizer", "calibration", "fast_path"):
+        for name in ("self", "model", "tokenizer", "calibration", "fast_path", "escape_special_tokens"):
             del arguments[name]
+        if not isinstance(escape_special_tokens, bool):
+            raise ConfigurationError(f"escape_special_tokens must be a bool, got {escape_special_tokens!r}")
+        self.escape_special_tokens = escape_special_tokens
         self._arguments: dict[str, Any] = arguments
         self.model = model
         self.tokenizer = tokenizer
@@ -197,6 +207,7 @@ class SpeculativeEngine:
         eagle_head: Any = None,
         tree_nodes: int | str | None = None,
         batching: bool = False,
+        escape_special_tokens: bool = False,
     ) -> SpeculativeEngine:
         """Load a model from the hub, a local folder, or ``"selfspec-demo"``.
 
@@ -214,6 +225,7 @@ class SpeculativeEngine:
             exit_adapter: see :class:`SpeculativeEngine`.
             tree_nodes: see :class:`SpeculativeEngine`.
             batching: see :class:`SpeculativeEngine`.
+            escape_special_tokens: see :class:`SpeculativeEngine`.
             trust_remote_code: allow checkpoints that ship their own Python code.
             allow_pickle: allow ``.bin`` (pickle) weights when no safetensors exist.
             gguf_file: the name of a ``.gguf`` file inside the folder ``name_or_path`` (a
@@ -263,6 +275,7 @@ class SpeculativeEngine:
             eagle_head=eagle_head,
             tree_nodes=tree_nodes,
             batching=batching,
+            escape_special_tokens=escape_special_tokens,
         )
         auto = wants_calibration(exit_layer, num_draft_tokens, drafter, tree_nodes)
         if calibrate and auto:
@@ -289,14 +302,31 @@ class SpeculativeEngine:
         """The model's maximum number of positions (prompt plus new tokens)."""
         return self.runner.max_positions
 
-    def encode_prompt(self, prompt: Prompt, *, tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def encode_prompt(
+        self,
+        prompt: Prompt,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        escape_special_tokens: bool | None = None,
+    ) -> list[int]:
         """Token ids of a prompt.
 
         A ``str`` is encoded as ``tokenizer(prompt)`` (default special tokens, no template);
         a list of ``{"role": ..., "content": ...}`` messages goes through the tokenizer's chat
-        template with the generation prompt (and ``tools``, when given).
+        template with the generation prompt (and ``tools``, when given). With
+        ``escape_special_tokens`` (``None``: the engine's setting, or ``True`` for this call)
+        special-token strings in the messages and tools are encoded as plain text.
         """
-        return encode_prompt(self._require_tokenizer("text prompts"), prompt, tools)
+        if tools:
+            check_tools_size(list(tools))  # before the template renders them
+        escape = self.escape_special_tokens or bool(escape_special_tokens)
+        return encode_prompt(self._require_tokenizer("text prompts"), prompt, tools, escape_special_tokens=escape)
+
+    def _encode_checked(self, prompt: Prompt, truncate_prompt: bool) -> list[int]:
+        """:meth:`encode_prompt`, refusing first (unless ``truncate_prompt``) a text too long in characters to fit."""
+        if not truncate_prompt:
+            check_prompt_chars(text_chars(prompt), self._require_tokenizer("text prompts"), self.context_window)
+        return self.encode_prompt(prompt)
 
     def _require_tokenizer(self, what: str) -> Any:
         if self.tokenizer is None:
@@ -329,7 +359,7 @@ class SpeculativeEngine:
         Returns:
             The text, new token ids, finish reason and speculation statistics.
         """
-        ids = self.encode_prompt(prompt)
+        ids = self._encode_checked(prompt, truncate_prompt)
         return self.generate_ids(ids, **_options(max_new_tokens, temperature, top_k, top_p, stop, seed, constraint,
                                                  truncate_prompt))  # fmt: skip
 
@@ -355,7 +385,7 @@ class SpeculativeEngine:
         The deltas join to exactly ``generate(...).text``. Call ``.close()`` to abandon the
         stream early; ``.stats`` and ``.output`` are set once it is exhausted or closed.
         """
-        ids = self.encode_prompt(prompt)
+        ids = self._encode_checked(prompt, truncate_prompt)
         return self.stream_ids(ids, **_options(max_new_tokens, temperature, top_k, top_p, stop, seed, constraint,
                                                truncate_prompt))  # fmt: skip
 

@@ -100,8 +100,14 @@ class GenerationRequest:
         return generator
 
 
-def encode_prompt(tokenizer: Any, prompt: Prompt, tools: list[dict[str, Any]] | None = None) -> list[int]:
-    """Token ids of a prompt (see :meth:`SpeculativeEngine.encode_prompt`)."""
+def encode_prompt(
+    tokenizer: Any, prompt: Prompt, tools: list[dict[str, Any]] | None = None, *, escape_special_tokens: bool = False
+) -> list[int]:
+    """Token ids of a prompt (see :meth:`SpeculativeEngine.encode_prompt`).
+
+    With ``escape_special_tokens``, special-token strings in chat messages and tools are
+    encoded as plain text (:mod:`selfspec.escaping`); a raw text prompt is encoded as given.
+    """
     check_prompt(prompt)  # bytes ("decode to str first"), lone surrogates, non-dict messages
     if isinstance(prompt, str):
         if not prompt:
@@ -114,6 +120,10 @@ def encode_prompt(tokenizer: Any, prompt: Prompt, tools: list[dict[str, Any]] | 
             raise InvalidPromptError(f"each chat message must be a dict with 'role' and 'content', got {message!r}")
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidPromptError("this tokenizer has no chat template; pass a plain string prompt")
+    if escape_special_tokens:
+        from .escaping import render_escaped
+
+        return render_escaped(tokenizer, [message for message in prompt if isinstance(message, dict)], tools)
     text = tokenizer.apply_chat_template(list(prompt), tools=tools, add_generation_prompt=True, tokenize=False)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 

@@ -7,6 +7,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import struct
 import warnings
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import torch
 from ..artifacts import BUNDLED_MODELS
 from ..errors import (
     ConfigurationError,
+    CorruptCheckpointError,
     MissingDependencyError,
     ModelNotFoundError,
     QuantizationError,
@@ -123,6 +125,28 @@ def check_gguf_file(path: Path) -> None:
         )
 
 
+def check_gguf_readable(path: Path) -> None:
+    """Read a GGUF file's header, metadata and tensor table (memory-mapped, no weights copied).
+
+    A truncated or corrupt file fails here with an error naming it, instead of a
+    ``struct.error`` or a ``cannot reshape array`` from deep inside the GGUF reader.
+
+    Raises:
+        CorruptCheckpointError: the file cannot be read as GGUF (an ``OSError``).
+    """
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+        del reader  # drop the memory map
+    except (struct.error, ValueError, IndexError, KeyError, EOFError, OverflowError, TypeError, MemoryError) as exc:
+        detail = str(exc).splitlines()[0][:200] if str(exc) else ""
+        raise CorruptCheckpointError(
+            f"{str(path)!r} is not a readable GGUF file: it is truncated or corrupt ({type(exc).__name__}: "
+            f"{detail}); download it again"
+        ) from None
+
+
 def require_gguf() -> None:
     """Raise :class:`MissingDependencyError` naming the ``gguf`` extra when the package is missing."""
     try:
@@ -168,6 +192,8 @@ def ensure_dequantized(folder: str, gguf_file: str, *, trust_remote_code: bool =
     if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
         return target
     require_gguf()
+    if (Path(folder) / gguf_file).is_file():
+        check_gguf_readable(Path(folder) / gguf_file)
     config = load_config(folder, trust_remote_code=trust_remote_code, gguf_file=gguf_file)
     check_architecture(config)
     try:

@@ -29,7 +29,7 @@ from collections.abc import AsyncGenerator, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from ..errors import InvalidPromptError, ModelNotFoundError, SamplingError
+from ..errors import InvalidPromptError, InvalidSchemaError, ModelNotFoundError, SamplingError
 from .tools import ContentDelta, InvalidToolCall, StreamEvent, ToolCall, ToolCallChunk, new_call_id
 
 
@@ -166,6 +166,7 @@ def chat_body(
     truncate_prompt: bool = False,
     stream: bool = False,
     constrain_tool_calls: bool = True,
+    escape_special_tokens: bool = False,
 ) -> dict[str, Any]:
     """The keyword arguments of ``client.chat.completions.create`` for one call.
 
@@ -186,6 +187,8 @@ def chat_body(
         stream: stream the answer (usage is then asked for in a last chunk).
         constrain_tool_calls: ``False`` asks ``selfspec serve`` not to constrain the calls the
             model chooses to make under ``tool_choice="auto"`` (other servers never do).
+        escape_special_tokens: ask ``selfspec serve`` to encode special-token strings in the
+            messages and tools as plain text (sent in the extra body; other servers ignore it).
     """
     body = _sampling(
         model=model,
@@ -207,6 +210,8 @@ def chat_body(
             body.setdefault("extra_body", {})["constrain_tool_calls"] = False
     if response_format is not None:
         body["response_format"] = _wire_response_format(response_format)
+    if escape_special_tokens:
+        body.setdefault("extra_body", {})["escape_special_tokens"] = True
     return body
 
 
@@ -334,11 +339,17 @@ def translate_error(error: Exception, base_url: str) -> Exception:
     """The error a local engine raises for what the server refused (else ``error`` itself).
 
     A 400 about a sampling field becomes :class:`SamplingError`, one about the prompt or the
-    messages :class:`InvalidPromptError`, any other 400 a ``ValueError``; a 404 for the
+    messages :class:`InvalidPromptError`, one with code ``invalid_schema`` (a schema or tools
+    over the bounds, invalid, admitting no value) :class:`InvalidSchemaError`, any other 400 a
+    ``ValueError``; a 404 for the
     model becomes :class:`ModelNotFoundError`. The server's message is kept.
     """
     openai = _openai()
     if not isinstance(error, openai.APIStatusError):
+        # an error event inside a stream (the grammar failed mid-generation): no status, the same body
+        body = getattr(error, "body", None) if isinstance(error, openai.APIError) else None
+        if isinstance(body, Mapping) and body.get("code") == "invalid_schema":
+            return InvalidSchemaError(f"{body.get('message') or error} (from the server at {base_url})")
         return error
     body = error.body if isinstance(error.body, Mapping) else {}
     detail = body.get("error", body) if isinstance(body.get("error", body), Mapping) else {}
@@ -348,6 +359,8 @@ def translate_error(error: Exception, base_url: str) -> Exception:
     if isinstance(error, openai.NotFoundError):
         return ModelNotFoundError(message + where)
     if isinstance(error, (openai.BadRequestError, openai.UnprocessableEntityError)):
+        if str(detail.get("code") or "") == "invalid_schema":
+            return InvalidSchemaError(message + where)
         if param in _SAMPLING_PARAMS:
             return SamplingError(message + where)
         if param.startswith(("messages", "prompt")):
@@ -422,7 +435,7 @@ class EndpointClient:
         try:
             for chunk in chunks:
                 yield from reader.feed(chunk)
-        except _openai().APIStatusError as error:
+        except _openai().APIError as error:  # a status error, or an error event inside the stream
             _reraise(error, self.base_url)
         finally:
             chunks.close()
@@ -449,7 +462,7 @@ class EndpointClient:
                 async for chunk in chunks:
                     for event in reader.feed(chunk):
                         yield event
-            except _openai().APIStatusError as error:
+            except _openai().APIError as error:  # a status error, or an error event inside the stream
                 _reraise(error, self.base_url)
             finally:
                 await chunks.close()

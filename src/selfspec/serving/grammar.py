@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from ..core.bounds import check_schema_size, check_tools_size
+from ..errors import InvalidSchemaError, one_line
 from .tools import TOOL_CALL_END, TOOL_CALL_START, tool_schema
 
 #: JSON layout options passed to llguidance (a schema's own ``x-guidance`` wins).
@@ -37,6 +39,9 @@ JSON_OPTIONS: dict[str, Any] = {
 }
 _MATCHER_CACHE_SIZE = 64
 _MASK_CACHE_SIZE = 32
+#: Tokens a new grammar is walked through before decoding (each the first it allows), so that a
+#: schema whose very first value is too complex for the parser is refused up front.
+PROBE_STEPS = 8
 
 _lock = threading.Lock()
 _ll_tokenizers: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], Any]] = weakref.WeakKeyDictionary()
@@ -53,6 +58,11 @@ def _llguidance() -> Any:
             "pip install 'llguidance>=1.0'"
         ) from error
     return llguidance
+
+
+def _native_failure(error: BaseException) -> bool:
+    """Whether ``error`` came from the grammar library (a Python error, or a Rust panic: a BaseException)."""
+    return not isinstance(error, (KeyboardInterrupt, SystemExit, GeneratorExit, MemoryError))
 
 
 class GrammarConstraint:
@@ -113,22 +123,32 @@ class GrammarConstraint:
             allowed = bits[: self.vocab_size]
         else:  # the model's vocabulary is padded beyond the tokenizer's
             allowed = torch.cat([bits, torch.zeros(self.vocab_size - bits.shape[0], dtype=torch.bool)])
-        if not bool(allowed.any()):  # defensive: never leave the model without a token
-            return self._eos_mask.clone()
+        if self.matcher.is_error() or not bool(allowed.any()):  # no token can continue: nothing admitted here
+            if not self.matcher.is_error() and self.matcher.is_accepting():
+                return self._eos_mask.clone()
+            error = self.matcher.get_error() if self.matcher.is_error() else ""
+            raise InvalidSchemaError(
+                "the schema or grammar admits no value here"
+                + (f" ({one_line(error)})" if error else "")
+                + ": check it for $ref cycles or contradictory constraints"
+            )
         return allowed
 
     def advance(self, token_id: int) -> None:
         """Consume one allowed token.
 
         Raises:
-            ValueError: the grammar does not allow the token here.
+            InvalidSchemaError: the grammar does not allow the token here, or is too complex to
+                follow (llguidance's "too many items": e.g. a schema that requires itself).
         """
         if self.matcher.is_stopped():
             self._fed.append(False)
         elif self.matcher.consume_token(int(token_id)):
             self._fed.append(True)
         else:
-            raise ValueError(f"token {token_id} is not allowed by the grammar: {self.matcher.get_error()}")
+            raise InvalidSchemaError(
+                f"token {token_id} is not allowed by the grammar here: {one_line(self.matcher.get_error())}"
+            )
         self._tokens.append(int(token_id))
 
     def rollback(self, num_tokens: int) -> None:
@@ -193,21 +213,82 @@ def _constraint(
         if template is not None:
             _matchers.move_to_end(key)
     if template is None:
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, ll_tokenizer)
-        if is_error:
-            raise ValueError(f"invalid schema or grammar: {messages[0] if messages else 'unknown error'}")
-        template = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0)
-        if template.is_error():
-            raise ValueError(f"invalid schema or grammar: {template.get_error()}")
+        template = _compile(llguidance, ll_tokenizer, grammar)
+        _probe(
+            template,
+            int(vocab_size or ll_tokenizer.vocab_size),
+            list(ll_tokenizer.eos_tokens),
+            int(ll_tokenizer.vocab_size),
+        )
         with _lock:
             _matchers[key] = template
             while len(_matchers) > _MATCHER_CACHE_SIZE:
                 _matchers.popitem(last=False)
     tokenizer_vocab = int(ll_tokenizer.vocab_size)
     return GrammarConstraint(
-        template.deep_copy(), int(vocab_size or tokenizer_vocab), list(ll_tokenizer.eos_tokens),
+        template.deep_copy(),
+        int(vocab_size or tokenizer_vocab),
+        list(ll_tokenizer.eos_tokens),
         tokenizer_vocab_size=tokenizer_vocab,
     )
+
+
+def _compile(llguidance: Any, ll_tokenizer: Any, grammar: str) -> Any:
+    """A matcher for ``grammar``; every failure, a native panic included, is one :class:`InvalidSchemaError` line."""
+    try:
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, ll_tokenizer)
+        if is_error:
+            raise InvalidSchemaError(f"invalid schema or grammar: {one_line(messages[0] if messages else '')}")
+        template = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0)
+    except InvalidSchemaError:
+        raise
+    except BaseException as error:
+        if not _native_failure(error):
+            raise
+        raise InvalidSchemaError(f"invalid schema or grammar: {one_line(str(error))}") from None
+    if template.is_error():
+        raise InvalidSchemaError(f"invalid schema or grammar: {one_line(template.get_error())}")
+    return template
+
+
+def _probe(template: Any, vocab_size: int, eos_token_ids: list[int], tokenizer_vocab_size: int) -> None:
+    """Walk a copy of a new grammar a few tokens in, refusing one that admits no value or cannot be followed.
+
+    A schema that admits no JSON value (``{"$ref": "#"}``, two ``$ref`` s naming each other)
+    allows no first token; one that requires itself (a required property whose schema is the
+    object's own) makes the parser give up ("too many items") within its first tokens. Both are
+    refused here, before any decoding, instead of ending in an empty answer or a failure
+    mid-generation.
+
+    Raises:
+        InvalidSchemaError: saying which of the two it is.
+    """
+    probe = GrammarConstraint(
+        template.deep_copy(), vocab_size, eos_token_ids, tokenizer_vocab_size=tokenizer_vocab_size
+    )
+    eos = set(eos_token_ids)
+    for step in range(PROBE_STEPS):
+        try:
+            allowed = probe.allowed_tokens()
+        except InvalidSchemaError as error:
+            if step:
+                raise
+            raise InvalidSchemaError(
+                "the schema admits no JSON value (no first token is allowed): check it for $ref cycles such as "
+                '{"$ref": "#"} or contradictory constraints'
+            ) from error
+        if probe.matcher.is_stopped() or probe.is_complete():
+            return
+        token = next((int(t) for t in allowed.nonzero().flatten().tolist() if int(t) not in eos), None)
+        if token is None:
+            return
+        try:
+            probe.advance(token)
+        except InvalidSchemaError as error:
+            raise InvalidSchemaError(
+                f"the schema cannot be decoded ({str(error).split(': ', 1)[-1]}); a required property whose schema "
+                "requires itself (a recursive $ref with no way to end) admits no finite value"
+            ) from None
 
 
 # ------------------------------------------------------------------------------- schemas
@@ -233,7 +314,7 @@ def closed_schema(schema: Any) -> Any:
 def _with_options(schema: Mapping[str, Any]) -> dict[str, Any]:
     """The schema, closed, with our JSON layout unless it sets its own ``x-guidance``."""
     if not isinstance(schema, Mapping):
-        raise ValueError(f"a JSON schema must be a dict, got {type(schema).__name__}")
+        raise InvalidSchemaError(f"a JSON schema must be a dict, got {type(schema).__name__}")
     closed = closed_schema(schema)
     closed["x-guidance"] = {**JSON_OPTIONS, **dict(schema.get("x-guidance") or {})}
     return closed
@@ -259,11 +340,21 @@ def json_schema_constraint(
         A fresh constraint for one generation.
 
     Raises:
-        ValueError: the schema is invalid or uses something llguidance does not support.
+        InvalidSchemaError: the schema is over the size bounds (:mod:`selfspec.bounds`), invalid,
+            uses something llguidance does not support, admits no value, or cannot be decoded
+            (a ``ValueError``).
         ImportError: llguidance is not installed.
     """
+    check_schema_size(schema)
     llguidance = _llguidance()
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(_with_options(schema))
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(_with_options(schema))
+    except InvalidSchemaError:
+        raise
+    except BaseException as error:
+        if not _native_failure(error):
+            raise
+        raise InvalidSchemaError(f"invalid JSON schema: {one_line(str(error))}") from None
     return _constraint(tokenizer, grammar, vocab_size, eos_token_ids)
 
 
@@ -310,9 +401,16 @@ def tool_call_constraint(
             ``required=False`` with tags that are not single tokens.
         ImportError: llguidance is not installed.
     """
+    check_tools_size(list(tools))
     grammar = tool_call_grammar(tokenizer, tools, tool_name=tool_name, required=required, parallel=parallel)
     llguidance = _llguidance()
-    return _constraint(tokenizer, llguidance.LLMatcher.grammar_from_lark(grammar), vocab_size, eos_token_ids)
+    try:
+        compiled = llguidance.LLMatcher.grammar_from_lark(grammar)
+    except BaseException as error:
+        if not _native_failure(error):
+            raise
+        raise InvalidSchemaError(f"invalid tool parameters: {one_line(str(error))}") from None
+    return _constraint(tokenizer, compiled, vocab_size, eos_token_ids)
 
 
 def has_tool_call_tokens(tokenizer: Any) -> bool:
@@ -342,7 +440,7 @@ def tool_call_grammar(
     for i, function in enumerate(functions):
         head = json.dumps(f'{{"name": {json.dumps(function["name"], ensure_ascii=False)}, "arguments": ')
         schema = json.dumps(_with_options(function["parameters"]), ensure_ascii=False)
-        rules.append(f"call_{i}: {head} args_{i} \"}}\"\nargs_{i}: %json {schema}")
+        rules.append(f'call_{i}: {head} args_{i} "}}"\nargs_{i}: %json {schema}')
         alternatives.append(f"call_{i}")
     start, end = _tag(tokenizer, TOOL_CALL_START), _tag(tokenizer, TOOL_CALL_END)
     call = f"{start} ({' | '.join(alternatives)}) {end}"
@@ -354,9 +452,7 @@ def tool_call_grammar(
         calls = 'calls: call ("\\n" call)*\n' if parallel else "calls: call\n"
         head_rules = f"start: TEXT? calls?\n{calls}call: {call}\nTEXT: /(?s:.+)/\n"
     else:
-        raise ValueError(
-            "an optional tool call needs <tool_call> and </tool_call> as single tokens of the tokenizer"
-        )
+        raise ValueError("an optional tool call needs <tool_call> and </tool_call> as single tokens of the tokenizer")
     return head_rules + "\n".join(rules) + "\n"
 
 

@@ -37,6 +37,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
+from ..core.bounds import check_prompt_chars, check_schema_size, check_tools_size, text_chars
 from ..errors import InvalidPromptError
 from .tools import ParsedOutput, parse_tool_calls, tool_schema
 
@@ -201,6 +202,33 @@ def response_schema(response_format: Mapping[str, Any] | None) -> dict[str, Any]
         "response_format must be {'type': 'text'}, {'type': 'json_object'} or "
         f"{{'type': 'json_schema', 'json_schema': {{'schema': {{...}}}}}}, got {dict(response_format)!r}"
     )
+
+
+def check_request_bounds(
+    engine: SpeculativeEngine,
+    prompt: str | Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]],
+    schema: Mapping[str, Any] | None,
+    *,
+    truncate_prompt: bool = False,
+) -> None:
+    """Refuse, before rendering, tokenizing or compiling anything, what is too large (:mod:`selfspec.bounds`).
+
+    The tools and the schema are bounded in size; the characters of everything that becomes
+    prompt (messages, tool-call arguments, tools and schema, dictionary keys included) must fit
+    the context window unless ``truncate_prompt``.
+
+    Raises:
+        InvalidSchemaError: tools or a schema over the bounds.
+        InvalidPromptError: more characters than the context window can hold.
+    """
+    if tools:
+        check_tools_size(list(tools))
+    if schema is not None:
+        check_schema_size(schema)
+    if not truncate_prompt and engine.tokenizer is not None:
+        chars = text_chars(prompt) + text_chars(list(tools)) + (text_chars(schema) if schema is not None else 0)
+        check_prompt_chars(chars, engine.tokenizer, engine.context_window)
 
 
 # ------------------------------------------------------------------------------- constraints
@@ -455,14 +483,21 @@ def encode_request(
     tools: Sequence[Mapping[str, Any]] = (),
     schema: Mapping[str, Any] | None = None,
     forced: str | None = None,
+    *,
+    escape_special_tokens: bool = False,
 ) -> list[int]:
-    """The prompt's token ids (see :func:`prepare_messages`); a ``str`` is encoded as it is."""
+    """The prompt's token ids (see :func:`prepare_messages`); a ``str`` is encoded as it is.
+
+    With ``escape_special_tokens`` (or the engine's own setting), special-token strings in the
+    messages, tools and schema are encoded as plain text (:mod:`selfspec.escaping`).
+    """
+    escape = {"escape_special_tokens": True} if escape_special_tokens else {}
     if isinstance(prompt, str):
         return engine.encode_prompt(prompt)
     if getattr(engine.tokenizer, "chat_template", None) is None:
-        return engine.encode_prompt([dict(m) for m in prompt], tools=[dict(t) for t in tools] or None)
+        return engine.encode_prompt([dict(m) for m in prompt], tools=[dict(t) for t in tools] or None, **escape)
     messages, template_tools = prepare_messages(engine.tokenizer, prompt, tools, schema, forced)
-    return engine.encode_prompt(messages, tools=template_tools)
+    return engine.encode_prompt(messages, tools=template_tools, **escape)
 
 
 # ------------------------------------------------------------------------------- the plan
@@ -646,6 +681,7 @@ def plan_request(
     truncate_prompt: bool = False,
     constrain_tool_calls: bool = True,
     parallel_tool_calls: bool = True,
+    escape_special_tokens: bool = False,
 ) -> RequestPlan:
     """Plan one call on ``engine``: everything but the framework's own types.
 
@@ -665,6 +701,8 @@ def plan_request(
         truncate_prompt: keep only the end of a prompt that does not fit.
         constrain_tool_calls: constrain the calls the model chooses to make.
         parallel_tool_calls: ``False``: at most one call (by the grammar).
+        escape_special_tokens: encode special-token strings in the messages and tools as plain
+            text for this call (the engine's own setting applies as well).
 
     Raises:
         ValueError: bad tools, ``tool_choice`` or ``response_format``.
@@ -676,6 +714,7 @@ def plan_request(
         normalized = []
     forced = forced_tool(choice, normalized)
     schema = dict(json_schema) if json_schema is not None else response_schema(response_format)
+    check_request_bounds(engine, prompt, normalized, schema, truncate_prompt=truncate_prompt)
     constraint = plan_constraint(
         engine.tokenizer,
         normalized,
@@ -685,7 +724,9 @@ def plan_request(
         parallel_tool_calls=parallel_tool_calls,
     )
     stated_schema = schema if schema is not None and schema != {"type": "object"} else None
-    prompt_ids = encode_request(engine, prompt, normalized, stated_schema, forced)
+    prompt_ids = encode_request(
+        engine, prompt, normalized, stated_schema, forced, escape_special_tokens=escape_special_tokens
+    )
     budget = token_budget(max_tokens, len(prompt_ids), engine.context_window, truncate_prompt=truncate_prompt)
     sampling: dict[str, Any] = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
     sampling["stop"] = [stop] if isinstance(stop, str) else (list(stop) if stop else None)

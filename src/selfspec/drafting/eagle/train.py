@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from ...errors import ConfigurationError
+from . import resume
 from .head import EagleHead, EagleHeadConfig
 from .prompts import Prompt, prompt_mix
 
@@ -484,13 +485,6 @@ def expected_chain_tokens(agreement: list[float]) -> float:
     return total
 
 
-def _save_state(path: Path, payload: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial")
-    torch.save(payload, partial)
-    partial.replace(path)
-
-
 def write_data(
     model: Any,
     tokenizer: Any,
@@ -593,21 +587,19 @@ def train_eagle_head(
     model.eval().requires_grad_(False)
     device = model.device
     state_path = Path(state_dir) if state_dir is not None else None
-    data_file = state_path / "data.pt" if state_path else None
-    checkpoint_file = state_path / "checkpoint.pt" if state_path else None
     bar = tqdm(total=None, disable=not progress, unit="step", dynamic_ncols=True)
 
     # 1-2. write and record (or reuse what an earlier run wrote)
-    if data_file is not None and data_file.is_file():
-        data = torch.load(data_file, weights_only=False)
-        samples, write_figures = data["samples"], data["figures"]
+    kept = resume.load_data(state_path, Sample) if state_path is not None else None
+    if kept is not None:
+        samples, write_figures = kept
         bar.set_description(f"reusing {len(samples)} written answers")
     else:
         mix = prompts if prompts is not None else prompt_mix(cfg.seed)
         write_deadline = started + cfg.max_seconds * cfg.write_share
         samples, write_figures = write_data(model, tokenizer, mix, cfg, write_deadline, bar.set_description)
-        if data_file is not None:
-            _save_state(data_file, {"samples": samples, "figures": write_figures})
+        if state_path is not None:
+            resume.save_data(state_path, samples, write_figures)
     if len(samples) < 2:
         raise ConfigurationError("the model wrote fewer than two answers in the budget: raise --minutes")
     if cfg.head_format == "eagle3" and any(s.taps is None for s in samples):
@@ -631,12 +623,11 @@ def train_eagle_head(
         head = EagleHead(model, config, draft_token_ids=draft_ids, init_from_last_layer=cfg.init_from_last_layer)
     head = head.float().train()
     optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    step, trained_seconds, history = 0, 0.0, []
-    if checkpoint_file is not None and checkpoint_file.is_file():
-        checkpoint = torch.load(checkpoint_file, weights_only=False)
-        head.load_state_dict(checkpoint["head"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        step, trained_seconds, history = checkpoint["step"], checkpoint["seconds"], checkpoint["history"]
+    step, trained_seconds = 0, 0.0
+    history: list[dict[str, Any]] = []
+    restored = resume.load_checkpoint(state_path, head, optimizer) if state_path is not None else None
+    if restored is not None:
+        step, trained_seconds, history = restored
     resumed_at = step
     train_started = time.perf_counter()
     train_budget = max(end - train_started, 1e-6)
@@ -680,32 +671,15 @@ def train_eagle_head(
         shown = " ".join(f"{a:.2f}" for a in agreement)
         bar.set_description(f"train loss {losses[-1]:.3f} | held-out agreement per step {shown}")
         bar.update(1)
-        if checkpoint_file is not None and time.perf_counter() - last_saved > 60:
-            _save_state(
-                checkpoint_file,
-                {
-                    "head": head.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "step": step,
-                    "seconds": trained_seconds + time.perf_counter() - train_started,
-                    "history": history,
-                },
-            )
+        if state_path is not None and time.perf_counter() - last_saved > 60:
+            seconds_so_far = trained_seconds + time.perf_counter() - train_started
+            resume.save_checkpoint(state_path, head, optimizer, step, seconds_so_far, history)
             last_saved = time.perf_counter()
     agreement = evaluate(head, heldout, cfg, device)
     seconds_trained = trained_seconds + time.perf_counter() - train_started
     history.append({"step": step, "seconds": round(seconds_trained, 1), "heldout": [round(a, 4) for a in agreement]})
-    if checkpoint_file is not None:
-        _save_state(
-            checkpoint_file,
-            {
-                "head": head.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "step": step,
-                "seconds": seconds_trained,
-                "history": history,
-            },
-        )
+    if state_path is not None:
+        resume.save_checkpoint(state_path, head, optimizer, step, seconds_trained, history)
     bar.close()
     figures = {
         **write_figures,

@@ -16,6 +16,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import re
 import threading
 import time
@@ -23,6 +24,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -31,12 +33,15 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ...core.bounds import check_schema_size, check_tools_size
 from ...decoding.engine import GenerationStream, SpeculativeEngine
 from ...decoding.outputs import GenerationOutput
+from ...errors import InvalidSchemaError, one_line
 from ..engines import get_engine
 from ..requests import DEFAULT_MAX_TOKENS, encode_request, plan_constraint, token_budget  # noqa: F401 - re-exported
 from ..tools import ContentDelta, ToolCallChunk, ToolCallStreamParser, parse_tool_calls
 from .limits import (
+    CLIENT_CLOSED,
     PromptLengthCheck,
     RequestGuard,
     ServerLimits,
@@ -82,6 +87,8 @@ class _Job:
         self.stream = stream
         self.parse_tools = parse_tools
         self.cancelled = threading.Event()
+        self.client_gone = False  # set when a non-streamed request's client disconnected
+        self.constraint_field: str | None = None  # the request field whose grammar constrains it
         self.error: BaseException | None = None
         self.output: GenerationOutput | None = None
         self._queue: asyncio.Queue[object] | None = None
@@ -125,9 +132,9 @@ class _Job:
 
 
 def _finish_reason(output: GenerationOutput, tool_calls: bool) -> str:
-    """OpenAI's finish reason: ``length``, ``tool_calls`` or ``stop``."""
-    if output.finish_reason == "length":
-        return "length"
+    """OpenAI's finish reason: ``length``, ``tool_calls`` or ``stop`` (``cancelled`` is never rendered as ``stop``)."""
+    if output.finish_reason in ("length", "cancelled"):
+        return str(output.finish_reason)
     return "tool_calls" if tool_calls else "stop"
 
 
@@ -296,12 +303,17 @@ class _Server:
 
     # -- checks
     async def check_key(self, request: Request) -> None:
-        """Refuse a request without the right ``Authorization: Bearer`` key (when one is set)."""
+        """Refuse a request without the right ``Authorization: Bearer`` key (when one is set).
+
+        The key is compared as UTF-8 bytes with the bytes the client sent, in constant time, so a
+        non-ASCII key matches a client that sends it in UTF-8 (as ``openai`` and ``httpx`` do).
+        """
         if self.api_key is None:
             return
-        header = request.headers.get("authorization", "")
+        header = request.headers.get("authorization", "")  # decoded as latin-1: each byte one character
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+        sent = token.strip().encode("latin-1")  # the bytes the client sent
+        if scheme.lower() != "bearer" or not hmac.compare_digest(sent, self.api_key.encode("utf-8")):
             message = "Incorrect API key provided." if header else "Missing API key: send 'Authorization: Bearer KEY'."
             raise APIError(401, message, code="invalid_api_key")
 
@@ -327,7 +339,9 @@ class _Server:
         # the adapters' request planner (selfspec.serving.requests): prompt, constraint and budget alike
         stated = schema if schema != {"type": "object"} else None
         with _bad_request("messages"):
-            prompt_ids = encode_request(engine, messages, tools, stated, forced)
+            prompt_ids = encode_request(
+                engine, messages, tools, stated, forced, escape_special_tokens=body.escape_special_tokens
+            )
         plan = plan_constraint(
             engine.tokenizer,
             tools,
@@ -343,7 +357,10 @@ class _Server:
             constraint = self._grammar(
                 "tool_call_constraint", tools, tool_name=plan.tool_name, required=plan.required, parallel=plan.parallel
             )
-        return self._start(prompt_ids, body.token_limit, body.sampling(), constraint, "messages", bool(tools))
+        job = self._start(prompt_ids, body.token_limit, body.sampling(), constraint, "messages", bool(tools))
+        if plan is not None:
+            job.constraint_field = "response_format" if plan.kind == "json_schema" else "tools"
+        return job
 
     def prepare_completion(self, body: CompletionRequest) -> _Job:
         """Encode the prompt and set up the generation."""
@@ -411,6 +428,7 @@ class _Server:
         """Run one generation request, streamed or whole."""
         self.check_model(body.model)
         body.check_supported()
+        self.check_bounds(body)
         self.check_prompt_length(body)
         request_id = str(request.scope.get("selfspec.request_id", ""))
         prepare = self.prepare_chat if isinstance(body, ChatCompletionRequest) else self.prepare_completion
@@ -430,16 +448,43 @@ class _Server:
         finally:
             self._jobs.discard(job)
             watcher.cancel()
+        if job.client_gone:  # nobody to answer: counted as 499, the cancelled text never rendered
+            return Response(status_code=CLIENT_CLOSED)
         if job.error is not None or output is None:
-            raise _generation_error(job.error, request_id)
+            raise _generation_error(job.error, request_id, job.constraint_field)
+        if output.finish_reason == "cancelled":  # the server is shutting down
+            raise APIError(
+                503, "the server is shutting down; retry the request", type="server_error", code="shutting_down"
+            )
         return JSONResponse(render.response(output))
 
+    @staticmethod
+    def check_bounds(body: ChatCompletionRequest | CompletionRequest) -> None:
+        """Refuse tools and a ``response_format`` schema over :mod:`selfspec.bounds`' limits (before any work)."""
+        if not isinstance(body, ChatCompletionRequest):
+            return
+        try:
+            if body.tools:
+                check_tools_size(body.tools)
+        except InvalidSchemaError as error:
+            raise APIError(400, str(error), param="tools", code="invalid_schema") from None
+        try:
+            if body.response_format:
+                check_schema_size(body.response_format, "the response_format")
+        except InvalidSchemaError as error:
+            raise APIError(400, str(error), param="response_format", code="invalid_schema") from None
+
     def check_prompt_length(self, body: ChatCompletionRequest | CompletionRequest) -> None:
-        """Refuse, before tokenizing, a prompt with more characters than the context window can hold."""
+        """Refuse, before tokenizing, a prompt with more characters than the context window can hold.
+
+        Everything that becomes prompt counts: messages (tool-call arguments included), tools and
+        the ``response_format`` schema, dictionary keys as well as strings.
+        """
         if body.truncate_prompt:
             return  # the engine keeps the prompt's end
         if isinstance(body, ChatCompletionRequest):
-            self.prompt_length.check(text_chars(body.messages) + text_chars(body.tools), "messages")
+            chars = text_chars(body.messages) + text_chars(body.tools) + text_chars(body.response_format)
+            self.prompt_length.check(chars, "messages")
         elif isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], str)):
             self.prompt_length.check(text_chars(body.prompt), "prompt")
         elif self.engine.context_window is not None and len(body.prompt) > self.engine.context_window:
@@ -465,7 +510,7 @@ class _Server:
                     yield _sse(chunk)
             await future
             if job.error is not None or job.output is None:
-                yield _sse(_generation_error(job.error, request_id).body())
+                yield _sse(_generation_error(job.error, request_id, job.constraint_field).body())
             else:
                 for chunk in render.last(job.output):
                     yield _sse(chunk)
@@ -475,14 +520,17 @@ class _Server:
             self._jobs.discard(job)
 
 
-def _generation_error(error: BaseException | None, request_id: str) -> APIError:
+def _generation_error(error: BaseException | None, request_id: str, param: str | None = None) -> APIError:
     """A failed generation's answer.
 
-    Out of memory is a 503 with the engine's advice; anything else a generic 500 (the traceback
-    is in the log, never in the body).
+    Out of memory is a 503 with the engine's advice; a schema or tools that the grammar cannot
+    follow a 400 ``invalid_schema`` (``param``: the field that holds them); anything else a
+    generic 500 (the traceback is in the log, never in the body).
     """
     if isinstance(error, MemoryError):
         return APIError(503, str(error), type="server_error", code="out_of_memory")
+    if isinstance(error, InvalidSchemaError):  # the client's grammar failed mid-generation: its fault, one line
+        return APIError(400, str(error), param=param, code="invalid_schema")
     return internal_error(request_id)
 
 
@@ -493,8 +541,11 @@ def _bad_request(prompt_field: str) -> Iterator[None]:
         yield
     except APIError:
         raise
+    except InvalidSchemaError as error:
+        raise APIError(400, str(error), param=prompt_field, code="invalid_schema") from error
     except (ValueError, _TemplateError) as error:
-        raise APIError(400, str(error), param=engine_error_param(error, prompt_field)) from error
+        message = str(error) if "\n" not in str(error) else one_line(str(error))  # never a multi-line dump
+        raise APIError(400, message, param=engine_error_param(error, prompt_field)) from error
 
 
 async def _cancel_on_disconnect(request: Request, job: _Job) -> None:
@@ -502,6 +553,7 @@ async def _cancel_on_disconnect(request: Request, job: _Job) -> None:
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
+            job.client_gone = True
             job.cancelled.set()
             return
 
@@ -541,7 +593,8 @@ def create_app(
             (a hub id, a local folder, or ``"selfspec-demo"``).
         model_id: the model id clients send and ``/v1/models`` lists; default: the model
             name given, else the engine's ``name_or_path``.
-        api_key: when set, ``/v1/*`` requests need ``Authorization: Bearer <api_key>``.
+        api_key: when set, every route (``/v1/*``, ``/health``, ``/metrics``, ``/docs``,
+            ``/redoc``, ``/openapi.json``) needs ``Authorization: Bearer <api_key>``.
         batching: load a named model with ``batching=True`` (concurrent requests decode
             together); an engine passed in keeps its own setting.
         limits: body size, timeouts, concurrency, accepted hosts and CORS origins
@@ -574,10 +627,19 @@ def create_app(
         finally:
             await asyncio.get_running_loop().run_in_executor(None, server.shutdown)
 
-    app = FastAPI(title="selfspec", summary="OpenAI-compatible self-speculative decoding", lifespan=lifespan)
+    # the docs and the schema are served below, behind the key like every other route
+    app = FastAPI(
+        title="selfspec",
+        summary="OpenAI-compatible self-speculative decoding",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
     app.state.selfspec = server
     _add_error_handlers(app)
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(server.check_key)])
+    keyed = [Depends(server.check_key)]
+    v1 = APIRouter(prefix="/v1", dependencies=keyed)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -601,13 +663,29 @@ def create_app(
 
     app.include_router(v1)
 
-    @app.get("/health")
+    @app.get("/health", dependencies=keyed)
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": server.model_id}
+        return {"status": "ok", "model": _public_name(server.model_id)}
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=keyed)
     async def metrics() -> Response:
         return PlainTextResponse(server.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/openapi.json", dependencies=keyed, include_in_schema=False)
+    async def openapi() -> Response:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", dependencies=keyed, include_in_schema=False)
+    async def docs() -> Response:
+        from fastapi.openapi.docs import get_swagger_ui_html
+
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="selfspec")
+
+    @app.get("/redoc", dependencies=keyed, include_in_schema=False)
+    async def redoc() -> Response:
+        from fastapi.openapi.docs import get_redoc_html
+
+        return get_redoc_html(openapi_url="/openapi.json", title="selfspec")
 
     endpoints = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"})
 
@@ -631,6 +709,13 @@ def create_app(
         count=count,
     )
     return app
+
+
+def _public_name(model_id: str) -> str:
+    """A model id fit for ``/health``: a local path is cut to its last part (never an absolute path)."""
+    if os.path.isabs(model_id) or model_id.startswith(("~", "./", "../")):
+        return Path(model_id).name
+    return model_id
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -681,7 +766,7 @@ def serve(
         model: a model name (hub id, local folder, ``"selfspec-demo"``) or an engine.
         host: the interface to bind; ``"0.0.0.0"`` exposes the server to the network.
         port: the TCP port.
-        api_key: require ``Authorization: Bearer <api_key>`` on ``/v1/*``.
+        api_key: require ``Authorization: Bearer <api_key>`` on every route.
         model_id: the id clients use (default: ``model`` when it is a name).
         log_level: uvicorn's log level.
         limits: the server's limits (:class:`~selfspec.serving.server.limits.ServerLimits`).

@@ -36,6 +36,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ...core.bounds import text_chars as _bounds_text_chars
 from .protocol import APIError
 from .settings import ServerLimits
 
@@ -79,6 +80,11 @@ def host_allow_list(bound_host: str | None, extra: Iterable[str]) -> frozenset[s
 
 
 # ------------------------------------------------------------------------------- JSON bodies
+#: Where a value sits in the body, built as the walk goes (``(parent, key or index)``) and spelled
+#: out only for an error, so that walking a body of 20,000 keys builds no 20,000 path strings.
+_Path = tuple[Any, str | int] | None
+
+
 def check_json(data: Any, max_depth: int) -> None:
     r"""Refuse a parsed JSON body that nests deeper than ``max_depth`` or holds bad values.
 
@@ -89,31 +95,67 @@ def check_json(data: Any, max_depth: int) -> None:
     Raises:
         APIError: a 400 for the first problem found.
     """
-    stack: list[tuple[Any, str, int]] = [(data, "", 1)]
+    _check_scalar(data, None)
+    if not isinstance(data, (dict, list)):
+        return
+    # only containers are pushed (scalars are checked where they sit), so a list of 20,000
+    # strings allocates nothing: allocating per item wakes the garbage collector over the
+    # whole heap of a loaded model
+    stack: list[tuple[Any, _Path, int]] = [(data, None, 1)]
     while stack:
-        value, path, depth = stack.pop()
-        if isinstance(value, str):
-            match = None if value.isascii() else _SURROGATE.search(value)  # isascii: a fast C scan
-            if match is not None:
-                raise APIError(
-                    400,
-                    f"{path or 'the body'}: the string holds a lone surrogate {match.group()!r} at character "
-                    f"{match.start()}, which is not valid Unicode text",
-                    param=_param(path),
-                )
-        elif isinstance(value, float):
-            if not math.isfinite(value):
-                raise APIError(400, f"{path or 'the body'}: {value} is not a finite number", param=_param(path))
-        elif isinstance(value, (dict, list)):
-            if depth > max_depth:
-                raise APIError(400, f"the JSON body nests deeper than {max_depth} levels")
-            if isinstance(value, dict):
-                for key, item in value.items():
-                    if _SURROGATE.search(key):
-                        raise APIError(400, f"{path or 'the body'}: a key holds a lone surrogate", param=_param(path))
-                    stack.append((item, f"{path}.{key}" if path else key, depth + 1))
-            else:
-                stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value))
+        container, where, depth = stack.pop()
+        if depth > max_depth:
+            raise APIError(400, f"the JSON body nests deeper than {max_depth} levels")
+        if isinstance(container, dict):
+            for key, item in container.items():
+                if not key.isascii() and _SURROGATE.search(key):
+                    path = _path_text(where)
+                    raise APIError(400, f"{path or 'the body'}: a key holds a lone surrogate", param=_param(path))
+                if isinstance(item, (dict, list)):
+                    if item or depth + 1 > max_depth:
+                        stack.append((item, (where, key), depth + 1))
+                elif not isinstance(item, (str, float)) or not _scalar_ok(item):
+                    _check_scalar(item, (where, key))
+        else:
+            for i, item in enumerate(container):
+                if isinstance(item, (dict, list)):
+                    if item or depth + 1 > max_depth:
+                        stack.append((item, (where, i), depth + 1))
+                elif not isinstance(item, (str, float)) or not _scalar_ok(item):
+                    _check_scalar(item, (where, i))
+
+
+def _scalar_ok(value: str | float) -> bool:
+    """The fast path of :func:`_check_scalar`: an ASCII string or a finite number."""
+    return value.isascii() if isinstance(value, str) else math.isfinite(value)
+
+
+def _check_scalar(value: Any, where: _Path) -> None:
+    """Refuse a string with a lone surrogate or a number that is not finite (a 400 naming the field)."""
+    if isinstance(value, str):
+        match = None if value.isascii() else _SURROGATE.search(value)  # isascii: a fast C scan
+        if match is not None:
+            path = _path_text(where)
+            raise APIError(
+                400,
+                f"{path or 'the body'}: the string holds a lone surrogate {match.group()!r} at character "
+                f"{match.start()}, which is not valid Unicode text",
+                param=_param(path),
+            )
+    elif isinstance(value, float) and not math.isfinite(value):
+        path = _path_text(where)
+        raise APIError(400, f"{path or 'the body'}: {value} is not a finite number", param=_param(path))
+
+
+def _path_text(where: _Path) -> str:
+    parts: list[str | int] = []
+    while where is not None:
+        where, part = where
+        parts.append(part)
+    text = ""
+    for part in reversed(parts):
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else part)
+    return text
 
 
 def _param(path: str) -> str | None:
@@ -194,18 +236,11 @@ def _longest_token(tokenizer: Any) -> int | None:
 
 
 def text_chars(value: Any) -> int:
-    """Characters of text in a prompt or messages value (strings anywhere inside, iteratively)."""
-    total = 0
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            total += len(item)
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return total
+    """Characters of text in a prompt, messages, tools or schema: strings and dictionary keys alike.
+
+    (:func:`selfspec.bounds.text_chars`: a tool with 19,000 property names is 19,000 names of prompt.)
+    """
+    return _bounds_text_chars(value)
 
 
 # ------------------------------------------------------------------------------- admission

@@ -119,6 +119,7 @@ class _SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     n: int | None = None
     logprobs: Any = None
+    top_logprobs: Any = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -130,6 +131,8 @@ class _SamplingRequest(BaseModel):
             raise APIError(400, "only n=1 is supported", param="n")
         if self.logprobs not in (None, False):
             raise APIError(400, "logprobs are not supported", param="logprobs")
+        if self.top_logprobs is not None:
+            raise APIError(400, "top_logprobs are not supported (nor logprobs)", param="top_logprobs")
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise APIError(400, f"{name} is not supported (leave it at 0)", param=name)
@@ -169,6 +172,10 @@ class ChatCompletionRequest(_SamplingRequest):
     constrain_tool_calls: bool = True
     #: ``False``: at most one tool call per answer (enforced by the grammar when calls are constrained)
     parallel_tool_calls: bool | None = None
+    #: selfspec's own field: ``True`` encodes special-token strings in the messages and tools as
+    #: plain text (``selfspec serve --escape-special-tokens`` does it for every request; a request
+    #: cannot turn it off)
+    escape_special_tokens: bool = False
 
     @property
     def token_limit(self) -> int | None:

@@ -237,6 +237,12 @@ class SpeculativeLLM(FunctionCallingLLM):
         "under the tools' grammar too (valid names and arguments; free text stays unconstrained). Needs "
         "<tool_call> as a single token of the tokenizer; otherwise calls are only parsed.",
     )
+    escape_special_tokens: bool = Field(
+        default=False,
+        description="Encode special-token strings written in messages, tools and history as plain text, so "
+        "that only the chat template's markup becomes control tokens ('<|im_start|>' in a user's message "
+        "cannot open a turn). Default False, as transformers and vLLM. Endpoint mode asks selfspec serve.",
+    )
     context_window: int | None = Field(
         default=None,
         gt=0,
@@ -712,6 +718,7 @@ class SpeculativeLLM(FunctionCallingLLM):
             tool_choice=choice if tools else None,
             response_format=response_format,
             constrain_tool_calls=self.constrain_tool_calls,
+            escape_special_tokens=self.escape_special_tokens,
             **sampling,
         )
         if tools and not options["parallel_tool_calls"]:
