@@ -373,7 +373,7 @@ def _control_count(engine: Any, ids: list[int]) -> int:
 def test_escape_special_tokens_keeps_user_text_out_of_control_tokens(demo_engine: Any) -> None:
     from selfspec import SpeculativeEngine
 
-    escaping = SpeculativeEngine(demo_engine.model, demo_engine.tokenizer, escape_special_tokens=True, drafter="early_exit")
+    escaping = SpeculativeEngine(demo_engine.model, demo_engine.tokenizer, escape_special_tokens=True)
     benign = [{"role": "user", "content": "Tell me a story about the sea."}]
     baseline = _control_count(demo_engine, demo_engine.encode_prompt(benign))  # the template's own markup
     assert escaping.encode_prompt(benign) == demo_engine.encode_prompt(benign)  # unchanged without injections
@@ -417,7 +417,7 @@ def test_escape_special_tokens_on_the_server(demo_engine: Any, server: str) -> N
     assert reply["choices"][0]["message"]["content"] == expected.text
     status, reply, _ = _post(server, body)  # the default: not escaped
     assert reply["usage"]["prompt_tokens"] == len(demo_engine.encode_prompt(messages))
-    escaping = SpeculativeEngine(demo_engine.model, demo_engine.tokenizer, escape_special_tokens=True, drafter="early_exit")
+    escaping = SpeculativeEngine(demo_engine.model, demo_engine.tokenizer, escape_special_tokens=True)
     with TestClient(create_app(escaping, model_id="selfspec-demo"), base_url="http://127.0.0.1") as http:
         forced = http.post("/v1/chat/completions", json={**body, "escape_special_tokens": False}).json()
         assert forced["usage"]["prompt_tokens"] == len(escaped)  # --escape-special-tokens: a request cannot undo it

@@ -264,10 +264,18 @@ def calibration_problem(data: dict[str, Any]) -> str | None:
 
 def _plan_problem(plan: Any) -> str | None:
     from ..core.validation import MAX_DRAFT_TOKENS
-    from ..drafting.auto import PLAN_METHODS
+    from ..drafting.auto import plan_methods
 
-    if not isinstance(plan, dict) or plan.get("method") not in PLAN_METHODS:
-        return f"plan is {plan!r:.80}, not a plan with a method in {PLAN_METHODS}"
+    methods = plan_methods()
+    if not isinstance(plan, dict) or plan.get("method") not in methods:
+        return f"plan is {plan!r:.80}, not a plan with a method in {methods}"
+    speedup = plan.get("predicted_speedup")
+    if speedup is not None and not _is_number(speedup, 0.0, positive=True):
+        return f"plan.predicted_speedup is {speedup!r}"
+    if "settings" in plan:  # method + settings; the older flat form keeps them beside the method
+        if not isinstance(plan["settings"], dict):
+            return f"plan.settings is {plan['settings']!r:.80}, not a dict"
+        plan = plan["settings"]
     if plan.get("exit_layer") is not None and not _is_int(plan["exit_layer"], 1):
         return f"plan.exit_layer is {plan['exit_layer']!r}"
     if "num_draft_tokens" in plan and not _is_int(plan["num_draft_tokens"], 1, MAX_DRAFT_TOKENS):
@@ -281,7 +289,4 @@ def _plan_problem(plan: Any) -> str | None:
         return f"plan.exit_adapter is {plan['exit_adapter']!r}"
     if plan.get("eagle_head") is not None and not isinstance(plan["eagle_head"], str):
         return f"plan.eagle_head is {plan['eagle_head']!r}"
-    speedup = plan.get("predicted_speedup")
-    if speedup is not None and not _is_number(speedup, 0.0, positive=True):
-        return f"plan.predicted_speedup is {speedup!r}"
     return None
