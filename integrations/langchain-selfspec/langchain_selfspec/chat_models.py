@@ -48,6 +48,7 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 from selfspec.errors import ConfigurationError
+from selfspec.modeling.realmodels import display_name
 from selfspec.serving.endpoint import API_KEY_ENV_VARS, EndpointClient, EndpointResult, chat_body
 from selfspec.serving.requests import (
     INCOMPLETE_REASONS,
@@ -888,16 +889,18 @@ def _joined(chunks: list[Any]) -> Any:
 @functools.lru_cache(maxsize=8)
 def _local_tokenizer(model: str, trust_remote_code: bool) -> Any:
     """The tokenizer of ``model`` read from disk (endpoint mode counts tokens with it)."""
-    from selfspec.modeling.loading import resolve_model_path
-    from transformers import AutoTokenizer
+    from selfspec.modeling.loading import load_tokenizer
 
+    reason: Exception | None = None
     try:
-        return AutoTokenizer.from_pretrained(resolve_model_path(model), trust_remote_code=trust_remote_code)
+        tokenizer = load_tokenizer(model, trust_remote_code=trust_remote_code)
     except OSError as error:
+        tokenizer, reason = None, error
+    if tokenizer is None:
         raise ConfigurationError(
-            f"counting tokens in endpoint mode needs {model!r}'s tokenizer on this machine ({error}); "
-            "the server reports its counts in usage_metadata"
-        ) from error
+            f"counting tokens in endpoint mode needs {model!r}'s tokenizer on this machine "
+            f"({reason or 'none could be read'}); the server reports its counts in usage_metadata"
+        ) from reason
 
 
 def _tool_dict(tool: Any) -> dict[str, Any]:
@@ -1050,7 +1053,7 @@ def _usage(output: GenerationOutput) -> Any:
 
 def _metadata(plan: RequestPlan, model: str, output: GenerationOutput) -> dict[str, Any]:
     return {
-        "model_name": model,
+        "model_name": display_name(model),
         "finish_reason": plan.finish_reason(output),
         "max_tokens": plan.max_new_tokens,
         **output.stats.to_dict(),

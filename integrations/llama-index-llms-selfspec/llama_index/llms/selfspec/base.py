@@ -55,6 +55,7 @@ from llama_index.core.program.utils import FlexibleModel, create_flexible_model
 from llama_index.core.types import PydanticProgramMode
 
 from selfspec.errors import ConfigurationError
+from selfspec.modeling.realmodels import display_name, is_real_model
 from selfspec.serving.endpoint import EndpointClient, EndpointResult, chat_body, text_body
 from selfspec.serving.requests import (
     DEFAULT_MAX_TOKENS,
@@ -341,7 +342,8 @@ class SpeculativeLLM(FunctionCallingLLM):
                 window = _config_context_window(self.model, self.trust_remote_code)
             except (OSError, ValueError):
                 window = DEFAULT_CONTEXT_WINDOW
-        if window is None and (str(self.model).endswith(".gguf") or self.gguf_file is not None):
+        gguf = str(self.model).endswith(".gguf") or self.gguf_file is not None or is_real_model(self.model)
+        if window is None and self.base_url is None and gguf:
             window = self.engine.context_window or DEFAULT_CONTEXT_WINDOW  # a GGUF file: its engine knows
         window = window or _config_context_window(self.model, self.trust_remote_code)
         return LLMMetadata(
@@ -349,7 +351,7 @@ class SpeculativeLLM(FunctionCallingLLM):
             num_output=self.max_new_tokens,
             is_chat_model=True,
             is_function_calling_model=True,
-            model_name=self.model,
+            model_name=display_name(self.model),
         )
 
     # ----------------------------------------------------------------- public LLM API
@@ -755,7 +757,7 @@ def _local_answer(plan: RequestPlan, model: str, output: GenerationOutput) -> _A
         plan.finish_reason(output),
         usage,
         output.stats.to_dict(),
-        model,
+        display_name(model),
         plan.max_new_tokens,
     )
 
