@@ -114,6 +114,33 @@ def test_a_download_says_what_and_how_big_with_progress(
     assert capsys.readouterr().err == ""
 
 
+class _Terminal:
+    """stderr as a person's terminal would be (only ``isatty`` matters to the decision)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_shows_on_a_terminal_unless_logging_says_no(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+    import logging
+    import sys
+
+    from selfspec.realmodels import _wants_progress
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # a pipe or a log file
+    assert not _wants_progress()
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    assert _wants_progress()
+    logger = logging.getLogger("selfspec")
+    before = logger.level
+    logger.setLevel(logging.ERROR)  # the user silenced selfspec's warnings
+    try:
+        assert not _wants_progress()
+    finally:
+        logger.setLevel(before)
+
+
 # ----------------------------------------------------------------------------- make demo, READMEs, results
 
 
