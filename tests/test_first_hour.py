@@ -126,7 +126,7 @@ def test_progress_shows_on_a_terminal_unless_logging_says_no(monkeypatch: pytest
     import logging
     import sys
 
-    from selfspec.realmodels import _wants_progress
+    from selfspec.modeling.realmodels import _wants_progress
 
     monkeypatch.setattr(sys, "stderr", io.StringIO())  # a pipe or a log file
     assert not _wants_progress()

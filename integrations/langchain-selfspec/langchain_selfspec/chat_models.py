@@ -48,7 +48,6 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 from selfspec.errors import ConfigurationError
-from selfspec.modeling.realmodels import display_name
 from selfspec.serving.endpoint import API_KEY_ENV_VARS, EndpointClient, EndpointResult, chat_body
 from selfspec.serving.requests import (
     INCOMPLETE_REASONS,
@@ -1052,6 +1051,8 @@ def _usage(output: GenerationOutput) -> Any:
 
 
 def _metadata(plan: RequestPlan, model: str, output: GenerationOutput) -> dict[str, Any]:
+    from selfspec.modeling.realmodels import display_name  # local mode: the engine (torch) is loaded already
+
     return {
         "model_name": display_name(model),
         "finish_reason": plan.finish_reason(output),
