@@ -77,3 +77,16 @@ def test_gemma3_auto_after_calibration_equals_generate(gemma3_f64, gemma3_refere
     assert engine.plan is not None
     for prompt, reference in zip(prompts, references, strict=True):
         assert engine.generate_ids(prompt, max_new_tokens=MAX_NEW).token_ids == reference, engine.plan.summary()
+
+
+@pytest.mark.slow
+def test_gemma3_from_a_local_folder_equals_generate(gemma3_path: Path, gemma3_references) -> None:
+    from selfspec.modeling.loading import dequantized_folder
+
+    folder = dequantized_folder(str(gemma3_path.parent), gemma3_path.name)  # config.json + safetensors + tokenizer
+    assert (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+    engine = SpeculativeEngine.from_pretrained(folder, drafter="prompt_lookup", dtype="float64", calibrate=False)
+    assert engine.model_name == str(folder)  # a user's folder is named by its path
+    prompts, references = gemma3_references
+    assert engine.generate_ids(prompts[0], max_new_tokens=MAX_NEW).token_ids == references[0]
+    assert engine.encode_prompt(PROMPTS[0]) == prompts[0]  # the folder's tokenizer is the GGUF file's
