@@ -85,6 +85,10 @@ def test_the_server_id_is_the_short_name(smollm2_engine) -> None:
         reply = client.post("/v1/chat/completions", json=body)
         assert reply.status_code == 200, reply.text
         assert reply.json()["model"] == SMOLLM2 and "Paris" in reply.json()["choices"][0]["message"]["content"]
+        by_path = client.post("/v1/chat/completions", json={**body, "model": str(smollm2_engine.name_or_path)})
+        assert by_path.status_code == 200 and by_path.json()["model"] == SMOLLM2  # an old client's cache path
+        other = client.post("/v1/chat/completions", json={**body, "model": "gpt-4o"})
+        assert other.status_code == 404 and SMOLLM2 in other.text
 
 
 def test_the_cli_takes_a_short_name(smollm2_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -307,8 +307,8 @@ class _Server:
             raise APIError(401, message, code="invalid_api_key")
 
     def check_model(self, model: str) -> None:
-        """Refuse a model id other than the served one."""
-        if model != self.model_id:
+        """Refuse a model id other than the served one (a real model's cached file counts as its short name)."""
+        if model != self.model_id and display_name(model) != self.model_id:
             raise APIError(
                 404,
                 f"The model {model!r} does not exist; this server serves {self.model_id!r}.",
