@@ -52,6 +52,16 @@ def test_the_engine_loads_a_short_name_and_shows_it(smollm2_engine: SpeculativeE
     assert "Paris" in out.text
 
 
+def test_the_plan_line_names_the_short_name(
+    smollm2_engine: SpeculativeEngine, smollm2_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("INFO", logger="selfspec"):
+        SpeculativeEngine(smollm2_engine.model, smollm2_engine.tokenizer, drafter="auto", calibration={})
+    line = next(r.getMessage() for r in caplog.records if "drafter='auto' for" in r.getMessage())
+    assert f"for {SMOLLM2}:" in line and str(smollm2_path) not in line
+    assert f"train-eagle --model {SMOLLM2} " in line  # the advice names what a user types
+
+
 def test_langchain_names_the_model_by_its_short_name(smollm2_engine, smollm2_path: Path) -> None:
     from langchain_selfspec import ChatSpeculative
 
