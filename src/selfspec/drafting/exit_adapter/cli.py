@@ -9,6 +9,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from ...modeling.realmodels import display_name
+
 #: Defaults shared with :class:`~selfspec.drafting.exit_adapter.train.AdapterTrainConfig`.
 DEFAULTS = {"steps": 400, "rank": 64, "sequences": 128, "seq_len": 128, "batch_size": 8, "lr": 3e-3}
 
@@ -68,7 +70,7 @@ def cmd_train_adapter(args: argparse.Namespace) -> int:
     result = train_exit_adapter(model, config, tokenizer=tokenizer, texts=texts)
     out = args.out if args.out is not None else exit_adapter_path(path)
     assert out is not None
-    result.adapter.config.training["model"] = args.model
+    result.adapter.config.training["model"] = display_name(args.model)
     result.adapter.save(out)
     print(
         f"exit layer {exit_layer}: greedy agreement with the last layer {result.agreement_before:.3f} -> "

@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from ...modeling.loading import DEMO_MODEL
+from ...modeling.realmodels import display_name
 
 
 def cmd_train_medusa(args: argparse.Namespace) -> int:
@@ -38,7 +39,7 @@ def cmd_train_medusa(args: argparse.Namespace) -> int:
     )
     result = train_medusa_heads(model, cfg, user_tokens=user_tokens)
     result.heads.base_model_name_or_path = str(args.model)
-    extra = {"model": str(args.model), "data": args.data, "threads": args.threads}
+    extra = {"model": display_name(args.model), "data": args.data, "threads": args.threads}
     saved = save_medusa_training(result, cfg, out, extra)
     accuracy = " ".join(f"{a:.2f}" for a in result.head_accuracy)
     print(f"trained {cfg.num_heads} heads, {result.steps_done} steps in {result.seconds:.0f}s")

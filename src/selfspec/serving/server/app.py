@@ -37,6 +37,7 @@ from ...core.bounds import check_schema_size, check_tools_size
 from ...decoding.engine import GenerationStream, SpeculativeEngine
 from ...decoding.outputs import GenerationOutput
 from ...errors import InvalidSchemaError, one_line
+from ...modeling.realmodels import display_name
 from ..engines import get_engine
 from ..requests import DEFAULT_MAX_TOKENS, encode_request, plan_constraint, token_budget  # noqa: F401 - re-exported
 from ..tools import ContentDelta, ToolCallChunk, ToolCallStreamParser, parse_tool_calls
@@ -318,8 +319,8 @@ class _Server:
             raise APIError(401, message, code="invalid_api_key")
 
     def check_model(self, model: str) -> None:
-        """Refuse a model id other than the served one."""
-        if model != self.model_id:
+        """Refuse a model id other than the served one (a real model's cached file counts as its short name)."""
+        if model != self.model_id and display_name(model) != self.model_id:
             raise APIError(
                 404,
                 f"The model {model!r} does not exist; this server serves {self.model_id!r}.",
@@ -590,9 +591,11 @@ def create_app(
 
     Args:
         engine_or_model: an engine, or a model name loaded with :func:`selfspec.get_engine`
-            (a hub id, a local folder, or ``"selfspec-demo"``).
+            (a hub id, a local folder, a ``.gguf`` file, ``"selfspec-demo"``, or a real model's
+            short name such as ``"smollm2-135m-instruct"``).
         model_id: the model id clients send and ``/v1/models`` lists; default: the model
-            name given, else the engine's ``name_or_path``.
+            name given, else the engine's ``model_name`` (a real model's short name, never its
+            file in the cache).
         api_key: when set, every route (``/v1/*``, ``/health``, ``/metrics``, ``/docs``,
             ``/redoc``, ``/openapi.json``) needs ``Authorization: Bearer <api_key>``.
         batching: load a named model with ``batching=True`` (concurrent requests decode
@@ -613,10 +616,10 @@ def create_app(
     """
     if isinstance(engine_or_model, str):
         engine = get_engine(engine_or_model, batching=batching)
-        model_id = model_id or engine_or_model
+        model_id = model_id or display_name(engine_or_model)
     else:
         engine = engine_or_model
-        model_id = model_id or engine.name_or_path or "selfspec"
+        model_id = model_id or engine.model_name or "selfspec"
     limits = limits or ServerLimits()
     server = _Server(engine, model_id, api_key, limits)
 
@@ -763,7 +766,8 @@ def serve(
     """Load a model and serve it until interrupted (binds to loopback by default).
 
     Args:
-        model: a model name (hub id, local folder, ``"selfspec-demo"``) or an engine.
+        model: a model name (hub id, local folder, ``.gguf`` file, ``"selfspec-demo"``, a real
+            model's short name such as ``"smollm2-135m-instruct"``) or an engine.
         host: the interface to bind; ``"0.0.0.0"`` exposes the server to the network.
         port: the TCP port.
         api_key: require ``Authorization: Bearer <api_key>`` on every route.
@@ -777,7 +781,7 @@ def serve(
     limits = limits or ServerLimits()
     if isinstance(model, str):
         engine = get_engine(model, **engine_args)
-        model_id = model_id or model
+        model_id = model_id or display_name(model)
     elif engine_args:
         raise TypeError(f"engine arguments {sorted(engine_args)} need a model name, not an engine")
     else:

