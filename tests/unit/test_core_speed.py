@@ -1,0 +1,51 @@
+"""``selfspec.core.speed``: the one speed model (expected tokens, round costs, the per-token gate)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from selfspec.core.speed import CostModel, expected_tokens, worth_drafting
+
+
+@pytest.mark.parametrize(("acceptance", "num_draft"), [(0.0, 3), (0.5, 1), (0.5, 4), (0.8, 6), (0.95, 16)])
+def test_expected_tokens_matches_a_simulation(acceptance: float, num_draft: int) -> None:
+    """Accepted prefix of i.i.d. acceptances, plus the corrected or bonus token."""
+    rng = random.Random(0)
+    trials = 20_000
+    total = 0
+    for _ in range(trials):
+        accepted = 0
+        while accepted < num_draft and rng.random() < acceptance:
+            accepted += 1
+        total += accepted + 1
+    assert expected_tokens(acceptance, num_draft) == pytest.approx(total / trials, rel=0.03)
+
+
+def test_expected_tokens_is_bounded() -> None:
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(1.0, 5) <= 6.0  # clamped below 1: never divides by zero
+    assert expected_tokens(-1.0, 5) == 1.0
+
+
+def test_round_cost_uses_the_curve_and_extrapolates_linearly() -> None:
+    costs = CostModel(0.1, {1: 1.1, 2: 1.2, 4: 1.6})
+    assert costs.round_cost(0) == 1.0
+    assert costs.round_cost(2) == pytest.approx(0.2 + 1.2)
+    assert costs.round_cost(8) == pytest.approx(0.8 + 1.6 + (0.6 / 4) * 4)  # past the longest measured length
+    assert CostModel(0.0).round_cost(3) == 1.0
+
+
+def test_cost_model_reads_its_json_and_refuses_garbage() -> None:
+    assert CostModel.from_json({"draft": 0.2, "verify": {"1": 1.1}}) == CostModel(0.2, {1: 1.1})
+    for bad in (None, [], {"verify": {"x": 1}}, {"draft": "fast"}):
+        assert CostModel.from_json(bad) is None
+
+
+def test_worth_drafting_compares_marginal_and_average_rates() -> None:
+    flat = CostModel(0.01, {k: 1.0 + 0.01 * k for k in range(1, 17)}).round_cost
+    steep = CostModel(0.3, {k: 1.0 + 0.5 * k for k in range(1, 17)}).round_cost
+    assert worth_drafting(0.5, 1.0, 0, flat)  # a nearly free token that is accepted half the time
+    assert not worth_drafting(0.5, 1.0, 0, steep)  # costs 0.8 of a step for half a token
+    assert not worth_drafting(0.0, 1.0, 0, flat)

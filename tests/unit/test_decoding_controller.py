@@ -1,0 +1,54 @@
+"""``selfspec.decoding.controller``: the draft length follows acceptance; speculation that does not pay pauses."""
+
+from __future__ import annotations
+
+from selfspec.core.speed import CostModel
+from selfspec.decoding.controller import FALLBACK_ROUNDS, WINDOW, DraftController
+
+
+def test_a_fixed_controller_never_adapts() -> None:
+    controller = DraftController(4)
+    for _ in range(50):
+        controller.record(4, 0, 1, 1.0)
+    assert controller.budget() == 4 and controller.fallbacks == 0
+
+
+def test_the_length_grows_on_full_acceptance_and_shrinks_on_rejection() -> None:
+    controller = DraftController(3, adaptive=True, timed=False, max_draft_tokens=5)
+    controller.record(3, 3, 4, 0.0)
+    assert controller.budget() == 4
+    controller.record(4, 4, 5, 0.0)
+    controller.record(5, 5, 6, 0.0)
+    assert controller.budget() == 5  # capped
+    controller.record(5, 1, 2, 0.0)
+    assert controller.budget() == 4
+
+
+def test_untimed_with_costs_pauses_where_drafts_do_not_pay_and_probes_again() -> None:
+    costs = CostModel(0.5, {k: 1.0 + 0.2 * k for k in range(1, 9)})  # a rejected draft of 4 costs 3.8 steps
+    controller = DraftController(4, adaptive=True, timed=False, costs=costs)
+    for _ in range(WINDOW):
+        controller.record(controller.budget(), 0, 1, 0.0)
+    assert controller.fallbacks == 1 and controller.budget() == 0
+    for _ in range(FALLBACK_ROUNDS):
+        assert controller.budget() == 0
+        controller.record(0, 0, 1, 0.0)
+    assert controller.budget() > 0  # the pause is over: speculation is probed again
+
+
+def test_timed_measures_a_plain_step_first_and_falls_back_when_slower() -> None:
+    controller = DraftController(2, adaptive=True, timed=True)
+    assert controller.budget() == 0  # no plain measurement yet
+    controller.record(0, 0, 1, 1.0)  # a plain step: 1 s per token
+    for _ in range(WINDOW):
+        assert controller.budget() > 0
+        controller.record(2, 0, 1, 1.5)  # 1.5 s per token speculating
+    assert controller.fallbacks == 1 and controller.budget() == 0
+
+
+def test_sampling_gets_a_fresh_untimed_controller_with_the_same_costs() -> None:
+    costs = CostModel(0.1, {1: 1.1})
+    shared = DraftController(3, adaptive=True, costs=costs)
+    shared.record(0, 0, 1, 1.0)
+    fresh = shared.for_sampling()
+    assert not fresh.timed and fresh.costs == costs and fresh.rounds == 0 and fresh.budget() == 3
