@@ -37,6 +37,7 @@ from .attention import (
     tree_rows,
 )
 from .cache import BatchedKVCache, StaticKVCache
+from .compat import cache_kwargs
 from .fastpath import build_fast_layers, fast_path_default, layer_forward
 
 #: transformers ``model_type`` values selfspec runs, and the families they cover.
@@ -270,9 +271,9 @@ class ModelRunner:
                 hidden,
                 attention_mask=plans[layer_type].mask,
                 position_ids=position_ids,
-                cache=cache,
                 use_cache=True,
                 position_embeddings=rotary[layer_type],
+                **cache_kwargs(self.layers[i], cache),
             )
         if capture is not None and end in capture:  # EAGLE-3 tap: the last layer's output
             capture[end] = hidden
