@@ -28,9 +28,9 @@ from typing import Any
 import torch
 
 from selfspec import SpeculativeEngine
-from selfspec.bench_prompts import ARTICLES, PASSAGES
-from selfspec.loading import load_model_and_tokenizer
-from selfspec.realmodels import fetch_model
+from selfspec.modeling.loading import load_model_and_tokenizer
+from selfspec.modeling.realmodels import fetch_model
+from selfspec.prompts import ARTICLES, PASSAGES
 
 RESULTS = Path(__file__).parent / "results"
 

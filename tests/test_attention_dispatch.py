@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from tiny_models import VOCAB, make_model
 
+from selfspec.core.tree import TreeMask, tree_attention
 from selfspec.modeling import ModelRunner
-from selfspec.tree import TreeMask, tree_attention
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from tiny_models import make_model, reference_greedy
 from torch import nn
 
 from selfspec import SpeculativeEngine
-from selfspec.eagle import EagleHead
+from selfspec.drafting.eagle.head import EagleHead
 from selfspec.errors import UnsupportedArchitectureError
 from selfspec.modeling.compat import cache_keyword
 

@@ -17,7 +17,7 @@ from test_eagle import shipped_smollm2_head
 from tiny_models import VOCAB, make_model, reference_greedy
 
 from selfspec import SpeculativeEngine
-from selfspec.eagle import EagleHead, load_eagle_head
+from selfspec.drafting.eagle.head import EagleHead, load_eagle_head
 
 MAX_NEW = 24
 
@@ -67,7 +67,7 @@ def test_tiny_model_bf16_speculation_is_exact(tiny_bf16, name: str) -> None:
 
 @pytest.fixture(scope="module")
 def smollm2_bf16(smollm2_path) -> Any:
-    from selfspec.loading import load_model_and_tokenizer
+    from selfspec.modeling.loading import load_model_and_tokenizer
 
     model, tokenizer, _ = load_model_and_tokenizer(smollm2_path, dtype="bfloat16", device="cpu")
     return model, tokenizer

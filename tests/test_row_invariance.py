@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from tiny_models import make_model
 
+from selfspec.core.tree import tree_attention
 from selfspec.modeling import ModelRunner
 from selfspec.modeling.attention import (
     FULL,
@@ -27,7 +28,6 @@ from selfspec.modeling.attention import (
     tree_rows,
 )
 from selfspec.modeling.fastpath import rms_norm
-from selfspec.tree import tree_attention
 
 
 def _cpu_computes(dtype: torch.dtype) -> bool:
