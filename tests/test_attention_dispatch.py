@@ -137,3 +137,17 @@ def test_8k_token_prompt_prefills_in_bounded_memory() -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     growth_mib = float(result.stdout.strip().splitlines()[-1])
     assert growth_mib < PEAK_BOUND_MIB, f"an 8k prefill grew peak RSS by {growth_mib:.0f} MiB"
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4], ids=["gqa", "mha"])
+def test_lower_right_plan_is_the_chain_mask(kv_heads: int) -> None:
+    """The bottom-right causal plan (used on CUDA) attends exactly as the chain mask does."""
+    from selfspec.modeling.attention import AttentionPlan, attend
+
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 4, 3, 8, generator=generator)
+    keys, values = torch.randn(2, 1, kv_heads, 10, 8, generator=generator)
+    mask = (torch.arange(10)[None, :] <= torch.arange(7, 10)[:, None])[None, None]
+    gqa = kv_heads != 4
+    lower_right = attend(query, keys, values, AttentionPlan(lower_right=True), 0.35, gqa)
+    assert torch.allclose(lower_right, attend(query, keys, values, AttentionPlan(mask=mask), 0.35, gqa), atol=1e-6)

@@ -8,8 +8,10 @@ One place decides how the queries of a forward attend over the cache (the fast p
   ``generate`` makes (SDPA serves it with its flash kernels and native grouped-query attention,
   without materialising a mask or repeating K/V).
 - **chain verify** (``q`` new positions after the cached ones): bottom-right-aligned causal
-  attention. On CUDA it is :func:`torch.nn.attention.bias.causal_lower_right` (FlashAttention with
-  native GQA); elsewhere an explicit ``[m, 1, q, kv]`` boolean mask.
+  attention. On CUDA it is :func:`torch.nn.attention.bias.causal_lower_right` (FlashAttention or
+  mem-efficient without a mask where the heads match; with grouped-query attention torch 2.13's
+  ``CausalBias`` does not pass ``enable_gqa`` to those kernels, so the bias is materialised);
+  elsewhere an explicit ``[m, 1, q, kv]`` boolean mask. Untested on a GPU so far.
 - **tree verify**: an explicit mask (the committed text plus each node's ancestors).
 
 **Batch-invariant rows.** In half precision, greedy equality with ``generate`` needs every verify
@@ -202,7 +204,12 @@ def attend(
         from torch.nn.attention.bias import causal_lower_right
 
         bias = causal_lower_right(query.shape[-2], key.shape[-2])
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scale, enable_gqa=enable_gqa)
+        if enable_gqa:
+            # CausalBias hands flash / mem-efficient kernels K and V as they are, without enable_gqa
+            # (torch 2.13): with fewer K/V heads, give SDPA the same attention as a mask instead
+            mask = bias._materialize(query.device)
+            return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scale)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=plan.mask, scale=scale, enable_gqa=enable_gqa)
 
 
