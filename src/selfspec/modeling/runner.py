@@ -153,11 +153,12 @@ class ModelRunner:
         """``[m, q, hidden]`` -> ``[m, q, vocab]`` float32 logits (final norm, LM head, softcap).
 
         With :attr:`row_exact`, a plain LM head whose weight is not row-invariant runs one
-        position at a time (each row gets the bits a one-token decode gets).
+        position at a time for one row (each position gets the bits a one-token decode gets;
+        batched rows are not made exact).
         """
         normed = self.norm(hidden)
         head = self.lm_head
-        if self.row_exact and type(head) is nn.Linear and normed.shape[-2] > 1:
+        if self.row_exact and type(head) is nn.Linear and normed.shape[0] == 1 and normed.shape[-2] > 1:
             logits = linear_rows(normed, head.weight, head.bias, exact_rows=True)
         else:
             logits = head(normed)
