@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import AttentionPlan, attend, linear_rows
+
 #: The environment variable that sets the fast path's default (``0`` turns it off).
 FAST_PATH_ENV = "SELFSPEC_FAST_PATH"
 
@@ -142,20 +144,28 @@ def layer_forward(
     hidden: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    mask: torch.Tensor | None,
+    plan: AttentionPlan,
     cache: Any,
     layer_idx: int,
 ) -> torch.Tensor:
-    """One decoder layer: ``[m, q, hidden]`` -> ``[m, q, hidden]``, writing the layer's KV."""
+    """One decoder layer: ``[m, q, hidden]`` -> ``[m, q, hidden]``, writing the layer's KV.
+
+    ``plan`` says how the queries attend (:mod:`selfspec.modeling.attention`).
+    """
     batch, q_len, _ = hidden.shape
+    exact = plan.rows is not None  # batch-invariant rows: every op gives each row its decode bits
+
+    def linear(x: torch.Tensor, weight_bias: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+        return linear_rows(x, *weight_bias, exact)
+
     residual = hidden
     x = rms_norm(hidden, w.input_norm, w.input_eps)
     if len(w.qkv) == 1:
-        qkv = F.linear(x, *w.qkv[0])
+        qkv = linear(x, w.qkv[0])
         q_size, kv_size = w.num_heads * w.head_dim, w.num_kv_heads * w.head_dim
         query, key, value = qkv[..., :q_size], qkv[..., q_size : q_size + kv_size], qkv[..., q_size + kv_size :]
     else:
-        query, key, value = (F.linear(x, *wb) for wb in w.qkv)
+        query, key, value = (linear(x, wb) for wb in w.qkv)
     query = query.view(batch, q_len, -1, w.head_dim)
     key = key.view(batch, q_len, -1, w.head_dim)
     if w.q_norm is not None and w.k_norm is not None:
@@ -165,15 +175,13 @@ def layer_forward(
     value = value.view(batch, q_len, -1, w.head_dim).transpose(1, 2)
     query, key = _rotary(query, cos, sin), _rotary(key, cos, sin)
     key, value = cache.update(key, value, layer_idx)
-    attn = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, scale=w.scaling, enable_gqa=w.num_kv_heads != w.num_heads
-    )
+    attn = attend(query, key, value, plan, w.scaling, w.num_kv_heads != w.num_heads)
     attn = attn.transpose(1, 2).reshape(batch, q_len, -1)
-    hidden = residual + F.linear(attn, *w.o_proj)
+    hidden = residual + linear(attn, w.o_proj)
     residual = hidden
     x = rms_norm(hidden, w.post_norm, w.post_eps)
     if len(w.gate_up) == 1:
-        gate, up = F.linear(x, *w.gate_up[0]).chunk(2, dim=-1)
+        gate, up = linear(x, w.gate_up[0]).chunk(2, dim=-1)
     else:
-        gate, up = (F.linear(x, *wb) for wb in w.gate_up)
-    return residual + F.linear(F.silu(gate) * up, *w.down)
+        gate, up = (linear(x, wb) for wb in w.gate_up)
+    return residual + linear(F.silu(gate) * up, w.down)

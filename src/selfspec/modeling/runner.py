@@ -26,7 +26,18 @@ from torch import nn
 
 from ..core.tree import TreeMask
 from ..errors import ConfigurationError, UnsupportedArchitectureError
+from .attention import (
+    FULL,
+    PREFILL,
+    AttentionPlan,
+    RowCalls,
+    chain_rows,
+    linear_rows,
+    row_exact_default,
+    tree_rows,
+)
 from .cache import BatchedKVCache, StaticKVCache
+from .compat import cache_kwargs
 from .fastpath import build_fast_layers, fast_path_default, layer_forward
 
 #: transformers ``model_type`` values selfspec runs, and the families they cover.
@@ -101,6 +112,9 @@ class ModelRunner:
         # the lean layer path (same maths, less overhead)
         enabled = fast_path_default() if fast_path is None else fast_path
         self.fast_layers = build_fast_layers(model) if enabled else None
+        #: verify rows attend one query per call, each with a decode's call (batch-invariant
+        #: attention, :mod:`selfspec.modeling.attention`): on by default in half precision.
+        self.row_exact: bool = row_exact_default(self.dtype)
 
     def __repr__(self) -> str:
         return (
@@ -136,8 +150,18 @@ class ModelRunner:
         return self.row_logits(hidden)[0]
 
     def row_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[m, q, hidden]`` -> ``[m, q, vocab]`` float32 logits (final norm, LM head, softcap)."""
-        logits = self.lm_head(self.norm(hidden))
+        """``[m, q, hidden]`` -> ``[m, q, vocab]`` float32 logits (final norm, LM head, softcap).
+
+        With :attr:`row_exact`, a plain LM head whose weight is not row-invariant runs one
+        position at a time for one row (each position gets the bits a one-token decode gets;
+        batched rows are not made exact).
+        """
+        normed = self.norm(hidden)
+        head = self.lm_head
+        if self.row_exact and type(head) is nn.Linear and normed.shape[0] == 1 and normed.shape[-2] > 1:
+            logits = linear_rows(normed, head.weight, head.bias, exact_rows=True)
+        else:
+            logits = head(normed)
         if self.final_logit_softcapping is not None:
             cap = self.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
@@ -174,12 +198,15 @@ class ModelRunner:
         if start >= end:
             return hidden
         position_ids = positions.unsqueeze(0)  # [1, q]
-        kv_length = cache.lengths[start] + positions.shape[0]  # a chain's slot j holds position j
+        cached = cache.lengths[start]
+        kv_length = cached + positions.shape[0]  # a chain's slot j holds position j
         if tree is not None:
-            masks = self._tree_masks(positions, kv_length, hidden.dtype, tree)
+            plans = self._tree_plans(positions, kv_length, hidden.dtype, tree)
+        elif cached == 0 and positions.shape[0] > 1:
+            plans = self._prefill_plans(position_ids, kv_length, hidden.dtype)
         else:
-            masks = self.causal_masks(position_ids, kv_length, hidden.dtype)
-        return self._forward(hidden, start, end, position_ids, masks, cache, capture)
+            plans = self._chain_plans(position_ids, kv_length, hidden.dtype)
+        return self._forward(hidden, start, end, position_ids, plans, cache, capture)
 
     def run_rows(
         self,
@@ -207,8 +234,11 @@ class ModelRunner:
             return hidden
         kv_length = int(positions.max()) + 1
         cache.select(row_start, positions, kv_length)
-        masks = self.causal_masks(positions, kv_length, hidden.dtype)
-        return self._forward(hidden, start, end, positions, masks, cache)
+        if positions.shape[0] == 1 and kv_length == positions.shape[1] > 1:  # one row from slot 0: a prefill
+            plans = self._prefill_plans(positions, kv_length, hidden.dtype)
+        else:
+            plans = self._masked_plans(self.causal_masks(positions, kv_length, hidden.dtype))
+        return self._forward(hidden, start, end, positions, plans, cache)
 
     def _forward(
         self,
@@ -216,7 +246,7 @@ class ModelRunner:
         start: int,
         end: int,
         position_ids: torch.Tensor,
-        masks: dict[str, torch.Tensor | None],
+        plans: dict[str, AttentionPlan],
         cache: Any,
         capture: dict[int, torch.Tensor | None] | None = None,
     ) -> torch.Tensor:
@@ -230,7 +260,7 @@ class ModelRunner:
                 if capture is not None and i in capture:  # EAGLE-3 tap: the state entering layer i
                     capture[i] = hidden
                 cos, sin = cos_sin[self.layer_types[i]]
-                hidden = layer_forward(fast[i], hidden, cos, sin, masks[self.layer_types[i]], cache, i)
+                hidden = layer_forward(fast[i], hidden, cos, sin, plans[self.layer_types[i]], cache, i)
             if capture is not None and end in capture:  # EAGLE-3 tap: the last layer's output
                 capture[end] = hidden
             return hidden
@@ -240,11 +270,11 @@ class ModelRunner:
             layer_type = self.layer_types[i]
             hidden = self.layers[i](
                 hidden,
-                attention_mask=masks[layer_type],
+                attention_mask=plans[layer_type].mask,
                 position_ids=position_ids,
-                cache=cache,
                 use_cache=True,
                 position_embeddings=rotary[layer_type],
+                **cache_kwargs(self.layers[i], cache),
             )
         if capture is not None and end in capture:  # EAGLE-3 tap: the last layer's output
             capture[end] = hidden
@@ -257,6 +287,71 @@ class ModelRunner:
             return {t: self.rotary_emb(hidden, position_ids, t) for t in layer_types}
         shared = self.rotary_emb(hidden, position_ids)
         return dict.fromkeys(layer_types, shared)
+
+    def _masked_plans(self, masks: dict[str, torch.Tensor | None]) -> dict[str, AttentionPlan]:
+        return {t: FULL if mask is None else AttentionPlan(mask=mask) for t, mask in masks.items()}
+
+    def _windowed(self, layer_type: str, kv_length: int) -> bool:
+        """Whether layers of this type hide some of ``kv_length`` slots behind a sliding window."""
+        return layer_type == SLIDING_ATTENTION and self.sliding_window is not None and kv_length > self.sliding_window
+
+    def _prefill_plans(self, positions: torch.Tensor, kv_length: int, dtype: torch.dtype) -> dict[str, AttentionPlan]:
+        """One row's prompt from slot 0: ``is_causal`` attention, the call transformers' ``generate`` makes.
+
+        The module path passes no mask to transformers' SDPA layers (they then use ``is_causal``
+        themselves); eager attention and windowed layers keep an explicit mask.
+        """
+        plans: dict[str, AttentionPlan] = {}
+        masks: dict[str, torch.Tensor | None] | None = None
+        for layer_type in set(self.layer_types):
+            windowed = self._windowed(layer_type, kv_length)
+            if not windowed and (self.fast_layers is not None or self.attn_implementation == "sdpa"):
+                plans[layer_type] = PREFILL
+                continue
+            if masks is None:
+                masks = self.causal_masks(positions, kv_length, dtype)
+            plans[layer_type] = AttentionPlan(mask=masks[layer_type])
+        return plans
+
+    def _chain_plans(self, position_ids: torch.Tensor, kv_length: int, dtype: torch.dtype) -> dict[str, AttentionPlan]:
+        """One row's ``q`` new positions after its cached ones (a decode when ``q == 1``).
+
+        Half precision on the fast path: one decode-identical call per row
+        (:func:`~selfspec.modeling.attention.chain_rows`); on CUDA otherwise bottom-right causal
+        attention without a mask; else an explicit mask.
+        """
+        num_queries = position_ids.shape[1]
+        masks: dict[str, torch.Tensor | None] | None = None
+        plans: dict[str, AttentionPlan] = {}
+        for layer_type in set(self.layer_types):
+            windowed = self._windowed(layer_type, kv_length)
+            if num_queries == 1 and not windowed:
+                plans[layer_type] = FULL
+            elif self.fast_layers is not None and not windowed and self.row_exact:
+                plans[layer_type] = AttentionPlan(rows=chain_rows(kv_length, num_queries))
+            elif self.fast_layers is not None and not windowed and self.device.type == "cuda":
+                plans[layer_type] = AttentionPlan(lower_right=True)
+            else:
+                if masks is None:
+                    masks = self.causal_masks(position_ids, kv_length, dtype)
+                plans[layer_type] = AttentionPlan(mask=masks[layer_type])
+        return plans
+
+    def _tree_plans(
+        self, positions: torch.Tensor, kv_length: int, dtype: torch.dtype, tree: TreeMask
+    ) -> dict[str, AttentionPlan]:
+        """Tree nodes: a mask, or (half precision, fast path) one decode-identical call per node."""
+        masks = self._tree_masks(positions, kv_length, dtype, tree)
+        rows: RowCalls | None = None
+        plans: dict[str, AttentionPlan] = {}
+        for layer_type, mask in masks.items():
+            if self.fast_layers is not None and self.row_exact and not self._windowed(layer_type, kv_length):
+                if rows is None:
+                    rows = tree_rows(tree.allowed.tolist(), kv_length - tree.allowed.shape[1])  # one host read
+                plans[layer_type] = AttentionPlan(rows=rows)
+            else:
+                plans[layer_type] = AttentionPlan(mask=mask)
+        return plans
 
     def causal_masks(
         self, positions: torch.Tensor, kv_length: int, dtype: torch.dtype

@@ -39,6 +39,7 @@ from torch import nn
 
 from ...artifacts import BUNDLED_MODELS
 from ...errors import ConfigurationError, ModelNotFoundError
+from ...modeling.compat import cache_kwargs
 
 #: Files of a saved head.
 HEAD_WEIGHTS = "eagle_head.safetensors"
@@ -275,9 +276,9 @@ class EagleHead(nn.Module):
             x,
             attention_mask=mask,
             position_ids=position_ids,
-            cache=cache,
             use_cache=True,
             position_embeddings=self.rotary(x, position_ids),
+            **cache_kwargs(self.layer, cache),
         )
         return self._shared.norm(out)  # the target's final norm: predictions live where the features do
 

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ...errors import ConfigurationError, ModelNotFoundError
+from ...modeling.compat import cache_kwargs
 from . import files as eagle_files
 from .files import PUBLISHED_CONFIG, PUBLISHED_WEIGHTS, _read_config, _weight_files, _weight_shapes
 from .head import EagleHead, EagleHeadConfig
@@ -143,9 +144,9 @@ class PublishedEagleHead(EagleHead):
             x,
             attention_mask=mask,
             position_ids=position_ids,
-            cache=cache,
             use_cache=True,
             position_embeddings=self.rotary(x, position_ids),
+            **cache_kwargs(self.layer, cache),
         )
         return out
 

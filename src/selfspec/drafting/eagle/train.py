@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from ...errors import ConfigurationError
+from ...modeling.compat import cache_kwargs
 from . import resume
 from .head import EagleHead, EagleHeadConfig
 from .prompts import Prompt, prompt_mix
@@ -216,7 +217,11 @@ def write_batch(
     inputs = ids
     for _ in range(cfg.new_tokens):
         hidden = model.model(
-            input_ids=inputs, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
+            input_ids=inputs,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            **cache_kwargs(model.model, cache),
         ).last_hidden_state  # [B, q, H]: features after the final norm
         step_features.append(hidden)
         logits = model.lm_head(hidden[:, -1]).float()  # [B, vocab]
