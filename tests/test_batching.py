@@ -213,10 +213,16 @@ def test_an_error_in_one_row_spares_the_others(monkeypatch: pytest.MonkeyPatch) 
         if i not in failed:
             assert out.token_ids == expected[i]
     monkeypatch.setattr(selfspec.decoding.loop, "accept_greedy", real_accept)
-    # a request that fails in its prefill (a NaN distribution) fails alone, too
-    bad = engine.generate_ids
-    with pytest.raises(RuntimeError):
-        bad(jobs[0][0], max_new_tokens=4, temperature=1e-300)
+    # a request that fails in its prefill fails alone, too (tiny temperatures are greedy now: inject the failure)
+    real_prefill = selfspec.decoding.loop.prefill_row
+
+    def failing_prefill(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("injected prefill failure")
+
+    monkeypatch.setattr(selfspec.decoding.loop, "prefill_row", failing_prefill)
+    with pytest.raises(RuntimeError, match="injected prefill failure"):
+        engine.generate_ids(jobs[0][0], max_new_tokens=4)
+    monkeypatch.setattr(selfspec.decoding.loop, "prefill_row", real_prefill)
     # and the engine is still usable afterwards
     assert [out.token_ids for out in run_concurrently(engine, jobs)] == expected
 
