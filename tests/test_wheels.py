@@ -80,14 +80,15 @@ def test_wheels_install_into_a_fresh_venv_and_answer(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("package", ["langchain-selfspec", "llama-index-llms-selfspec"])
 def test_readme_install_order(package: str) -> None:
-    """CPU torch first, then the core with its grammar extra, then the package; bounds on the core."""
+    """CPU torch first, then the core with its grammar extra (and the gguf and serve extras its examples use), then
+    the package; bounds on the core."""
     readme = (ROOT / "integrations" / package / "README.md").read_text()
     block = re.search(r"```bash\n(.*?)```", readme, re.S)
     assert block is not None
     commands = [line for line in block.group(1).splitlines() if line.startswith("pip install")]
     assert commands == [
         "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu",
-        'pip install -e ".[grammar]"',
+        'pip install -e ".[grammar,gguf,serve]"',
         f"pip install -e integrations/{package}",
     ]
     pyproject = (ROOT / "integrations" / package / "pyproject.toml").read_text()

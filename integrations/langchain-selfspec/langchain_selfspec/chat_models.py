@@ -906,6 +906,7 @@ def _local_tokenizer(model: str, trust_remote_code: bool) -> Any:
             f"counting tokens in endpoint mode needs {model!r}'s tokenizer on this machine "
             f"({reason or 'none could be read'}); the server reports its counts in usage_metadata"
         ) from reason
+    return tokenizer
 
 
 def _tool_dict(tool: Any) -> dict[str, Any]:
