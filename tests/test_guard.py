@@ -9,8 +9,8 @@ import torch
 from tiny_models import make_model, reference_greedy
 
 from selfspec import Draft, Drafter, SpeculativeEngine, register_drafter
-from selfspec.calibration import CostModel, DraftController, calibrate
-from selfspec.decoding.controller import MAX_FALLBACK_ROUNDS, WINDOW
+from selfspec.calibration import calibrate
+from selfspec.decoding.controller import WINDOW
 from selfspec.drafting import DecodeState, unregister_drafter
 from selfspec.drafting.auto import sampled_drafts_pay, sampled_plan_of
 from selfspec.drafting.planning import DrafterCalibration
@@ -77,13 +77,6 @@ def test_a_plain_sampled_plan_drafts_nothing_when_sampling_only(never_right) -> 
     assert greedy.stats.num_drafted > 0 and greedy.token_ids == reference_greedy(model, PROMPT, 40)
     fixed = SpeculativeEngine(model, drafter="early_exit", exit_layer=2, calibration=calibration)
     assert fixed.generate_ids(PROMPT, max_new_tokens=40, temperature=0.7, seed=1).stats.num_drafted > 0  # named: kept
-
-
-def test_guard_pauses_longest_at_once_when_no_draft_lands() -> None:
-    controller = DraftController(4, adaptive=True, timed=False, costs=CostModel(0.5, {4: 1.5}))
-    while controller.budget() > 0:
-        controller.record(4, 0, 1, seconds=0.0)
-    assert controller.fallback_left == MAX_FALLBACK_ROUNDS
 
 
 def test_calibration_saves_a_sampled_plan() -> None:
