@@ -115,7 +115,7 @@ def test_guard_pauses_double_and_reset() -> None:
     pauses = []
     for _ in range(3):
         while controller.budget() > 0:
-            controller.record(4, 0, 1, seconds=0.0)
+            controller.record(4, 1, 2, seconds=0.0)  # one draft lands a round: 1.75 steps a token
         pauses.append(controller.fallback_left)
         while controller.budget() == 0:
             controller.record(0, 0, 1, seconds=0.0)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from selfspec.core.speed import CostModel
-from selfspec.decoding.controller import FALLBACK_ROUNDS, WINDOW, DraftController
+from selfspec.decoding.controller import FALLBACK_ROUNDS, MAX_FALLBACK_ROUNDS, WINDOW, DraftController
 
 
 def test_a_fixed_controller_never_adapts() -> None:
@@ -28,7 +28,7 @@ def test_untimed_with_costs_pauses_where_drafts_do_not_pay_and_probes_again() ->
     costs = CostModel(0.5, {k: 1.0 + 0.2 * k for k in range(1, 9)})  # a rejected draft of 4 costs 3.8 steps
     controller = DraftController(4, adaptive=True, timed=False, costs=costs)
     for _ in range(WINDOW):
-        controller.record(controller.budget(), 0, 1, 0.0)
+        controller.record(controller.budget(), 1, 2, 0.0)  # one draft lands a round: 1.9 steps a token
     assert controller.fallbacks == 1 and controller.budget() == 0
     for _ in range(FALLBACK_ROUNDS):
         assert controller.budget() == 0
@@ -52,3 +52,18 @@ def test_sampling_gets_a_fresh_untimed_controller_with_the_same_costs() -> None:
     shared.record(0, 0, 1, 1.0)
     fresh = shared.for_sampling()
     assert not fresh.timed and fresh.costs == costs and fresh.rounds == 0 and fresh.budget() == 3
+
+
+def test_no_draft_landing_in_a_window_pauses_longest_at_once() -> None:
+    controller = DraftController(4, adaptive=True, timed=False, costs=CostModel(0.5, {4: 1.8}))
+    for _ in range(WINDOW):
+        controller.record(controller.budget(), 0, 1, 0.0)
+    assert controller.fallback_left == MAX_FALLBACK_ROUNDS
+
+
+def test_sampling_drafts_nothing_where_calibration_found_sampled_drafts_do_not_pay() -> None:
+    shared = DraftController(3, adaptive=True, costs=CostModel(0.1, {1: 1.1}), sampling_drafts=False)
+    fresh = shared.for_sampling()
+    assert fresh.budget() == 0 and not fresh.adaptive
+    shared.record(0, 0, 1, 1.0)  # greedy calls: a plain step measured, then drafts
+    assert shared.budget() == 3

@@ -135,10 +135,10 @@ class ChatSpeculative(BaseChatModel):
             Where drafts exit and how many are drafted per step (``"auto"``: the model's
             saved calibration, else a default).
         drafter: str
-            ``"early_exit"`` (self-speculation, the default), another of
-            a name from ``selfspec.list_drafters()`` (``"prompt_lookup"``, ``"hybrid"``, ...), or
+            ``"auto"`` (the default: the plan calibration measured fastest), a name from
+            ``selfspec.list_drafters()`` (``"early_exit"``, ``"prompt_lookup"``, ...), or
             ``"none"`` (plain decoding).
-        draft_model, medusa_heads, draft_confidence, exit_adapter, tree_nodes, batching, calibrate,
+        draft_model, medusa_heads, draft_confidence, exit_adapter, tree_nodes, batching, calibrate, calibration_budget,
         dtype, device, trust_remote_code, allow_pickle:
             As in ``SpeculativeEngine.from_pretrained``.
 
@@ -309,6 +309,9 @@ class ChatSpeculative(BaseChatModel):
 
     calibrate: bool = True
     """With ``"auto"`` exit layer or draft length and no saved calibration, measure one on first load."""
+
+    calibration_budget: float | None = 300.0
+    """Seconds first-load calibration may take (``None``: no limit); what does not fit is skipped and said."""
 
     draft_model: str | None = None
     """With ``drafter="draft_model"``: a hub id or folder of a separate small draft model, loaded

@@ -35,6 +35,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..core.speed import CostModel, expected_tokens
+from ..decoding.config import DEFAULT_CALIBRATION_BUDGET
 from ..decoding.engine import SpeculativeEngine
 from ..drafting.auto import PLAIN_MARGIN, Plan
 from ..drafting.planning import PLAIN, Candidate, DrafterCalibration
@@ -124,6 +125,12 @@ class CalibrationResult:
         candidates: every candidate's predicted speedup over plain decoding, by its label.
         cost_checks: how many times the cost curves were re-measured for not being monotonic,
             and whether they were finally made monotonic by hand.
+        sampled_plan: what ``drafter="auto"`` runs when a request samples: the plan replayed on the
+            model's own sampled continuations (:func:`measure_sampled_plan`); plain decoding where
+            sampled drafts do not pay; ``None`` when not measured (skipped for the budget).
+        calibration_budget: the time budget in seconds (``None``: none).
+        seconds: how long calibration took.
+        skipped: the measurements left out for the budget (their drafters were not candidates).
     """
 
     exit_layer: int
@@ -143,6 +150,10 @@ class CalibrationResult:
     cost_checks: dict[str, Any] = field(default_factory=dict)
     device: str = "cpu"
     dtype: str = ""
+    sampled_plan: Plan | None = None
+    calibration_budget: float | None = None
+    seconds: float = 0.0
+    skipped: list[str] = field(default_factory=list)
 
     @property
     def predicted_tokens_per_second(self) -> dict[str, float]:
@@ -164,6 +175,8 @@ class CalibrationResult:
             data[key] = {str(k): round(v, 4) for k, v in data[key].items()}
         data["expected_speedup"] = round(self.expected_speedup, 3)
         data["plan"] = self.plan.to_json()
+        data["sampled_plan"] = None if self.sampled_plan is None else self.sampled_plan.to_json()
+        data["seconds"] = round(self.seconds, 1)
         data["candidates"] = {k: round(v, 3) for k, v in sorted(self.candidates.items(), key=lambda kv: -kv[1])}
         data["predicted_tokens_per_second"] = {k: round(v, 1) for k, v in self.predicted_tokens_per_second.items()}
         data["costs"] = {
@@ -584,22 +597,72 @@ def _wanted(key: str, methods: Sequence[str] | None) -> bool:
     return any(n in methods for n, hooks in _plannable() if (hooks.figures_key or n) == key)
 
 
-def measure_drafters(context: MeasureContext, methods: Sequence[str] | None = None) -> dict[str, Any]:
-    """Each drafter's own measurement, once per ``figures_key`` (shared by the drafters that declare it)."""
+def _measure_order(context: MeasureContext) -> list[tuple[str, DrafterCalibration]]:
+    """The drafters in order of expected value: unknown estimates (learned heads) first, then best estimate first."""
+    ranked = []
+    for position, (name, hooks) in enumerate(_plannable()):
+        estimate = hooks.expected_speedup(name, context)
+        ranked.append((estimate is not None, -(estimate or 0.0), position, name, hooks))
+    return [(name, hooks) for *_, name, hooks in sorted(ranked, key=lambda r: r[:3])]
+
+
+def measure_drafters(
+    context: MeasureContext, methods: Sequence[str] | None = None, deadline: Deadline | None = None
+) -> dict[str, Any]:
+    """Each drafter's own measurement, once per ``figures_key`` (shared by the drafters that declare it).
+
+    With a ``deadline``, in order of expected value, and a measurement that would start past it
+    is skipped (its key recorded in ``deadline.skipped``): the budget is exceeded by one
+    measurement at most.
+    """
     figures: dict[str, Any] = {}
-    for name, hooks in _plannable():
+    for name, hooks in _measure_order(context):
         key = hooks.figures_key or name
         if key in figures or not _wanted(key, methods):
+            continue
+        if type(hooks).measure is DrafterCalibration.measure:  # measures nothing of its own: free
+            figures[key] = None
+            continue
+        if deadline is not None and deadline.passed():
+            deadline.skip(key)
             continue
         figures[key] = hooks.measure(name, context)
     return figures
 
 
-def rank_candidates(context: MeasureContext, figures: dict[str, Any]) -> list[Candidate]:
-    """Every registered drafter's candidates, replayed over the continuations."""
+@dataclass
+class Deadline:
+    """A calibration time budget: when it ends, and what was skipped for it.
+
+    Attributes:
+        budget: seconds allowed (``None``: no limit).
+        started: ``time.perf_counter()`` at the start.
+        skipped: the measurements left out, in order.
+    """
+
+    budget: float | None
+    started: float = field(default_factory=time.perf_counter)
+    skipped: list[str] = field(default_factory=list)
+
+    def passed(self) -> bool:
+        """Whether the budget is spent (a measurement starting now would exceed it)."""
+        return self.budget is not None and time.perf_counter() - self.started >= self.budget
+
+    def skip(self, what: str) -> None:
+        """Record (and log) a measurement left out for the budget."""
+        self.skipped.append(what)
+        logger.warning(
+            "calibration budget of %.0f s spent: skipping %s (pass a larger calibration_budget, or "
+            "--calibration-budget, to measure it)",
+            self.budget, what,
+        )  # fmt: skip
+
+
+def rank_candidates(context: MeasureContext, figures: dict[str, Any], skipped: Sequence[str] = ()) -> list[Candidate]:
+    """Every registered drafter's candidates, replayed over the continuations (none for a ``skipped`` figures key)."""
     found: list[Candidate] = []
     for name, hooks in _plannable():
-        if name == PLAIN:
+        if name == PLAIN or (hooks.figures_key or name) in skipped:
             continue
         found += hooks.candidates(name, context, figures.get(hooks.figures_key or name))
     return found
@@ -649,6 +712,69 @@ def choose_plan(
     return plan, {PLAIN: 1.0, **{c.label: c.speedup for c in candidates}}, context.best_exit
 
 
+#: The temperature calibration samples at to measure sampled acceptance (lower than greedy's).
+SAMPLED_TEMPERATURE = 0.7
+
+
+def measure_sampled_plan(
+    engine: SpeculativeEngine,
+    plan: Plan,
+    chosen: Candidate | None,
+    context: MeasureContext,
+    calibration: dict[str, Any],
+    temperature: float = SAMPLED_TEMPERATURE,
+) -> Plan:
+    """The plan for sampling requests: ``plan`` run on the model's own sampled continuations.
+
+    Each calibration prompt is decoded at ``temperature`` (fixed seeds) with the plan's drafter at
+    its fixed draft length; the rounds' accepted lengths are exact counts of lossless rejection
+    sampling (no timing). Their predicted speed on the calibrated costs (the candidate's draft
+    cost, the verify curve) decides: plain decoding unless it beats it by
+    :data:`~selfspec.drafting.auto.PLAIN_MARGIN`.
+
+    Args:
+        engine: the calibrated engine (its model is only read).
+        plan: the greedy plan.
+        chosen: its candidate (for the draft cost), ``None`` for plain decoding.
+        context: what calibration measured (prompts, verify costs).
+        calibration: the drafters' saved figures (what the plan's drafter reads, e.g. a head).
+        temperature: the sampling temperature.
+    """
+    if plan.method == PLAIN or chosen is None:
+        return Plan(PLAIN, predicted_speedup=1.0, reason="the greedy plan is plain decoding")
+    k = plan.num_draft_tokens
+    sampling = SpeculativeEngine(
+        engine.model,
+        engine.tokenizer,
+        drafter="auto",
+        num_draft_tokens=k,
+        exit_adapter=engine.config.exit_adapter,
+        calibration={**calibration, "plan": plan.to_json()},
+    )
+    costs = CostModel(chosen.draft_cost, context.verify_cost)
+    tokens = drafted = accepted = 0
+    cost = 0.0
+    for seed, ids in enumerate(context.prompt_ids):
+        out = sampling.generate_ids(ids, max_new_tokens=context.max_new_tokens, temperature=temperature, seed=seed)
+        rounds = max(out.stats.target_forwards - 1, 1)
+        per_round = out.stats.num_drafted / rounds
+        # a round's cost at the mean draft length (rounds that drafted nothing are plain steps)
+        cost += rounds * costs.round_cost(max(1, min(k, round(per_round)))) if per_round else rounds
+        tokens += len(out.token_ids) - 1  # the prefill's token costs no round
+        drafted += out.stats.num_drafted
+        accepted += out.stats.num_accepted
+    speedup = tokens / cost if cost else 1.0
+    rate = accepted / drafted if drafted else 0.0
+    if speedup < PLAIN_MARGIN:
+        reason = (
+            f"sampled drafts (T={temperature}) accepted {rate:.2f}: {plan.method} predicted {speedup:.2f}x, "
+            "so plain decoding when sampling"
+        )
+        return Plan(PLAIN, predicted_speedup=round(speedup, 3), reason=reason)
+    reason = f"sampled drafts (T={temperature}) accepted {rate:.2f}: predicted {speedup:.2f}x plain decoding"
+    return Plan(plan.method, dict(plan.settings), round(speedup, 3), reason)
+
+
 def _prompt_ids(engine: SpeculativeEngine, prompt: Any) -> list[int]:
     """A prompt's token ids: text and chat messages are encoded, ids pass through."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], dict)):
@@ -667,6 +793,7 @@ def calibrate(
     progress: bool = True,
     trees: bool = False,
     methods: Sequence[str] | None = None,
+    budget: float | None = None,
     **options: Any,
 ) -> CalibrationResult:
     """Measure every candidate on this model and hardware, choose the plan, save it.
@@ -689,6 +816,11 @@ def calibrate(
             ``tree_nodes`` (``None``: the chain), which ``tree_nodes="auto"`` uses.
         methods: let the plan choose only among these methods (and plain decoding);
             ``None``: every measured one.
+        budget: a time budget in seconds (``None``: no limit). The essentials are measured first
+            (the continuations, the exit layers' acceptance, the costs), then the drafters' own
+            measurements in order of expected value, then the sampled plan and the tree race;
+            one that would start after the budget is spent is skipped, logged and listed in
+            ``skipped`` (so the budget is exceeded by one measurement at most).
         **options: options of the drafters' calibrations, each documented by the drafter that
             reads it (its calibration's ``options``); an option no registered drafter reads is an error.
 
@@ -719,8 +851,9 @@ def calibrate(
     prompt_ids = [ids[-longest:] for ids in (_prompt_ids(engine, p) for p in prompts)]
     max_new_tokens = max(2, min(max_new_tokens, window - max(len(p) for p in prompt_ids) - 1))
     exit_adapter = engine.config.exit_adapter
+    deadline = Deadline(budget)
 
-    bar = tqdm(total=5, desc="calibrating", disable=not progress, leave=False)
+    bar = tqdm(total=6, desc="calibrating", disable=not progress, leave=False)
     bar.set_postfix_str("the model's own continuations")
     data = generate_continuations(engine, prompt_ids, max_new_tokens)
     bar.update()
@@ -747,17 +880,26 @@ def calibrate(
         exit_adapter_layer=None if exit_adapter is None else exit_adapter.exit_layer,
         options=options,
     )
-    figures = measure_drafters(context, methods)
+    figures = measure_drafters(context, methods, deadline)
     bar.update()
     bar.set_postfix_str("the plan")
-    candidates = rank_candidates(context, figures)
+    candidates = rank_candidates(context, figures, deadline.skipped)
     plan, chosen = pick(candidates, methods)
     saved, notes = _saved(figures, candidates)
+    bar.update()
+    bar.set_postfix_str("sampled acceptance")
+    sampled_plan: Plan | None = None
+    if plan.method != PLAIN and deadline.passed():
+        deadline.skip("sampled acceptance")
+    else:  # (free for plain decoding)
+        sampled_plan = measure_sampled_plan(engine, plan, chosen, context, saved)
     bar.update()
     bar.close()
     exit_layer, num_draft_tokens, exit_speed = context.best_exit
     tree_speed: dict[str, float] = {}
-    if trees:
+    if trees and deadline.passed():
+        deadline.skip("token trees")
+    elif trees:
         tree_speed = measure_tree_speed(engine, prompt_ids[:3], exit_layer, num_draft_tokens)
     result = CalibrationResult(
         exit_layer=exit_layer,
@@ -777,8 +919,14 @@ def calibrate(
         cost_checks=checks,
         device=str(runner.device),
         dtype=str(runner.dtype).replace("torch.", ""),
+        sampled_plan=sampled_plan,
+        calibration_budget=budget,
+        seconds=time.perf_counter() - deadline.started,
+        skipped=list(deadline.skipped),
     )
     logger.info("calibrated %s: %s", engine.name_or_path or "the model", plan.summary())
+    if sampled_plan is not None:
+        logger.info("when sampling: %s", sampled_plan.summary())
     if save and engine.name_or_path:
         save_calibration(engine.name_or_path, result.to_json())
     return result
@@ -824,13 +972,16 @@ def _saved(figures: dict[str, Any], candidates: list[Candidate]) -> tuple[dict[s
     return saved, notes
 
 
-def calibrate_on_first_load(engine: SpeculativeEngine, *, trees: bool = False) -> None:
+def calibrate_on_first_load(
+    engine: SpeculativeEngine, *, trees: bool = False, budget: float | None = DEFAULT_CALIBRATION_BUDGET
+) -> None:
     """The loader's first-load step: measure a model without a saved calibration, save it, use it.
 
     Says once (a ``WARNING`` of the ``selfspec`` logger, which Python prints by default) what is
     measured, that it happens once, and where the result is saved; then how long it took and the
     plan. The progress bar shows on a terminal only (:func:`show_progress`). Shorter continuations
     than :func:`calibrate`'s default; ``engine`` is reconfigured in place from what was measured.
+    ``budget`` bounds the time (seconds, ``None``: no limit; see :func:`calibrate`).
     """
     import time
 
@@ -845,6 +996,9 @@ def calibrate_on_first_load(engine: SpeculativeEngine, *, trees: bool = False) -
         name, runner.device.type, str(runner.dtype).replace("torch.", ""), where or "nowhere (the model has no name)",
     )  # fmt: skip
     start = time.perf_counter()
-    measured = calibrate(engine, max_new_tokens=32, max_draft_tokens=6, trees=trees, progress=show_progress())
+    measured = calibrate(
+        engine, max_new_tokens=32, max_draft_tokens=6, trees=trees, progress=show_progress(), budget=budget
+    )
     engine.configure(measured.to_json())
-    logger.warning("calibrated %s in %.0f s: %s", name, time.perf_counter() - start, measured.plan.summary())
+    skipped = f" (skipped for the {budget:.0f} s budget: {', '.join(measured.skipped)})" if measured.skipped else ""
+    logger.warning("calibrated %s in %.0f s: %s%s", name, time.perf_counter() - start, measured.plan.summary(), skipped)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ..decoding.config import DEFAULT_CALIBRATION_BUDGET
 from ..drafting import list_drafters
 from ..modeling.loading import DEMO_MODEL
 
@@ -161,6 +162,17 @@ def positive_int(value: str) -> int:
     return number
 
 
+def calibration_budget(value: str) -> float | None:
+    """Seconds (a positive number) or ``none`` (for ``checked_type``)."""
+    if value.strip().lower() in ("none", "inf", "unlimited"):
+        return None
+    from ..decoding.config import check_budget
+
+    seconds = _float(value)
+    check_budget(seconds)
+    return seconds
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | None = None) -> None:
     """Add the engine's loading options (``--model``, ``--drafter``, ...) to a subcommand."""
     from ..modeling.realmodels import REAL_MODELS
@@ -202,6 +214,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_model: str | N
         type=checked_type(_tree_nodes),
         help="draft a token tree of at most N nodes (an int), 'auto' (calibrated choice), or 'none' (a chain)",
     )
+    parser.add_argument(
+        "--calibration-budget",
+        default=DEFAULT_CALIBRATION_BUDGET,
+        type=checked_type(calibration_budget),
+        help=f"seconds first-load calibration may take, or none (default {DEFAULT_CALIBRATION_BUDGET:.0f})",
+    )
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--allow-pickle", action="store_true", help="allow .bin (pickle) weights without safetensors")
 
@@ -241,4 +259,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "exit_adapter": args.exit_adapter,
         "medusa_heads": args.medusa_heads,
         "tree_nodes": _tree_nodes(args.tree_nodes),
+        "calibration_budget": args.calibration_budget,
     }

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..calibration.bench import DEFAULT_BENCH_TREE_NODES, method_families
+from ..decoding.config import DEFAULT_CALIBRATION_BUDGET
 from ..errors import SelfSpecError
 from ..modeling.loading import DEMO_MODEL
 from ..prompts import PROMPT_SETS, STOCK_PROMPT_SETS
@@ -20,6 +21,7 @@ from .args import (
     ArgumentParser,
     _sampling_args,
     add_engine_arguments,
+    calibration_budget,
     checked_type,
     engine_kwargs,
     positive_int,
@@ -142,6 +144,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         save=not args.no_save,
         layer_skip=args.drafter == "layer_skip",
         trees=args.trees,
+        budget=args.calibration_budget,
     )
     print(f"{'exit layer':>10} {'agreement':>10} {'draft cost':>11}")
     for layer, agreement in result.agreement.items():
@@ -152,6 +155,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         f"expected speedup {result.expected_speedup:.2f}x"
     )
     print(f"drafter='auto' plan: {result.plan.summary()}")
+    if result.sampled_plan is not None:
+        print(f"when sampling: {result.sampled_plan.summary()}")
+    if result.skipped:
+        print(f"skipped for the {args.calibration_budget:.0f} s budget: {', '.join(result.skipped)}")
     for note in result.notes:  # what each drafter's calibration saved
         print(note)
     advice = result.plan.advice(engine.name_or_path, has_head=bool(result.figures.get("eagle")))
@@ -191,6 +198,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         tree_nodes=args.tree_nodes,
         quantization=args.quantization,
         device=args.device,
+        calibration_budget=args.calibration_budget,
     )
     print(format_table(report))
     print()
@@ -232,6 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--max-new-tokens", type=int, default=48)
     cal.add_argument("--threads", type=checked_type(positive_int), default=None, help="torch CPU threads")
     cal.add_argument("--no-save", action="store_true", help="print the result without saving it")
+    cal.add_argument(
+        "--calibration-budget",
+        default=None,
+        type=checked_type(calibration_budget),
+        help="seconds calibration may take ('none', the default here: no limit); what does not fit is skipped",
+    )
     cal.add_argument(
         "--trees", action="store_true", help="also race early-exit token trees against the chain (tree_nodes='auto')"
     )
@@ -277,6 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--quantization", choices=["4bit", "8bit"], default=None)
     bench.add_argument("--device", default="auto")
+    bench.add_argument(
+        "--calibration-budget",
+        default=DEFAULT_CALIBRATION_BUDGET,
+        type=checked_type(calibration_budget),
+        help="seconds first-load calibration may take, or 'none' for no limit",
+    )
     bench.add_argument("--out", default=None, help="folder for JSON, markdown and PNG results")
     bench.add_argument("--name", default="bench", help="file name stem of the results")
     bench.set_defaults(func=cmd_bench)

@@ -33,6 +33,21 @@ def default_exit_layer(num_layers: int) -> int:
     return max(1, num_layers // 4)
 
 
+#: The default first-load calibration time budget in seconds: first load of a 0.5B model on a 2-core
+#: CPU stays well under 15 minutes (docs/calibration.md).
+DEFAULT_CALIBRATION_BUDGET = 300.0
+
+
+def check_budget(calibration_budget: Any) -> None:
+    """Reject a calibration budget that is not ``None`` or a positive number of seconds."""
+    if calibration_budget is None:
+        return
+    if isinstance(calibration_budget, bool) or not isinstance(calibration_budget, (int, float)):
+        raise ConfigurationError(f"calibration_budget must be seconds (a number) or None, got {calibration_budget!r}")
+    if not calibration_budget > 0:
+        raise ConfigurationError(f"calibration_budget must be positive seconds, got {calibration_budget!r}")
+
+
 def check_arguments(exit_layer: Any, num_draft_tokens: Any, drafter: Any, tree_nodes: Any = None) -> None:
     """Reject malformed engine arguments (before any weights are loaded)."""
     if exit_layer != "auto" and (isinstance(exit_layer, bool) or not isinstance(exit_layer, int)):

@@ -9,11 +9,18 @@ sampled text follows the model's distribution exactly.
   then; when a window of speculative rounds is slower per token than plain decoding, the
   controller decodes plainly for :data:`FALLBACK_ROUNDS` rounds, then probes speculation again.
   Each failed probe doubles the pause (up to :data:`MAX_FALLBACK_ROUNDS`); a probe that pays
-  resets it. The pauses carry over from one call to the next (the controller is the engine's).
+  resets it. A window in which not one draft token was accepted pauses for
+  :data:`MAX_FALLBACK_ROUNDS` at once: drafts that never land (a stock model's early exit, sampled
+  drafts far from the target) stop after one short probe. The pauses carry over from one call to
+  the next (the controller is the engine's).
 - **Untimed** (sampling: a fresh controller per call, so a seed always gives the same text): the
   same rule on *predicted* time, from the measured acceptance of this call and the calibrated
   costs (``costs``: draft cost per token and verify cost per draft length, relative to one plain
   step). Acceptance depends only on the seed, so the decisions, and the text, are reproducible.
+- **Sampled plan** (``drafter="auto"``): calibration also replays the plan on the model's own
+  sampled continuations (rejection sampling at :data:`~selfspec.calibration.measure.SAMPLED_TEMPERATURE`);
+  where sampled drafts do not pay, the sampling controller (:meth:`DraftController.for_sampling`)
+  drafts nothing at all (``sampling_drafts=False``): plain decoding, the same distribution.
 
 Why the guard did not rescue SmolLM2 before (issue 16): it judged a window of 16 speculative
 rounds, paused 32 rounds, then cleared its window and needed 16 slow rounds again: about a third
@@ -56,6 +63,8 @@ class DraftController:
             controller of its own (see the module docstring), judged on predicted costs.
         costs: the calibrated :class:`CostModel` (or its JSON form); without it an untimed
             controller adapts the length only.
+        sampling_drafts: ``False`` when calibration found that sampled drafts do not pay (the
+            plan's sampled replay): the sampling controllers decode plainly.
     """
 
     num_draft_tokens: int
@@ -63,6 +72,7 @@ class DraftController:
     max_draft_tokens: int = 8
     timed: bool = True
     costs: CostModel | dict[str, Any] | None = None
+    sampling_drafts: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.costs, dict):
@@ -121,6 +131,8 @@ class DraftController:
             return
         spec = sum(s for s, _ in self.spec_window) / sum(n for _, n in self.spec_window)
         if spec > plain * MARGIN:
+            if not any(n > 1 for _, n in self.spec_window):  # not one draft landed: a long pause at once
+                self.pause = MAX_FALLBACK_ROUNDS
             self.fallback_left = self.pause
             self.fallbacks += 1
             self.pause = min(2 * self.pause, MAX_FALLBACK_ROUNDS)  # the next failed probe waits longer
@@ -147,7 +159,13 @@ class DraftController:
         return sum(s for s, _ in self.spec_window) / tokens if tokens else None
 
     def for_sampling(self) -> DraftController:
-        """A fresh, untimed controller for one sampled generation (reproducible per seed)."""
+        """A fresh, untimed controller for one sampled generation (reproducible per seed).
+
+        When calibration found that sampled drafts do not pay (``sampling_drafts=False``), it
+        drafts nothing: a fixed draft length of 0.
+        """
+        if not self.sampling_drafts:
+            return DraftController(0, adaptive=False, timed=False)
         return DraftController(
             self.num_draft_tokens, self.adaptive, self.max_draft_tokens, timed=False, costs=self.costs
         )

@@ -18,14 +18,21 @@ import torch
 from ..core.bounds import check_prompt_chars, check_tools_size, text_chars
 from ..core.constraints import TokenConstraint
 from ..drafting import Drafter, drafter_spec
-from ..drafting.auto import Plan, plan_of, uncalibrated_plan
+from ..drafting.auto import Plan, plan_of, sampled_drafts_pay, uncalibrated_plan
 from ..drafting.exit_adapter.adapter import ExitAdapter
 from ..drafting.medusa.drafter import MedusaHeads, load_medusa_heads
 from ..drafting.registry import drafters_using
 from ..errors import ConfigurationError
 from ..modeling.runner import ModelRunner
 from .batching import BatchScheduler
-from .config import EngineConfig, check_arguments, eos_token_ids, wants_calibration
+from .config import (
+    DEFAULT_CALIBRATION_BUDGET,
+    EngineConfig,
+    check_arguments,
+    check_budget,
+    eos_token_ids,
+    wants_calibration,
+)
 from .controller import DraftController
 from .generation import Generation, GenerationRequest, GenerationStream, Prompt, encode_prompt
 from .loop import decode
@@ -163,7 +170,10 @@ class SpeculativeEngine:
         self.config = EngineConfig.resolve(self.runner, self.name_or_path, calibration, **self._arguments)
         self.drafter = self._make_drafter()
         self.controller = DraftController(
-            self.config.num_draft_tokens, adaptive=self.config.adaptive, costs=self.config.calibration.get("costs")
+            self.config.num_draft_tokens,
+            adaptive=self.config.adaptive,
+            costs=self.config.calibration.get("costs"),
+            sampling_drafts=self.config.drafter_name != "auto" or sampled_drafts_pay(self.config.calibration),
         )
         self._batcher = BatchScheduler(self) if self.config.batching else None
 
@@ -219,6 +229,7 @@ class SpeculativeEngine:
         tree_nodes: int | str | None = None,
         batching: bool = False,
         escape_special_tokens: bool = False,
+        calibration_budget: float | None = DEFAULT_CALIBRATION_BUDGET,
     ) -> SpeculativeEngine:
         """Load a model from the hub, a local folder, or ``"selfspec-demo"``.
 
@@ -248,6 +259,9 @@ class SpeculativeEngine:
             calibrate: when ``exit_layer`` or ``num_draft_tokens`` is ``"auto"`` and the
                 model has no saved calibration, measure one now (a few seconds, with a
                 progress bar) and save it beside the model or in the user cache.
+            calibration_budget: seconds first-load calibration may take (``None``: no limit); the
+                essentials are always measured, then the drafters in order of expected value, and
+                what does not fit is skipped and said (``docs/calibration.md``).
             medusa_heads: with ``drafter="medusa"``: see :class:`SpeculativeEngine` (a
                 ``medusa_lm_head.pt`` pickle loads only with ``allow_pickle=True``).
             eagle_head: with ``drafter="eagle"``: see :class:`SpeculativeEngine`.
@@ -260,6 +274,7 @@ class SpeculativeEngine:
         from ..modeling.loading import load_model_and_tokenizer
 
         check_arguments(exit_layer, num_draft_tokens, drafter, tree_nodes)
+        check_budget(calibration_budget)
         loading: dict[str, Any] = {
             "quantization": quantization,
             "dtype": dtype,
@@ -295,7 +310,7 @@ class SpeculativeEngine:
             from ..calibration.measure import calibrate_on_first_load, head_found_since  # the lazy edge up
 
             if not engine.calibration or head_found_since(engine):
-                calibrate_on_first_load(engine, trees=tree_nodes == "auto")
+                calibrate_on_first_load(engine, trees=tree_nodes == "auto", budget=calibration_budget)
         return engine
 
     def __repr__(self) -> str:

@@ -140,6 +140,28 @@ def plan_of(calibration: dict[str, Any] | None) -> Plan | None:
     return Plan.from_json((calibration or {}).get("plan"))
 
 
+def sampled_plan_of(calibration: dict[str, Any] | None) -> Plan | None:
+    """The plan for sampling requests saved in a calibration (``"sampled_plan"``), or ``None``.
+
+    Calibration replays the greedy plan on the model's own sampled continuations (rejection
+    sampling, exact acceptance counts); sampled drafts are accepted less often than greedy ones,
+    so where they do not pay this plan is plain decoding.
+    """
+    data = (calibration or {}).get("sampled_plan")
+    if not isinstance(data, dict) or not isinstance(data.get("method"), str):
+        return None
+    if data["method"] == PLAIN:  # plain decoding needs no registration's settings check
+        speedup = data.get("predicted_speedup")
+        return Plan(PLAIN, {}, speedup if isinstance(speedup, (int, float)) else None, str(data.get("reason", "")))
+    return Plan.from_json(data)
+
+
+def sampled_drafts_pay(calibration: dict[str, Any] | None) -> bool:
+    """Whether ``drafter="auto"`` drafts when a request samples: not when the sampled plan is plain decoding."""
+    plan = sampled_plan_of(calibration)
+    return plan is None or plan.method != PLAIN
+
+
 def plan_settings(calibration: dict[str, Any]) -> dict[str, Any]:
     """``calibration`` with the plan's exit layer and draft length as the ``"auto"`` values."""
     plan = plan_of(calibration)

@@ -233,6 +233,10 @@ class LayerSkipCalibration(DrafterCalibration):
         cost = layer_skip_cost(context.draft_cost, len(kept))
         return SkipFigures(kept, layer_skip_matches(engine, context.data, kept), cost)
 
+    def expected_speedup(self, name: str, context: CalibrationContext) -> float | None:
+        """About the best early exit's (a layer subset costs and agrees like a middle exit)."""
+        return context.best_exit[2]
+
     def candidates(self, name: str, context: CalibrationContext, figures: Any) -> list[Candidate]:
         """The best draft length for the kept layers."""
         if figures is None:

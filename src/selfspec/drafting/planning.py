@@ -131,6 +131,14 @@ class DrafterCalibration:
         """Measure the drafter on this model and hardware (``None``: nothing to offer)."""
         return None
 
+    def expected_speedup(self, name: str, context: CalibrationContext) -> float | None:
+        """A cheap estimate of the drafter's speedup before its own measurement, or ``None`` (unknown).
+
+        Under a calibration time budget the measurements run best estimate first, unknown ones (a
+        learned head, whose worth only its measurement shows) before any estimate.
+        """
+        return None
+
     def candidates(self, name: str, context: CalibrationContext, figures: Any) -> list[Candidate]:
         """The plan candidates it offers, each replayed over the continuations."""
         return []

@@ -198,6 +198,10 @@ class SpeculativeLLM(FunctionCallingLLM):
         default=True,
         description="With 'auto' exit layer or draft length and no saved calibration, measure one on first load.",
     )
+    calibration_budget: float | None = Field(
+        default=300.0,
+        description="Seconds first-load calibration may take (None: no limit); what does not fit is skipped and said.",
+    )
     draft_model: Any = Field(
         default=None,
         description="With drafter='draft_model': a smaller model sharing the tokenizer (a name, a folder "
