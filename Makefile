@@ -12,7 +12,7 @@ comma := ,
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 TORCH := $(if $(HAS_GPU),torch>=2.4$(comma)<2.15,torch==2.13.0)
 
-.PHONY: setup demo test lint typecheck pytest docs bench clean
+.PHONY: setup demo test unit lint typecheck pytest docs bench clean
 
 # What `make demo` needs and nothing more: torch, selfspec with the GGUF reader, the LangChain adapter.
 DEMO_STAMP := $(VENV)/.selfspec-demo-installed
@@ -50,7 +50,11 @@ typecheck: setup
 pytest: setup
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest $(TEST_DIRS)
 
-# tests/test_docs.py also builds the site strictly and runs every documented code block
+# the inner loop: no model, each test well under a second (tests/unit)
+unit: setup
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest tests/unit -q
+
+# tests/meta/test_docs.py also builds the site strictly and runs every documented code block
 docs: setup
 	$(VENV)/bin/mkdocs build --strict --site-dir site
 

@@ -23,7 +23,7 @@ CONTEXT = (
     "of Queensland, Australia, and stretches for over 2,300 kilometres. It was selected as a World Heritage "
     "Site in 1981. Climate change, pollution and crown-of-thorns starfish are the main threats to its health."
 )
-#: A question SmolLM2-135M-Instruct answers correctly from the context (greedy; tests/test_real_demo.py checks it).
+#: A question SmolLM2-135M-Instruct answers correctly from the context (greedy; tests/system/test_real_demo.py).
 QUESTION = "What are the main threats to the Great Barrier Reef?"
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = [ROOT, ROOT / "integrations" / "langchain-selfspec", ROOT / "integrations" / "llama-index-llms-selfspec"]
 #: torch as the Makefile installs it without a GPU (pip takes it from a local wheel where there is one).
 TORCH = "torch==2.13.0"

@@ -296,7 +296,7 @@ def broken_folders(tmp_path: Path, tiny: Any) -> dict[str, tuple[Path, type[Exce
         "vocabulary": (write_folder(tmp_path / "v128", weights, published_config(vocab_size=128)),
                        ConfigurationError, "vocab size 128 vs the model's 96"),
         "no fc": (write_folder(tmp_path / "nofc", no_fc, published_config()), ConfigurationError, "no fc.weight"),
-        # EAGLE-3 heads load (tests/test_eagle3.py); this one's d2t was written as floats
+        # EAGLE-3 heads load (tests/exact/test_eagle3.py); this one's d2t was written as floats
         "EAGLE-3, float d2t": (eagle3_folder(tmp_path / "eagle3"), ConfigurationError, "d2t must be a 1-D integer"),
         "two layers": (write_folder(tmp_path / "two", two_layers, published_config()), ConfigurationError,
                        "one-layer EAGLE heads"),

@@ -13,7 +13,7 @@ from selfspec import SpeculativeEngine
 from selfspec.errors import ModelNotFoundError
 from selfspec.modeling.realmodels import REAL_MODELS, display_name, fetch_model, is_real_model, model_path, short_name
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 SMOLLM2 = "smollm2-135m-instruct"
 QUESTION = "What is the capital of France?"
 

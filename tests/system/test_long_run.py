@@ -10,7 +10,7 @@ from tiny_tokenizer import make_tokenizer
 
 from selfspec import SpeculativeEngine
 
-spec = importlib.util.spec_from_file_location("long_run", Path(__file__).parents[1] / "benchmarks" / "long_run.py")
+spec = importlib.util.spec_from_file_location("long_run", Path(__file__).parents[2] / "benchmarks" / "long_run.py")
 assert spec is not None and spec.loader is not None
 long_run_module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(long_run_module)

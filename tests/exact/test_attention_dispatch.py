@@ -122,9 +122,9 @@ PEAK_BOUND_MIB = 160
 
 @pytest.mark.slow
 def test_8k_token_prompt_prefills_in_bounded_memory() -> None:
-    tests = str(Path(__file__).parent)
+    tests = str(Path(__file__).parents[1])
     script = PEAK_SCRIPT.format(tests=tests, length=8192, vocab=VOCAB)
-    src = str(Path(__file__).parents[1] / "src")
+    src = str(Path(__file__).parents[2] / "src")
     env_path = ":".join([src, tests])
     result = subprocess.run(
         [sys.executable, "-c", script],

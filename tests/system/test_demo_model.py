@@ -10,7 +10,7 @@ import torch
 
 from selfspec import SpeculativeEngine, demo_model_path
 
-HELD_OUT = json.loads((Path(__file__).parent / "data" / "heldout_austen.json").read_text(encoding="utf-8"))
+HELD_OUT = json.loads((Path(__file__).parents[1] / "data" / "heldout_austen.json").read_text(encoding="utf-8"))
 
 
 def heldout_prompts(count: int = 4, words: int = 40) -> list[str]:

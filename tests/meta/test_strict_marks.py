@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TEST_FILES = sorted([*ROOT.glob("tests/**/*.py"), *ROOT.glob("integrations/*/tests/**/*.py")])
 
 

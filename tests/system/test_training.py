@@ -21,7 +21,7 @@ from demo_model.tool_chats import chat_stream, drill_stream
 from demo_model.trainer import choose_exit, expected_speedup
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-EXCERPT = Path(__file__).parent / "data" / "austen_excerpt.txt"
+EXCERPT = Path(__file__).parents[1] / "data" / "austen_excerpt.txt"
 TOOLS = [
     {
         "type": "function",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-DEMO = Path(__file__).parents[1] / "benchmarks" / "real_demo.py"
+DEMO = Path(__file__).parents[2] / "benchmarks" / "real_demo.py"
 
 
 def run_demo(env: dict[str, str]) -> subprocess.CompletedProcess[str]:

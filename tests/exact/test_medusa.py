@@ -370,7 +370,7 @@ SHIPPED_TAU_BOUND = 1.8
 
 def test_shipped_demo_heads_are_accepted_on_heldout_text(demo_engine) -> None:
     """drafter='medusa' without medusa_heads= loads the demo model's heads; they draft well."""
-    paragraphs = json.loads((Path(__file__).parent / "data" / "heldout_austen.json").read_text())["paragraphs"]
+    paragraphs = json.loads((Path(__file__).parents[1] / "data" / "heldout_austen.json").read_text())["paragraphs"]
     model, tokenizer = demo_engine.model, demo_engine.tokenizer
     medusa = SpeculativeEngine(model, tokenizer, drafter="medusa", num_draft_tokens=3)
     plain = SpeculativeEngine(model, tokenizer, drafter="none")

@@ -18,7 +18,7 @@ from selfspec import SpeculativeEngine, demo_model_path
 from selfspec.drafting.exit_adapter.adapter import exit_adapter_path, load_exit_adapter
 from selfspec.modeling.loading import DEMO_DRAFT_MODEL
 
-HELD_OUT = json.loads((Path(__file__).parent / "data" / "heldout_austen.json").read_text(encoding="utf-8"))
+HELD_OUT = json.loads((Path(__file__).parents[1] / "data" / "heldout_austen.json").read_text(encoding="utf-8"))
 
 
 def heldout_prompts(count: int = 2, words: int = 40) -> list[str]:
@@ -92,7 +92,7 @@ def test_training_script_makes_a_stock_draft_model_with_the_target_tokenizer(tmp
     from demo_model import demo
 
     out = tmp_path / "draft"
-    argv = ["--data", str(Path(__file__).parent / "data" / "austen_excerpt.txt"), "--out", str(out)]
+    argv = ["--data", str(Path(__file__).parents[1] / "data" / "austen_excerpt.txt"), "--out", str(out)]
     argv += ["--steps", "2", "--seq-len", "32", "--batch-size", "2", "--threads", "1", "--layers", "2"]
     argv += ["--hidden", "64", "--tokenizer", str(demo_model_path()), "--exit-layers", "--layer-dropout", "0"]
     threads = torch.get_num_threads()

@@ -389,7 +389,7 @@ def test_out_of_memory_is_reported_and_the_engine_stays_usable(tmp_path) -> None
     import sys
 
     script = tmp_path / "oom.py"
-    script.write_text(OOM_SCRIPT.format(tests=os.path.dirname(__file__)))
+    script.write_text(OOM_SCRIPT.format(tests=os.path.dirname(os.path.dirname(__file__))))
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "REPORTED: out of memory after 0 new tokens" in result.stdout

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "docs" / "langchain.md", ROOT / "docs" / "llamaindex.md"]
 _COMMAND = re.compile(r"^\$ (?:HF_HUB_OFFLINE=1 )?python (examples/\S+\.py)(.*)$")
 #: Lines whose numbers vary with the machine's load (timings, the adaptive draft statistics).

@@ -238,7 +238,7 @@ def test_a_valid_calibration_is_still_read(tmp_path: Path, monkeypatch: Any) -> 
     model.config._name_or_path = str(tmp_path)
     engine = SpeculativeEngine(model, drafter="early_exit")  # the same place the corrupt ones were ignored from
     assert engine.calibration["exit_layer"] == 3 and engine.exit_layer == 3
-    demo = json.loads((Path(__file__).parents[1] / "src/selfspec/models/selfspec-demo/selfspec.json").read_text())
+    demo = json.loads((Path(__file__).parents[2] / "src/selfspec/models/selfspec-demo/selfspec.json").read_text())
     from selfspec.calibration.store import calibration_problem
 
     assert calibration_problem(demo) is None  # the shipped calibration passes

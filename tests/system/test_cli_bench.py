@@ -174,7 +174,7 @@ def test_gpu_check_script_runs_on_cpu_with_a_tiny_shape(tmp_path) -> None:
     import sys
     from pathlib import Path
 
-    script = Path(__file__).parents[1] / "benchmarks" / "gpu_check.py"
+    script = Path(__file__).parents[2] / "benchmarks" / "gpu_check.py"
     subprocess.run(
         [
             sys.executable,
