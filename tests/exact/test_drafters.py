@@ -134,10 +134,10 @@ def test_controller_falls_back_when_speculation_is_slower_and_probes_again() -> 
     controller.record(0, 0, 1, seconds=0.010)  # plain: 10 ms per token
     assert controller.budget() == 4
     for _ in range(WINDOW - 1):  # one bad round is not enough: a window of them is
-        controller.record(4, 0, 1, seconds=0.030)  # speculation: 30 ms per token
+        controller.record(4, 1, 2, seconds=0.060)  # speculation: 30 ms per token (one draft accepted a round)
     assert controller.fallbacks == 0
-    controller.record(4, 0, 1, seconds=0.030)
-    assert controller.fallbacks == 1
+    controller.record(4, 1, 2, seconds=0.060)
+    assert controller.fallbacks == 1  # the ordinary pause (a window that accepts nothing pauses longest)
     budgets = []
     for _ in range(FALLBACK_ROUNDS):
         budgets.append(controller.budget())

@@ -433,3 +433,14 @@ def test_serve_has_the_escape_flag() -> None:
     flag = parser.parse_args(["serve", "--model", "selfspec-demo", "--escape-special-tokens"])
     assert flag.escape_special_tokens is True
     assert parser.parse_args(["serve", "--model", "selfspec-demo"]).escape_special_tokens is False
+
+
+def test_a_client_chosen_key_never_breaks_the_one_line_message() -> None:
+    """Found by the fuzz test: a key holding a newline named in the error path made the message two lines."""
+    from selfspec.serving.server.limits import APIError, check_json
+
+    for body in ({"messages": {"\n": "a\ud800"}}, {"messages": {"x" * 5000: float("nan")}}):
+        with pytest.raises(APIError) as caught:
+            check_json(body, 64)
+        assert "\n" not in caught.value.message and len(caught.value.message) < 300, caught.value.message
+        assert "\n" not in (caught.value.param or "")

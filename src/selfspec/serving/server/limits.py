@@ -28,6 +28,7 @@ tokenizer runs.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import re
@@ -154,7 +155,12 @@ def _path_text(where: _Path) -> str:
         parts.append(part)
     text = ""
     for part in reversed(parts):
-        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else part)
+        if isinstance(part, int):
+            text += f"[{part}]"
+        elif part.isascii() and part.isidentifier() and len(part) <= 64:
+            text += f".{part}" if text else part
+        else:  # a key a client chose: quoted and escaped, so the message stays one short line
+            text += f"[{json.dumps(part[:64])}]"
     return text
 
 
