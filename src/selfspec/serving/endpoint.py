@@ -41,6 +41,7 @@ def _openai() -> Any:
         raise ImportError(f"endpoint mode needs the openai client: pip install openai ({error})") from error
     return openai
 
+
 #: Environment variables read, in this order, when no ``api_key`` is given.
 API_KEY_ENV_VARS = ("SELFSPEC_API_KEY", "OPENAI_API_KEY")
 #: The key sent to a server that needs none (the ``openai`` client refuses to send no key).

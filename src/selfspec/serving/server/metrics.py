@@ -97,7 +97,8 @@ class Metrics:
                 return CounterMetricFamily(f"selfspec_{name}", help_text, value=value)
 
             requests = CounterMetricFamily(
-                "selfspec_requests", "HTTP requests answered, by endpoint and status code.",
+                "selfspec_requests",
+                "HTTP requests answered, by endpoint and status code.",
                 labels=["endpoint", "status"],
             )
             for (endpoint, status), count in sorted(self.requests.items()):
@@ -119,31 +120,38 @@ class Metrics:
             families = [
                 requests,
                 GaugeMetricFamily(
-                    "selfspec_requests_running", "Generations in progress (running or waiting for the engine).",
+                    "selfspec_requests_running",
+                    "Generations in progress (running or waiting for the engine).",
                     value=self.running,
                 ),
                 generations,
                 counter("prompt_tokens", "Prompt tokens processed.", self.prompt_tokens),
                 counter("completion_tokens", "New tokens generated.", self.completion_tokens),
-                counter("target_forwards", "Forward passes of the full target model (prefills included).",
-                        self.target_forwards),
+                counter(
+                    "target_forwards",
+                    "Forward passes of the full target model (prefills included).",
+                    self.target_forwards,
+                ),
                 counter("num_drafted", "Draft tokens proposed.", self.num_drafted),
                 counter("num_accepted", "Draft tokens the target accepted.", self.num_accepted),
                 histogram,
                 counter("draft_seconds", "Wall time spent drafting.", self.draft_seconds),
-                counter("verify_seconds", "Wall time spent in target forwards (prefills included).",
-                        self.verify_seconds),
+                counter(
+                    "verify_seconds", "Wall time spent in target forwards (prefills included).", self.verify_seconds
+                ),
                 GaugeMetricFamily(
                     "selfspec_mean_accepted_length",
                     "Tokens emitted per verify step after the prefill, over all generations (tau).",
                     value=self.decoded_tokens / steps if steps > 0 else 0.0,
                 ),
                 GaugeMetricFamily(
-                    "selfspec_acceptance_rate", "num_accepted / num_drafted over all generations.",
+                    "selfspec_acceptance_rate",
+                    "num_accepted / num_drafted over all generations.",
                     value=self.num_accepted / self.num_drafted if self.num_drafted else 0.0,
                 ),
                 GaugeMetricFamily(
-                    "selfspec_tokens_per_second", "New tokens per second of generation time, over all generations.",
+                    "selfspec_tokens_per_second",
+                    "New tokens per second of generation time, over all generations.",
                     value=self.completion_tokens / self.generation_seconds if self.generation_seconds else 0.0,
                 ),
             ]
