@@ -52,6 +52,7 @@ from selfspec.serving.endpoint import API_KEY_ENV_VARS, EndpointClient, Endpoint
 from selfspec.serving.requests import (
     INCOMPLETE_REASONS,
     RequestPlan,
+    TokenUsage,
     agenerate,
     aiterate,
     check_arguments,
@@ -749,8 +750,10 @@ class ChatSpeculative(BaseChatModel):
         elif method in ("json_schema", "json_mode"):
             response_format: dict[str, Any] = {"type": "json_object"}
             if method == "json_schema" or schema is not None:  # json_mode with a schema: constrained to it
-                response_format = {"type": method.replace("json_mode", "json_object"),
-                                   "schema": convert_to_json_schema(schema)}
+                response_format = {
+                    "type": method.replace("json_mode", "json_object"),
+                    "schema": convert_to_json_schema(schema),
+                }
             llm = self.bind(response_format=response_format, ls_structured_output_format=trace)
             parser = PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()  # type: ignore[arg-type]
             what = "JSON answer"
@@ -1018,13 +1021,7 @@ def _endpoint_last_chunk(result: EndpointResult, body: dict[str, Any]) -> ChatGe
 
 
 def _endpoint_usage(result: EndpointResult) -> Any:
-    if result.prompt_tokens is None or result.completion_tokens is None:
-        return None
-    return {
-        "input_tokens": result.prompt_tokens,
-        "output_tokens": result.completion_tokens,
-        "total_tokens": result.prompt_tokens + result.completion_tokens,
-    }
+    return result.usage.langchain() if result.usage is not None else None
 
 
 def _endpoint_metadata(result: EndpointResult, body: dict[str, Any]) -> dict[str, Any]:
@@ -1052,12 +1049,7 @@ def _last_chunk(usage: Any, metadata: dict[str, Any], finish_reason: str | None)
 
 
 def _usage(output: GenerationOutput) -> Any:
-    generated = len(output.token_ids)
-    return {
-        "input_tokens": output.prompt_tokens,
-        "output_tokens": generated,
-        "total_tokens": output.prompt_tokens + generated,
-    }
+    return TokenUsage.of(output).langchain()
 
 
 def _metadata(plan: RequestPlan, model: str, output: GenerationOutput) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from ..errors import InvalidPromptError, InvalidSchemaError, ModelNotFoundError, SamplingError
+from .requests import TokenUsage
 from .tools import ContentDelta, InvalidToolCall, StreamEvent, ToolCall, ToolCallChunk, new_call_id
 
 
@@ -91,6 +92,13 @@ class EndpointResult:
     def has_usage(self) -> bool:
         """Whether the server reported token counts."""
         return self.prompt_tokens is not None and self.completion_tokens is not None
+
+    @property
+    def usage(self) -> TokenUsage | None:
+        """The server's token counts as the planner's :class:`~selfspec.serving.requests.TokenUsage`."""
+        if self.prompt_tokens is None or self.completion_tokens is None:
+            return None
+        return TokenUsage(self.prompt_tokens, self.completion_tokens)
 
 
 # ------------------------------------------------------------------------------- request bodies

@@ -148,6 +148,7 @@ def token_budget(
         prompt_length: the prompt's tokens.
         context_window: the model's window, or ``None`` when it declares none.
         truncate_prompt: whether the engine keeps only the end of a prompt that does not fit.
+        fit_max_tokens: cut a ``max_tokens`` that does not fit (``False``: leave it for the engine to refuse).
 
     Raises:
         InvalidPromptError: the prompt fills the window (and ``truncate_prompt`` is off).
@@ -790,8 +791,10 @@ def plan_request(
     forced = forced_tool(choice, normalized)
     with _field("response_format"):
         schema = dict(json_schema) if json_schema is not None else response_schema(response_format)
-    if not _is_token_ids(prompt):
-        check_request_bounds(engine, prompt, normalized, schema, truncate_prompt=truncate_prompt)
+    token_ids = [int(token) for token in cast("Sequence[int]", prompt)] if _is_token_ids(prompt) else None
+    text = cast("str | Sequence[Mapping[str, Any]]", prompt)
+    if token_ids is None:
+        check_request_bounds(engine, text, normalized, schema, truncate_prompt=truncate_prompt)
     with _field("tool_choice"):
         constraint = plan_constraint(
             engine.tokenizer,
@@ -802,11 +805,11 @@ def plan_request(
             parallel_tool_calls=parallel_tool_calls,
         )
     stated_schema = schema if schema is not None and schema != {"type": "object"} else None
-    if _is_token_ids(prompt):
-        prompt_ids = [int(token) for token in cast("Sequence[int]", prompt)]
+    if token_ids is not None:
+        prompt_ids = token_ids
     else:
         prompt_ids = encode_request(
-            engine, prompt, normalized, stated_schema, forced, escape_special_tokens=escape_special_tokens
+            engine, text, normalized, stated_schema, forced, escape_special_tokens=escape_special_tokens
         )
     budget = token_budget(
         max_tokens,

@@ -111,7 +111,9 @@ class _Job:
             self.stream.close()  # cancels the generation when it stopped early
             self.output = self.stream.output
             if self.output is not None and self.error is None:
-                metrics.generation_done(self.output, time.perf_counter() - started)
+                metrics.generation_done(
+                    self.output, time.perf_counter() - started, self.plan.finish_reason(self.output)
+                )
             else:
                 metrics.generation_failed()
             self._emit(_END)

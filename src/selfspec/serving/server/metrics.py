@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ...decoding.outputs import GenerationOutput
+from ..requests import TokenUsage
 
 #: The ``Content-Type`` of the exposition format ``generate_latest`` writes (text format 0.0.4).
 CONTENT_TYPE: str = getattr(exposition, "CONTENT_TYPE_PLAIN_0_0_4", "text/plain; version=0.0.4; charset=utf-8")
@@ -54,14 +55,15 @@ class Metrics:
         with self._lock:
             self.requests[(endpoint, status)] += 1
 
-    def generation_done(self, output: GenerationOutput, seconds: float) -> None:
-        """Add one finished (or cancelled) generation."""
+    def generation_done(self, output: GenerationOutput, seconds: float, finish_reason: str | None = None) -> None:
+        """Add one finished (or cancelled) generation (``finish_reason``: the planner's, e.g. ``repetition``)."""
         stats = output.stats
         with self._lock:
             self.running -= 1
-            self.generations[output.finish_reason] += 1
-            self.prompt_tokens += output.prompt_tokens
-            self.completion_tokens += len(output.token_ids)
+            self.generations[finish_reason or output.finish_reason] += 1
+            usage = TokenUsage.of(output)
+            self.prompt_tokens += usage.prompt_tokens
+            self.completion_tokens += usage.completion_tokens
             self.target_forwards += stats.target_forwards
             self.num_drafted += stats.num_drafted
             self.num_accepted += stats.num_accepted

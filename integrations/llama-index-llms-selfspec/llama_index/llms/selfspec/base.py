@@ -60,6 +60,7 @@ from selfspec.serving.requests import (
     DEFAULT_MAX_TOKENS,
     INCOMPLETE_REASONS,
     RequestPlan,
+    TokenUsage,
     agenerate,
     aiterate,
     check_arguments,
@@ -90,6 +91,7 @@ def get_engine(model: str, **engine_args: Any) -> SpeculativeEngine:
     from selfspec import get_engine as shared_engine
 
     return shared_engine(model, **engine_args)
+
 
 dispatcher = instrument.get_dispatcher(__name__)
 
@@ -753,12 +755,7 @@ class _Answer:
 
 def _local_answer(plan: RequestPlan, model: str, output: GenerationOutput) -> _Answer:
     parsed = plan.parse(output.text or "")
-    completion_tokens = len(output.token_ids)
-    usage = {
-        "prompt_tokens": output.prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": output.prompt_tokens + completion_tokens,
-    }
+    usage = TokenUsage.of(output).openai()
     return _Answer(
         parsed.content if plan.parse_tools else output.text or "",
         parsed.tool_calls,
@@ -772,13 +769,7 @@ def _local_answer(plan: RequestPlan, model: str, output: GenerationOutput) -> _A
 
 
 def _endpoint_answer(result: EndpointResult, options: dict[str, Any]) -> _Answer:
-    usage = {}
-    if result.prompt_tokens is not None and result.completion_tokens is not None:
-        usage = {
-            "prompt_tokens": result.prompt_tokens,
-            "completion_tokens": result.completion_tokens,
-            "total_tokens": result.prompt_tokens + result.completion_tokens,
-        }
+    usage = result.usage.openai() if result.usage is not None else {}
     return _Answer(
         result.text,
         result.tool_calls,
