@@ -418,7 +418,7 @@ class _Server:
             return Response(status_code=CLIENT_CLOSED)
         if job.error is not None or output is None:
             raise _generation_error(job.error, request_id, job.constraint_field)
-        if output.finish_reason == "cancelled":  # the server is shutting down
+        if job.plan.finish_reason(output) == "cancelled":  # the server is shutting down (not the repetition guard)
             raise APIError(
                 503, "the server is shutting down; retry the request", type="server_error", code="shutting_down"
             )
