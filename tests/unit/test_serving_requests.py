@@ -10,7 +10,15 @@ from typing import Any
 
 import pytest
 
-from selfspec.serving.requests import TokenUsage, forced_tool, normalize_tool_choice, response_schema
+from selfspec.serving.requests import (
+    RequestFieldError,
+    TokenUsage,
+    ToolOffer,
+    forced_tool,
+    normalize_tool_choice,
+    offer_tools,
+    response_schema,
+)
 
 NAMES = ["sing", "dance"]
 NAMED = {"type": "function", "function": {"name": "sing"}}
@@ -81,3 +89,18 @@ def test_usage_is_spelt_for_each_front_door() -> None:
     assert usage.total_tokens == 12
     assert usage.openai() == {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}
     assert usage.langchain() == {"input_tokens": 7, "output_tokens": 5, "total_tokens": 12}
+
+
+def test_offer_tools_is_read_once_for_local_and_endpoint_mode() -> None:
+    tools = [{"type": "function", "function": {"name": name}} for name in NAMES]
+    assert offer_tools(tools, "none") == ToolOffer([], None)  # nothing offered: no tools sent either
+    assert offer_tools(None, None) == ToolOffer([], None)
+    forced = offer_tools(tools, True)
+    assert forced.choice == "required" and forced.forced == "" and len(forced.tools) == 2
+    assert offer_tools(tools, {"name": "dance"}).forced == "dance"
+    with pytest.raises(RequestFieldError) as bad_tool:
+        offer_tools([{"type": "function"}], None)
+    assert bad_tool.value.field == "tools"
+    with pytest.raises(RequestFieldError) as bad_choice:
+        offer_tools(tools, "nope")
+    assert bad_choice.value.field == "tool_choice"

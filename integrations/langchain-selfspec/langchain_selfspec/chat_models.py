@@ -58,6 +58,7 @@ from selfspec.serving.requests import (
     check_arguments,
     cut_off_message,
     normalize_tool_choice,
+    offer_tools,
     plan_request,
 )
 from selfspec.serving.tools import (
@@ -615,10 +616,7 @@ class ChatSpeculative(BaseChatModel):
     ) -> dict[str, Any]:
         """Endpoint mode's request: the same options as :meth:`_plan`, in OpenAI's form."""
         _check_call_args(kwargs)
-        tools: list[dict[str, Any]] = list(kwargs.get("tools") or [])
-        tool_choice = normalize_tool_choice(kwargs.get("tool_choice"), [t["function"]["name"] for t in tools])
-        if tool_choice == "none":
-            tools = []
+        offer = offer_tools(kwargs.get("tools"), kwargs.get("tool_choice"))  # read as plan_request reads them
         body = chat_body(
             to_engine_messages(messages),
             model=kwargs.get("model") or self.model,
@@ -628,15 +626,15 @@ class ChatSpeculative(BaseChatModel):
             top_k=kwargs.get("top_k", self.top_k),
             seed=kwargs.get("seed", self.seed),
             stop=list(stop if stop is not None else self.stop or []) or None,
-            tools=tools or None,
-            tool_choice=tool_choice if tools else None,
+            tools=offer.tools or None,
+            tool_choice=offer.choice,
             response_format=kwargs.get("response_format"),
             truncate_prompt=self.truncate_prompt,
             stream=stream,
             constrain_tool_calls=self.constrain_tool_calls,
             escape_special_tokens=self.escape_special_tokens,
         )
-        if tools and kwargs.get("parallel_tool_calls") is False:
+        if offer.tools and kwargs.get("parallel_tool_calls") is False:
             body["parallel_tool_calls"] = False
         return body
 

@@ -233,6 +233,39 @@ def normalize_tool_choice(choice: Any, names: Sequence[str]) -> ToolChoice:
     raise ValueError(f"tool_choice {choice!r} is not one of the tools ({', '.join(names)}) nor auto/any/required/none")
 
 
+@dataclass(frozen=True)
+class ToolOffer:
+    """The tools a call offers and its choice among them, read once for local and endpoint mode.
+
+    Attributes:
+        tools: the tools offered, normalised (empty when none are, or ``tool_choice="none"``).
+        choice: the normalised ``tool_choice`` (``None`` when no tool is offered).
+    """
+
+    tools: list[dict[str, Any]]
+    choice: ToolChoice | None
+
+    @property
+    def forced(self) -> str | None:
+        """``None`` when nothing is forced, ``""`` when any tool must be called, else the tool's name."""
+        return forced_tool(self.choice, self.tools) if self.choice is not None else None
+
+
+def offer_tools(tools: Sequence[Any] | None, tool_choice: Any) -> ToolOffer:
+    """Read ``tools`` and ``tool_choice`` (:func:`normalize_tools`, :func:`normalize_tool_choice`).
+
+    Raises:
+        RequestFieldError: a bad tool (``tools``) or a bad ``tool_choice``.
+    """
+    with _field("tools"):
+        normalized = normalize_tools(tools)
+    with _field("tool_choice"):
+        choice = normalize_tool_choice(tool_choice, [t["function"]["name"] for t in normalized])
+    if choice == "none" or not normalized:
+        return ToolOffer([], None)
+    return ToolOffer(normalized, choice)
+
+
 def forced_tool(choice: ToolChoice, tools: Sequence[Mapping[str, Any]]) -> str | None:
     """``None`` when nothing is forced, ``""`` when any tool must be called, else the tool's name."""
     if not tools or choice in ("auto", "none"):
@@ -782,13 +815,8 @@ def plan_request(
         InvalidSchemaError: tools or a schema over the bounds.
         InvalidPromptError: an empty prompt or one that fills the context window.
     """
-    with _field("tools"):
-        normalized = normalize_tools(tools)
-    with _field("tool_choice"):
-        choice = normalize_tool_choice(tool_choice, [t["function"]["name"] for t in normalized])
-    if choice == "none":
-        normalized = []
-    forced = forced_tool(choice, normalized)
+    offer = offer_tools(tools, tool_choice)
+    normalized, forced = offer.tools, offer.forced
     with _field("response_format"):
         schema = dict(json_schema) if json_schema is not None else response_schema(response_format)
     token_ids = [int(token) for token in cast("Sequence[int]", prompt)] if _is_token_ids(prompt) else None

@@ -65,7 +65,7 @@ from selfspec.serving.requests import (
     aiterate,
     check_arguments,
     cut_off_message,
-    normalize_tool_choice,
+    offer_tools,
     plan_request,
 )
 from selfspec.serving.tools import (
@@ -712,22 +712,21 @@ class SpeculativeLLM(FunctionCallingLLM):
         }
         if isinstance(prompt, str):
             return text_body(prompt, **sampling)
-        tools = options["tools"]
-        choice = normalize_tool_choice(options["tool_choice"], [t["function"]["name"] for t in tools])
+        offer = offer_tools(options["tools"], options["tool_choice"])  # read as plan_request reads them
         json_schema = options["json_schema"]
         response_format = None
         if json_schema is not None:
             response_format = {"type": "json_schema", "json_schema": {"name": "response", "schema": json_schema}}
         body = chat_body(
             prompt,
-            tools=tools or None,
-            tool_choice=choice if tools else None,
+            tools=offer.tools or None,
+            tool_choice=offer.choice,
             response_format=response_format,
             constrain_tool_calls=self.constrain_tool_calls,
             escape_special_tokens=self.escape_special_tokens,
             **sampling,
         )
-        if tools and not options["parallel_tool_calls"]:
+        if offer.tools and not options["parallel_tool_calls"]:
             body["parallel_tool_calls"] = False
         return body
 
