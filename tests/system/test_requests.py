@@ -93,7 +93,7 @@ def test_the_default_is_the_same_in_both_adapters_and_the_server() -> None:
     assert ChatSpeculative().max_tokens is None  # None means DEFAULT_MAX_TOKENS (plan_request)
     assert SpeculativeLLM().max_new_tokens == DEFAULT_MAX_TOKENS
     assert app.DEFAULT_MAX_TOKENS is DEFAULT_MAX_TOKENS  # the server plans its requests here too
-    assert app.token_budget is token_budget
+    assert app.plan_request is plan_request  # one planner: budget, constraint, guard, usage
 
 
 def test_plan_uses_the_default_budget(lookup_engine: SpeculativeEngine) -> None:

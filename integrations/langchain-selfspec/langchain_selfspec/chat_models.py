@@ -52,11 +52,13 @@ from selfspec.serving.endpoint import API_KEY_ENV_VARS, EndpointClient, Endpoint
 from selfspec.serving.requests import (
     INCOMPLETE_REASONS,
     RequestPlan,
+    TokenUsage,
     agenerate,
     aiterate,
     check_arguments,
     cut_off_message,
     normalize_tool_choice,
+    offer_tools,
     plan_request,
 )
 from selfspec.serving.tools import (
@@ -614,10 +616,7 @@ class ChatSpeculative(BaseChatModel):
     ) -> dict[str, Any]:
         """Endpoint mode's request: the same options as :meth:`_plan`, in OpenAI's form."""
         _check_call_args(kwargs)
-        tools: list[dict[str, Any]] = list(kwargs.get("tools") or [])
-        tool_choice = normalize_tool_choice(kwargs.get("tool_choice"), [t["function"]["name"] for t in tools])
-        if tool_choice == "none":
-            tools = []
+        offer = offer_tools(kwargs.get("tools"), kwargs.get("tool_choice"))  # read as plan_request reads them
         body = chat_body(
             to_engine_messages(messages),
             model=kwargs.get("model") or self.model,
@@ -627,15 +626,15 @@ class ChatSpeculative(BaseChatModel):
             top_k=kwargs.get("top_k", self.top_k),
             seed=kwargs.get("seed", self.seed),
             stop=list(stop if stop is not None else self.stop or []) or None,
-            tools=tools or None,
-            tool_choice=tool_choice if tools else None,
+            tools=offer.tools or None,
+            tool_choice=offer.choice,
             response_format=kwargs.get("response_format"),
             truncate_prompt=self.truncate_prompt,
             stream=stream,
             constrain_tool_calls=self.constrain_tool_calls,
             escape_special_tokens=self.escape_special_tokens,
         )
-        if tools and kwargs.get("parallel_tool_calls") is False:
+        if offer.tools and kwargs.get("parallel_tool_calls") is False:
             body["parallel_tool_calls"] = False
         return body
 
@@ -749,8 +748,10 @@ class ChatSpeculative(BaseChatModel):
         elif method in ("json_schema", "json_mode"):
             response_format: dict[str, Any] = {"type": "json_object"}
             if method == "json_schema" or schema is not None:  # json_mode with a schema: constrained to it
-                response_format = {"type": method.replace("json_mode", "json_object"),
-                                   "schema": convert_to_json_schema(schema)}
+                response_format = {
+                    "type": method.replace("json_mode", "json_object"),
+                    "schema": convert_to_json_schema(schema),
+                }
             llm = self.bind(response_format=response_format, ls_structured_output_format=trace)
             parser = PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()  # type: ignore[arg-type]
             what = "JSON answer"
@@ -1018,13 +1019,7 @@ def _endpoint_last_chunk(result: EndpointResult, body: dict[str, Any]) -> ChatGe
 
 
 def _endpoint_usage(result: EndpointResult) -> Any:
-    if result.prompt_tokens is None or result.completion_tokens is None:
-        return None
-    return {
-        "input_tokens": result.prompt_tokens,
-        "output_tokens": result.completion_tokens,
-        "total_tokens": result.prompt_tokens + result.completion_tokens,
-    }
+    return result.usage.langchain() if result.usage is not None else None
 
 
 def _endpoint_metadata(result: EndpointResult, body: dict[str, Any]) -> dict[str, Any]:
@@ -1052,12 +1047,7 @@ def _last_chunk(usage: Any, metadata: dict[str, Any], finish_reason: str | None)
 
 
 def _usage(output: GenerationOutput) -> Any:
-    generated = len(output.token_ids)
-    return {
-        "input_tokens": output.prompt_tokens,
-        "output_tokens": generated,
-        "total_tokens": output.prompt_tokens + generated,
-    }
+    return TokenUsage.of(output).langchain()
 
 
 def _metadata(plan: RequestPlan, model: str, output: GenerationOutput) -> dict[str, Any]:

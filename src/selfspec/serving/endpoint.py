@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from ..errors import InvalidPromptError, InvalidSchemaError, ModelNotFoundError, SamplingError
+from .requests import TokenUsage
 from .tools import ContentDelta, InvalidToolCall, StreamEvent, ToolCall, ToolCallChunk, new_call_id
 
 
@@ -40,6 +41,7 @@ def _openai() -> Any:
     except ImportError as error:  # pragma: no cover - a dependency of both adapters
         raise ImportError(f"endpoint mode needs the openai client: pip install openai ({error})") from error
     return openai
+
 
 #: Environment variables read, in this order, when no ``api_key`` is given.
 API_KEY_ENV_VARS = ("SELFSPEC_API_KEY", "OPENAI_API_KEY")
@@ -90,6 +92,13 @@ class EndpointResult:
     def has_usage(self) -> bool:
         """Whether the server reported token counts."""
         return self.prompt_tokens is not None and self.completion_tokens is not None
+
+    @property
+    def usage(self) -> TokenUsage | None:
+        """The server's token counts as the planner's :class:`~selfspec.serving.requests.TokenUsage`."""
+        if self.prompt_tokens is None or self.completion_tokens is None:
+            return None
+        return TokenUsage(self.prompt_tokens, self.completion_tokens)
 
 
 # ------------------------------------------------------------------------------- request bodies

@@ -17,17 +17,24 @@ A call to the model, whichever door it comes through, is planned here, once:
   ``parallel_tool_calls=False``, enforced by the grammar;
 - **reading the answer** (:meth:`RequestPlan.parse`): tool calls from the model's own format
   (:func:`selfspec.serving.tools.parse_tool_calls`, or the tokenizer's own ``parse_response``);
+- **the repetition guard** (:meth:`RequestPlan.stream`): a call constrained to JSON (a forced
+  tool call, a schema) stops with finish reason ``"repetition"`` when a string loops;
+- **token usage** (:class:`TokenUsage`): counted here once, from the engine's output or from a
+  server's reported counts, and spelt in each front door's own names;
 - **the sync→async bridge** (:func:`agenerate`, :func:`aiterate`): the engine runs in a worker
   thread and the event loop stays free; cancelling the awaiting task stops the generation at
   the end of the round in progress (the stream is closed, which frees its KV cache or its row
   of a batching engine).
 
-The framework packages only translate their messages, options and responses to and from this.
+The framework packages only translate their messages, options and responses to and from this;
+``selfspec serve`` only checks the wire format (types, ranges) and hands the request here. A bad
+request field is a :class:`RequestFieldError` (a ``ValueError``) naming the field at fault.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import difflib
 import functools
@@ -67,15 +74,73 @@ ToolChoice = Literal["auto", "none", "required"] | dict[str, Any]
 _T = TypeVar("_T")
 
 
+class RequestFieldError(ValueError):
+    """A request field the planner refuses (``tools``, ``tool_choice``, ``response_format``).
+
+    Attributes:
+        field: the OpenAI request field at fault (the server answers 400 with it as ``param``).
+    """
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True)
+class TokenUsage:
+    """A call's token counts, computed once for every front door.
+
+    Attributes:
+        prompt_tokens: the prompt's tokens.
+        completion_tokens: the tokens generated.
+    """
+
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        """Prompt plus completion."""
+        return self.prompt_tokens + self.completion_tokens
+
+    @classmethod
+    def of(cls, output: GenerationOutput) -> TokenUsage:
+        """The usage of a finished generation."""
+        return cls(int(output.prompt_tokens), len(output.token_ids))
+
+    def openai(self) -> dict[str, int]:
+        """OpenAI's names (``selfspec serve``'s ``usage``, LlamaIndex's ``raw["usage"]``)."""
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.total_tokens,
+        }
+
+    def langchain(self) -> dict[str, int]:
+        """LangChain's ``usage_metadata`` names."""
+        return {
+            "input_tokens": self.prompt_tokens,
+            "output_tokens": self.completion_tokens,
+            "total_tokens": self.total_tokens,
+        }
+
+
 # ------------------------------------------------------------------------------- budget
 def token_budget(
-    max_tokens: int | None, prompt_length: int, context_window: int | None, *, truncate_prompt: bool = False
+    max_tokens: int | None,
+    prompt_length: int,
+    context_window: int | None,
+    *,
+    truncate_prompt: bool = False,
+    fit_max_tokens: bool = True,
 ) -> int:
     """New tokens a call may generate.
 
     ``max_tokens`` when given, else :data:`DEFAULT_MAX_TOKENS`; never past the end of the
     context window. With ``truncate_prompt`` the engine cuts the prompt instead, so the budget
     is kept (a prompt that fills the window leaves ``min(DEFAULT_MAX_TOKENS, window // 2)``).
+    With ``fit_max_tokens=False`` (``selfspec serve``, as OpenAI's API does) a ``max_tokens``
+    given that does not fit is kept, for the engine to refuse; the default still fits.
 
     Args:
         max_tokens: the caller's limit, or ``None``. An invalid value (not a positive int) is
@@ -83,6 +148,7 @@ def token_budget(
         prompt_length: the prompt's tokens.
         context_window: the model's window, or ``None`` when it declares none.
         truncate_prompt: whether the engine keeps only the end of a prompt that does not fit.
+        fit_max_tokens: cut a ``max_tokens`` that does not fit (``False``: leave it for the engine to refuse).
 
     Raises:
         InvalidPromptError: the prompt fills the window (and ``truncate_prompt`` is off).
@@ -97,6 +163,8 @@ def token_budget(
         if max_tokens is not None:
             return max_tokens
         return min(requested, room if room >= 1 else context_window // 2)
+    if max_tokens is not None and not fit_max_tokens:
+        return max_tokens  # the engine refuses it, naming the context window
     if room < 1:
         raise InvalidPromptError(
             f"the prompt ({prompt_length} tokens) fills the model's context window of {context_window} tokens "
@@ -134,8 +202,9 @@ def normalize_tools(tools: Sequence[Any] | None) -> list[dict[str, Any]]:
 def normalize_tool_choice(choice: Any, names: Sequence[str]) -> ToolChoice:
     """A ``tool_choice`` in OpenAI's form: ``"auto"``, ``"none"``, ``"required"`` or a named function.
 
-    Accepted: ``None``/``"auto"``/``False`` (the model decides), ``"none"``, ``"any"``/
-    ``"required"``/``True`` (some tool must be called), a tool's name, or
+    The one normaliser of every front door (``selfspec serve``, both adapters, local and
+    endpoint). Accepted: ``None``/``"auto"``/``False`` (the model decides), ``"none"``,
+    ``"any"``/``"required"``/``True`` (some tool must be called), a tool's name, or
     ``{"type": "function", "function": {"name": ...}}`` (also ``{"name": ...}``).
 
     Raises:
@@ -162,6 +231,39 @@ def normalize_tool_choice(choice: Any, names: Sequence[str]) -> ToolChoice:
     if choice in names:
         return {"type": "function", "function": {"name": choice}}
     raise ValueError(f"tool_choice {choice!r} is not one of the tools ({', '.join(names)}) nor auto/any/required/none")
+
+
+@dataclass(frozen=True)
+class ToolOffer:
+    """The tools a call offers and its choice among them, read once for local and endpoint mode.
+
+    Attributes:
+        tools: the tools offered, normalised (empty when none are, or ``tool_choice="none"``).
+        choice: the normalised ``tool_choice`` (``None`` when no tool is offered).
+    """
+
+    tools: list[dict[str, Any]]
+    choice: ToolChoice | None
+
+    @property
+    def forced(self) -> str | None:
+        """``None`` when nothing is forced, ``""`` when any tool must be called, else the tool's name."""
+        return forced_tool(self.choice, self.tools) if self.choice is not None else None
+
+
+def offer_tools(tools: Sequence[Any] | None, tool_choice: Any) -> ToolOffer:
+    """Read ``tools`` and ``tool_choice`` (:func:`normalize_tools`, :func:`normalize_tool_choice`).
+
+    Raises:
+        RequestFieldError: a bad tool (``tools``) or a bad ``tool_choice``.
+    """
+    with _field("tools"):
+        normalized = normalize_tools(tools)
+    with _field("tool_choice"):
+        choice = normalize_tool_choice(tool_choice, [t["function"]["name"] for t in normalized])
+    if choice == "none" or not normalized:
+        return ToolOffer([], None)
+    return ToolOffer(normalized, choice)
 
 
 def forced_tool(choice: ToolChoice, tools: Sequence[Mapping[str, Any]]) -> str | None:
@@ -666,7 +768,7 @@ class _RepetitionGuard(Iterator[str]):
 
 def plan_request(
     engine: SpeculativeEngine,
-    prompt: str | Sequence[Mapping[str, Any]],
+    prompt: str | Sequence[Mapping[str, Any]] | Sequence[int],
     *,
     max_tokens: int | None = None,
     temperature: float = 0.0,
@@ -682,12 +784,13 @@ def plan_request(
     constrain_tool_calls: bool = True,
     parallel_tool_calls: bool = True,
     escape_special_tokens: bool = False,
+    fit_max_tokens: bool = True,
 ) -> RequestPlan:
     """Plan one call on ``engine``: everything but the framework's own types.
 
     Args:
         engine: the engine.
-        prompt: a raw string (no template, no tools) or chat messages.
+        prompt: a raw string (no template, no tools), chat messages, or token ids.
         max_tokens: the budget (``None``: :data:`DEFAULT_MAX_TOKENS`).
         temperature: 0 for greedy decoding.
         top_p: nucleus sampling.
@@ -703,31 +806,46 @@ def plan_request(
         parallel_tool_calls: ``False``: at most one call (by the grammar).
         escape_special_tokens: encode special-token strings in the messages and tools as plain
             text for this call (the engine's own setting applies as well).
+        fit_max_tokens: cut a ``max_tokens`` that does not fit to the context window (the
+            adapters); ``False`` leaves it for the engine to refuse (``selfspec serve``).
 
     Raises:
-        ValueError: bad tools, ``tool_choice`` or ``response_format``.
+        RequestFieldError: bad tools, ``tool_choice`` or ``response_format`` (a ``ValueError``
+            naming the field).
+        InvalidSchemaError: tools or a schema over the bounds.
         InvalidPromptError: an empty prompt or one that fills the context window.
     """
-    normalized = normalize_tools(tools)
-    choice = normalize_tool_choice(tool_choice, [t["function"]["name"] for t in normalized])
-    if choice == "none":
-        normalized = []
-    forced = forced_tool(choice, normalized)
-    schema = dict(json_schema) if json_schema is not None else response_schema(response_format)
-    check_request_bounds(engine, prompt, normalized, schema, truncate_prompt=truncate_prompt)
-    constraint = plan_constraint(
-        engine.tokenizer,
-        normalized,
-        forced,
-        schema,
-        constrain_tool_calls=constrain_tool_calls,
-        parallel_tool_calls=parallel_tool_calls,
-    )
+    offer = offer_tools(tools, tool_choice)
+    normalized, forced = offer.tools, offer.forced
+    with _field("response_format"):
+        schema = dict(json_schema) if json_schema is not None else response_schema(response_format)
+    token_ids = [int(token) for token in cast("Sequence[int]", prompt)] if _is_token_ids(prompt) else None
+    text = cast("str | Sequence[Mapping[str, Any]]", prompt)
+    if token_ids is None:
+        check_request_bounds(engine, text, normalized, schema, truncate_prompt=truncate_prompt)
+    with _field("tool_choice"):
+        constraint = plan_constraint(
+            engine.tokenizer,
+            normalized,
+            forced,
+            schema,
+            constrain_tool_calls=constrain_tool_calls,
+            parallel_tool_calls=parallel_tool_calls,
+        )
     stated_schema = schema if schema is not None and schema != {"type": "object"} else None
-    prompt_ids = encode_request(
-        engine, prompt, normalized, stated_schema, forced, escape_special_tokens=escape_special_tokens
+    if token_ids is not None:
+        prompt_ids = token_ids
+    else:
+        prompt_ids = encode_request(
+            engine, text, normalized, stated_schema, forced, escape_special_tokens=escape_special_tokens
+        )
+    budget = token_budget(
+        max_tokens,
+        len(prompt_ids),
+        engine.context_window,
+        truncate_prompt=truncate_prompt,
+        fit_max_tokens=fit_max_tokens,
     )
-    budget = token_budget(max_tokens, len(prompt_ids), engine.context_window, truncate_prompt=truncate_prompt)
     sampling: dict[str, Any] = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
     sampling["stop"] = [stop] if isinstance(stop, str) else (list(stop) if stop else None)
     return RequestPlan(
@@ -739,6 +857,24 @@ def plan_request(
         constraint=constraint,
         parse_tools=bool(normalized) and schema is None,
     )
+
+
+def _is_token_ids(prompt: Any) -> bool:
+    """Whether ``prompt`` is already token ids (``selfspec serve``'s ``/v1/completions`` takes them)."""
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(t, int) for t in prompt)
+
+
+@contextlib.contextmanager
+def _field(name: str) -> Iterator[None]:
+    """Turn a ``ValueError`` into a :class:`RequestFieldError` naming the request field ``name``."""
+    try:
+        yield
+    except RequestFieldError:
+        raise
+    except ValueError as error:
+        if type(error) is not ValueError:  # a typed error (InvalidSchemaError, ...) keeps its type
+            raise
+        raise RequestFieldError(str(error), name) from error
 
 
 # ------------------------------------------------------------------------------- sync -> async

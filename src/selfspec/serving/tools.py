@@ -218,8 +218,11 @@ def _read_llama_json(text: str) -> list[ToolCall | InvalidToolCall] | None:
     except ValueError as error:
         if tagged:
             name = _NAME_RE.search(stripped)
-            return [InvalidToolCall(_unescape(name.group(1)) if name else None, stripped,
-                                    f"the tool call is not valid JSON: {error}")]
+            return [
+                InvalidToolCall(
+                    _unescape(name.group(1)) if name else None, stripped, f"the tool call is not valid JSON: {error}"
+                )
+            ]
         return None
     values = value if isinstance(value, list) else [value]
     if not values or not all(_looks_like_call(v) for v in values):
@@ -473,9 +476,7 @@ def tool_schema(tool: Mapping[str, Any]) -> dict[str, Any]:
             a valid tool name, or the parameters are not a JSON object schema.
     """
     if not isinstance(tool, Mapping):
-        raise ValueError(
-            f"a tool must be a dict (an OpenAI function or a JSON schema), got {type(tool).__name__}"
-        )
+        raise ValueError(f"a tool must be a dict (an OpenAI function or a JSON schema), got {type(tool).__name__}")
     if tool.get("type") == "function" or "function" in tool:
         function = tool.get("function")
         if not isinstance(function, Mapping):
@@ -484,8 +485,7 @@ def tool_schema(tool: Mapping[str, Any]) -> dict[str, Any]:
         function = tool
     elif "title" in tool and ("properties" in tool or tool.get("type") == "object"):
         parameters = {k: v for k, v in tool.items() if k not in ("title", "description")}
-        function = {"name": tool["title"], "description": tool.get("description", ""),
-                    "parameters": parameters}
+        function = {"name": tool["title"], "description": tool.get("description", ""), "parameters": parameters}
     else:
         raise ValueError(
             "cannot read this tool: expected {'type': 'function', 'function': {...}}, "
@@ -493,9 +493,7 @@ def tool_schema(tool: Mapping[str, Any]) -> dict[str, Any]:
         )
     name = function.get("name")
     if not isinstance(name, str) or not _TOOL_NAME_RE.match(name):
-        raise ValueError(
-            f"invalid tool name {name!r}: use 1-64 letters, digits, '_', '-' or '.'"
-        )
+        raise ValueError(f"invalid tool name {name!r}: use 1-64 letters, digits, '_', '-' or '.'")
     description = function.get("description") or ""
     if not isinstance(description, str):
         raise ValueError(f"the description of tool {name!r} must be a string")

@@ -39,8 +39,8 @@ from ...decoding.outputs import GenerationOutput
 from ...errors import InvalidSchemaError, one_line
 from ...modeling.realmodels import display_name
 from ..engines import get_engine
-from ..requests import DEFAULT_MAX_TOKENS, encode_request, plan_constraint, token_budget  # noqa: F401 - re-exported
-from ..tools import ContentDelta, ToolCallChunk, ToolCallStreamParser, parse_tool_calls
+from ..requests import DEFAULT_MAX_TOKENS, RequestFieldError, RequestPlan, TokenUsage, plan_request  # noqa: F401
+from ..tools import ContentDelta, ToolCallChunk, ToolCallStreamParser
 from .limits import (
     CLIENT_CLOSED,
     PromptLengthCheck,
@@ -61,8 +61,6 @@ from .protocol import (
     engine_error_param,
     engine_messages,
     error_body,
-    read_tools,
-    response_schema,
 )
 
 logger = logging.getLogger("selfspec.serving.server")
@@ -84,9 +82,10 @@ except ImportError:  # pragma: no cover - jinja2 comes with transformers' chat t
 class _Job:
     """One generation, run by a worker thread that can be told to stop between deltas."""
 
-    def __init__(self, stream: GenerationStream, parse_tools: bool) -> None:
+    def __init__(self, stream: GenerationStream, plan: RequestPlan) -> None:
         self.stream = stream
-        self.parse_tools = parse_tools
+        self.plan = plan
+        self.parse_tools = plan.parse_tools
         self.cancelled = threading.Event()
         self.client_gone = False  # set when a non-streamed request's client disconnected
         self.constraint_field: str | None = None  # the request field whose grammar constrains it
@@ -112,7 +111,9 @@ class _Job:
             self.stream.close()  # cancels the generation when it stopped early
             self.output = self.stream.output
             if self.output is not None and self.error is None:
-                metrics.generation_done(self.output, time.perf_counter() - started)
+                metrics.generation_done(
+                    self.output, time.perf_counter() - started, self.plan.finish_reason(self.output)
+                )
             else:
                 metrics.generation_failed()
             self._emit(_END)
@@ -132,20 +133,16 @@ class _Job:
             self.cancelled.set()
 
 
-def _finish_reason(output: GenerationOutput, tool_calls: bool) -> str:
-    """OpenAI's finish reason: ``length``, ``tool_calls`` or ``stop`` (``cancelled`` is never rendered as ``stop``)."""
-    if output.finish_reason in ("length", "cancelled"):
-        return str(output.finish_reason)
+def _finish_reason(plan: RequestPlan, output: GenerationOutput, tool_calls: bool) -> str:
+    """The finish reason: OpenAI's ``length``, ``tool_calls`` or ``stop``, or the planner's ``repetition``.
+
+    ``repetition`` (a JSON string that looped, stopped by the planner's guard) and ``cancelled``
+    are never rendered as ``stop``.
+    """
+    reason = plan.finish_reason(output)
+    if reason in ("length", "cancelled", "repetition"):
+        return str(reason)
     return "tool_calls" if tool_calls else "stop"
-
-
-def _usage(output: GenerationOutput) -> dict[str, int]:
-    completion = len(output.token_ids)
-    return {
-        "prompt_tokens": output.prompt_tokens,
-        "completion_tokens": completion,
-        "total_tokens": output.prompt_tokens + completion,
-    }
 
 
 # ------------------------------------------------------------------------------- response bodies
@@ -208,12 +205,14 @@ class _Render:
         chunks = []
         if self.parser is not None:
             chunks = [self._event_chunk(event) for event in self.parser.finish()]
-        final = self._chunk({} if self.kind == "chat" else "", _finish_reason(output, self.saw_tool_call))
+        final = self._chunk(
+            {} if self.kind == "chat" else "", _finish_reason(self.job.plan, output, self.saw_tool_call)
+        )
         final["selfspec"] = output.stats.to_dict()
         chunks.append(final)
         if self.include_usage:
             usage = self._envelope([], chunk=True)
-            usage["usage"] = _usage(output)
+            usage["usage"] = TokenUsage.of(output).openai()
             chunks.append(usage)
         return chunks
 
@@ -235,12 +234,14 @@ class _Render:
         text = output.text or ""
         choice: dict[str, Any] = {"index": 0}
         if self.kind == "text":
-            choice.update({"text": text, "logprobs": None, "finish_reason": _finish_reason(output, False)})
+            choice.update(
+                {"text": text, "logprobs": None, "finish_reason": _finish_reason(self.job.plan, output, False)}
+            )
         else:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             calls: list[dict[str, Any]] = []
             if self.job.parse_tools:
-                parsed = parse_tool_calls(text)
+                parsed = self.job.plan.parse(text)
                 calls = [
                     _tool_call(call.id, call.name, json.dumps(call.arguments, ensure_ascii=False))
                     for call in parsed.tool_calls
@@ -248,9 +249,15 @@ class _Render:
                 message["content"] = parsed.content or (None if calls else "")
             if calls:
                 message["tool_calls"] = calls
-            choice.update({"message": message, "logprobs": None, "finish_reason": _finish_reason(output, bool(calls))})
+            choice.update(
+                {
+                    "message": message,
+                    "logprobs": None,
+                    "finish_reason": _finish_reason(self.job.plan, output, bool(calls)),
+                }
+            )
         body = self._envelope([choice], chunk=False)
-        body["usage"] = _usage(output)
+        body["usage"] = TokenUsage.of(output).openai()
         body["selfspec"] = output.stats.to_dict()
         return body
 
@@ -330,99 +337,57 @@ class _Server:
 
     # -- preparing generations (on a worker thread: templates, tokenization and grammars take time)
     def prepare_chat(self, body: ChatCompletionRequest) -> _Job:
-        """Render the messages and set up the generation (nothing is decoded yet)."""
-        tools, forced = read_tools(body)
-        schema = response_schema(body.response_format) if body.response_format else None
-        if forced is not None and schema is not None:
-            raise APIError(400, "a forced tool_choice and a response_format cannot be combined", param="tool_choice")
+        """Hand the request to the planner (:func:`selfspec.serving.requests.plan_request`); nothing is decoded yet."""
         messages = engine_messages(body.messages)
-        engine = self.engine
-        # the adapters' request planner (selfspec.serving.requests): prompt, constraint and budget alike
-        stated = schema if schema != {"type": "object"} else None
         with _bad_request("messages"):
-            prompt_ids = encode_request(
-                engine, messages, tools, stated, forced, escape_special_tokens=body.escape_special_tokens
+            plan = plan_request(
+                self.engine,
+                messages,
+                max_tokens=body.token_limit,
+                **body.sampling(),
+                tools=body.tools,
+                tool_choice=body.tool_choice,
+                response_format=body.response_format,
+                constrain_tool_calls=body.constrain_tool_calls,
+                parallel_tool_calls=body.parallel_tool_calls is not False,
+                escape_special_tokens=body.escape_special_tokens,
+                fit_max_tokens=False,
             )
-        plan = plan_constraint(
-            engine.tokenizer,
-            tools,
-            forced,
-            schema,
-            constrain_tool_calls=body.constrain_tool_calls,
-            parallel_tool_calls=body.parallel_tool_calls is not False,
-        )
-        constraint = None
-        if plan is not None and plan.kind == "json_schema":
-            constraint = self._grammar("json_schema_constraint", schema)
-        elif plan is not None:
-            constraint = self._grammar(
-                "tool_call_constraint", tools, tool_name=plan.tool_name, required=plan.required, parallel=plan.parallel
-            )
-        job = self._start(prompt_ids, body.token_limit, body.sampling(), constraint, "messages", bool(tools))
-        if plan is not None:
-            job.constraint_field = "response_format" if plan.kind == "json_schema" else "tools"
-        return job
+        return self._start(plan, "messages")
 
     def prepare_completion(self, body: CompletionRequest) -> _Job:
-        """Encode the prompt and set up the generation."""
+        """Hand the prompt (text or token ids) to the planner; nothing is decoded yet."""
         prompt = body.prompt
         if not prompt:
             raise APIError(400, "the prompt is empty; pass some text", param="prompt")
         if isinstance(prompt, list) and isinstance(prompt[0], str):
             if len(prompt) > 1:
                 raise APIError(400, "only one prompt per request is supported", param="prompt")
+            prompt = str(prompt[0])
         with _bad_request("prompt"):
-            if isinstance(prompt, str):
-                prompt_ids = self.engine.encode_prompt(prompt)
-            elif isinstance(prompt[0], str):
-                prompt_ids = self.engine.encode_prompt(str(prompt[0]))
-            else:
-                prompt_ids = [int(token) for token in prompt]
-        return self._start(prompt_ids, body.token_limit, body.sampling(), None, "prompt", False)
+            plan = plan_request(
+                self.engine, prompt, max_tokens=body.token_limit, **body.sampling(), fit_max_tokens=False
+            )
+        return self._start(plan, "prompt")
 
-    def _start(
-        self,
-        prompt_ids: list[int],
-        limit: int | None,
-        sampling: dict[str, Any],
-        constraint: Any,
-        prompt_field: str,
-        parse_tools: bool,
-    ) -> _Job:
-        engine = self.engine
-        if limit is not None and limit < 1:
-            raise APIError(400, f"max_tokens must be >= 1, got {limit}", param="max_tokens")
-        if limit is None:  # the one default (selfspec.serving.requests.DEFAULT_MAX_TOKENS), never past the window
+    @staticmethod
+    def _start(plan: RequestPlan, prompt_field: str) -> _Job:
+        """Start the plan's stream (the grammar is compiled here; the repetition guard wraps it)."""
+        constraint_field = None
+        if plan.constraint is not None:
+            constraint_field = "response_format" if plan.constraint.kind == "json_schema" else "tools"
+        with _bad_request(constraint_field or prompt_field):
             try:
-                limit = token_budget(
-                    None, len(prompt_ids), engine.context_window, truncate_prompt=bool(sampling.get("truncate_prompt"))
-                )
-            except ValueError as error:
-                raise APIError(400, str(error), param=prompt_field) from error
-        with _bad_request(prompt_field):
-            stream = engine.stream_ids(prompt_ids, max_new_tokens=limit, constraint=constraint, **sampling)
-        return _Job(stream, parse_tools)
-
-    def _grammar(self, kind: str, *args: Any, **kwargs: Any) -> Any:
-        """A fresh constraint from :mod:`selfspec.serving.grammar` (``kind`` names its factory)."""
-        engine = self.engine
-        with _bad_request("tools" if kind == "tool_call_constraint" else "response_format"):
-            try:
-                from .. import grammar
-
-                return getattr(grammar, kind)(
-                    engine.tokenizer,
-                    *args,
-                    vocab_size=engine.runner.vocab_size,
-                    eos_token_ids=engine.eos_token_ids,
-                    **kwargs,
-                )
+                stream = plan.stream()
             except ImportError as error:  # llguidance is the optional 'grammar' extra
                 raise APIError(
                     400,
                     f"constrained output needs llguidance: pip install 'selfspec[grammar]' ({error})",
                     code="unsupported",
                 ) from error
+        job = _Job(stream, plan)
+        job.constraint_field = constraint_field
+        return job
 
     # -- answering
     async def answer(self, request: Request, kind: str, body: ChatCompletionRequest | CompletionRequest) -> Response:
@@ -453,7 +418,7 @@ class _Server:
             return Response(status_code=CLIENT_CLOSED)
         if job.error is not None or output is None:
             raise _generation_error(job.error, request_id, job.constraint_field)
-        if output.finish_reason == "cancelled":  # the server is shutting down
+        if job.plan.finish_reason(output) == "cancelled":  # the server is shutting down (not the repetition guard)
             raise APIError(
                 503, "the server is shutting down; retry the request", type="server_error", code="shutting_down"
             )
@@ -542,6 +507,8 @@ def _bad_request(prompt_field: str) -> Iterator[None]:
         yield
     except APIError:
         raise
+    except RequestFieldError as error:
+        raise APIError(400, str(error), param=error.field) from error
     except InvalidSchemaError as error:
         raise APIError(400, str(error), param=prompt_field, code="invalid_schema") from error
     except (ValueError, _TemplateError) as error:

@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ...decoding.outputs import GenerationOutput
+from ..requests import TokenUsage
 
 #: The ``Content-Type`` of the exposition format ``generate_latest`` writes (text format 0.0.4).
 CONTENT_TYPE: str = getattr(exposition, "CONTENT_TYPE_PLAIN_0_0_4", "text/plain; version=0.0.4; charset=utf-8")
@@ -54,14 +55,15 @@ class Metrics:
         with self._lock:
             self.requests[(endpoint, status)] += 1
 
-    def generation_done(self, output: GenerationOutput, seconds: float) -> None:
-        """Add one finished (or cancelled) generation."""
+    def generation_done(self, output: GenerationOutput, seconds: float, finish_reason: str | None = None) -> None:
+        """Add one finished (or cancelled) generation (``finish_reason``: the planner's, e.g. ``repetition``)."""
         stats = output.stats
         with self._lock:
             self.running -= 1
-            self.generations[output.finish_reason] += 1
-            self.prompt_tokens += output.prompt_tokens
-            self.completion_tokens += len(output.token_ids)
+            self.generations[finish_reason or output.finish_reason] += 1
+            usage = TokenUsage.of(output)
+            self.prompt_tokens += usage.prompt_tokens
+            self.completion_tokens += usage.completion_tokens
             self.target_forwards += stats.target_forwards
             self.num_drafted += stats.num_drafted
             self.num_accepted += stats.num_accepted
@@ -97,7 +99,8 @@ class Metrics:
                 return CounterMetricFamily(f"selfspec_{name}", help_text, value=value)
 
             requests = CounterMetricFamily(
-                "selfspec_requests", "HTTP requests answered, by endpoint and status code.",
+                "selfspec_requests",
+                "HTTP requests answered, by endpoint and status code.",
                 labels=["endpoint", "status"],
             )
             for (endpoint, status), count in sorted(self.requests.items()):
@@ -119,31 +122,38 @@ class Metrics:
             families = [
                 requests,
                 GaugeMetricFamily(
-                    "selfspec_requests_running", "Generations in progress (running or waiting for the engine).",
+                    "selfspec_requests_running",
+                    "Generations in progress (running or waiting for the engine).",
                     value=self.running,
                 ),
                 generations,
                 counter("prompt_tokens", "Prompt tokens processed.", self.prompt_tokens),
                 counter("completion_tokens", "New tokens generated.", self.completion_tokens),
-                counter("target_forwards", "Forward passes of the full target model (prefills included).",
-                        self.target_forwards),
+                counter(
+                    "target_forwards",
+                    "Forward passes of the full target model (prefills included).",
+                    self.target_forwards,
+                ),
                 counter("num_drafted", "Draft tokens proposed.", self.num_drafted),
                 counter("num_accepted", "Draft tokens the target accepted.", self.num_accepted),
                 histogram,
                 counter("draft_seconds", "Wall time spent drafting.", self.draft_seconds),
-                counter("verify_seconds", "Wall time spent in target forwards (prefills included).",
-                        self.verify_seconds),
+                counter(
+                    "verify_seconds", "Wall time spent in target forwards (prefills included).", self.verify_seconds
+                ),
                 GaugeMetricFamily(
                     "selfspec_mean_accepted_length",
                     "Tokens emitted per verify step after the prefill, over all generations (tau).",
                     value=self.decoded_tokens / steps if steps > 0 else 0.0,
                 ),
                 GaugeMetricFamily(
-                    "selfspec_acceptance_rate", "num_accepted / num_drafted over all generations.",
+                    "selfspec_acceptance_rate",
+                    "num_accepted / num_drafted over all generations.",
                     value=self.num_accepted / self.num_drafted if self.num_drafted else 0.0,
                 ),
                 GaugeMetricFamily(
-                    "selfspec_tokens_per_second", "New tokens per second of generation time, over all generations.",
+                    "selfspec_tokens_per_second",
+                    "New tokens per second of generation time, over all generations.",
                     value=self.completion_tokens / self.generation_seconds if self.generation_seconds else 0.0,
                 ),
             ]

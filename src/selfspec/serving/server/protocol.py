@@ -1,5 +1,9 @@
 """The OpenAI wire format: request bodies, message conversion, and error bodies.
 
+This module only checks the wire format (types, ranges, unsupported options); what a request
+means (its budget, tools and ``tool_choice``, ``response_format``, constraint, repetition guard
+and usage) is the request planner's, :mod:`selfspec.serving.requests`, shared with both adapters.
+
 Unknown fields are ignored, as OpenAI-compatible servers do, but the known ones are typed
 strictly: ``true`` is not a number, ``"5"`` and ``5.0`` are not integers, ``"yes"`` is not a
 boolean (pydantic's strict mode). Options that would change the answer and that selfspec cannot
@@ -17,7 +21,6 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from ...errors import InvalidPromptError
-from ..tools import tool_schema
 
 #: Chat roles the server accepts (``developer`` is OpenAI's newer name for ``system``).
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -125,8 +128,16 @@ class _SamplingRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     truncate_prompt: bool = False
 
+    @property
+    def token_limit(self) -> int | None:
+        """The requested budget (``None``: the planner's default)."""
+        return self.max_tokens
+
     def check_supported(self) -> None:
-        """Refuse options that would change the answer and that selfspec cannot honour."""
+        """Refuse options that would change the answer and that selfspec cannot honour, and out-of-range limits."""
+        limit = self.token_limit
+        if limit is not None and limit < 1:
+            raise APIError(400, f"max_tokens must be >= 1, got {limit}", param="max_tokens")
         if self.n not in (None, 1):
             raise APIError(400, "only n=1 is supported", param="n")
         if self.logprobs not in (None, False):
@@ -165,7 +176,9 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[dict[str, Any]]
     max_completion_tokens: int | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    #: any spelling :func:`selfspec.serving.requests.normalize_tool_choice` reads: ``"auto"``,
+    #: ``"none"``, ``"required"``/``"any"``/``true``, ``false``, a tool's name or a named function
+    tool_choice: bool | str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     #: selfspec's own field: with tools and ``tool_choice="auto"``, generate the calls the model
     #: chooses to make under the tools' grammar (as the adapters' ``constrain_tool_calls``)
@@ -269,62 +282,3 @@ def _template_call(call: Any, names: dict[str, str], param: str) -> dict[str, An
     if call.get("id"):
         names[str(call["id"])] = function["name"]
     return {"type": "function", "id": call.get("id"), "function": {"name": function["name"], "arguments": arguments}}
-
-
-# ------------------------------------------------------------------------------- tools
-def read_tools(request: ChatCompletionRequest) -> tuple[list[dict[str, Any]], str | None]:
-    """The normalised tools to render and the forced tool.
-
-    Returns:
-        ``(tools, forced)``: ``tools`` is empty when none are offered or ``tool_choice`` is
-        ``"none"``; ``forced`` is ``None`` (the model decides), ``""`` (any tool, for
-        ``"required"``) or a tool's name.
-
-    Raises:
-        APIError: an invalid tool schema, or a ``tool_choice`` naming no offered tool.
-    """
-    try:
-        tools = [tool_schema(tool) for tool in request.tools or []]
-    except ValueError as error:
-        raise APIError(400, str(error), param="tools") from error
-    choice = request.tool_choice
-    if choice is None or choice == "auto":
-        return tools, None
-    if choice == "none":
-        return [], None
-    if not tools:
-        raise APIError(400, f"tool_choice={choice!r} needs tools", param="tool_choice")
-    if choice == "required":
-        return tools, ""
-    if isinstance(choice, dict):
-        function = choice.get("function")
-        name = function.get("name") if isinstance(function, dict) else None
-        if name in [tool["function"]["name"] for tool in tools]:
-            return tools, str(name)
-    raise APIError(
-        400, f"tool_choice {choice!r} is not 'none', 'auto', 'required' nor an offered function", param="tool_choice"
-    )
-
-
-def response_schema(response_format: dict[str, Any]) -> dict[str, Any] | None:
-    """The JSON schema an OpenAI ``response_format`` asks for (``None``: plain text).
-
-    Raises:
-        APIError: an unknown format or a ``json_schema`` without a schema.
-    """
-    kind = response_format.get("type")
-    if kind in (None, "text"):
-        return None
-    if kind == "json_object":
-        return {"type": "object"}
-    if kind == "json_schema":
-        spec = response_format.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        if isinstance(schema, dict):
-            return schema
-    raise APIError(
-        400,
-        "response_format must be {'type': 'text'}, {'type': 'json_object'} or "
-        "{'type': 'json_schema', 'json_schema': {'schema': {...}}}",
-        param="response_format",
-    )

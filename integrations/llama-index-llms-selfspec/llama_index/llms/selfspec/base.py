@@ -60,11 +60,12 @@ from selfspec.serving.requests import (
     DEFAULT_MAX_TOKENS,
     INCOMPLETE_REASONS,
     RequestPlan,
+    TokenUsage,
     agenerate,
     aiterate,
     check_arguments,
     cut_off_message,
-    normalize_tool_choice,
+    offer_tools,
     plan_request,
 )
 from selfspec.serving.tools import (
@@ -90,6 +91,7 @@ def get_engine(model: str, **engine_args: Any) -> SpeculativeEngine:
     from selfspec import get_engine as shared_engine
 
     return shared_engine(model, **engine_args)
+
 
 dispatcher = instrument.get_dispatcher(__name__)
 
@@ -710,22 +712,21 @@ class SpeculativeLLM(FunctionCallingLLM):
         }
         if isinstance(prompt, str):
             return text_body(prompt, **sampling)
-        tools = options["tools"]
-        choice = normalize_tool_choice(options["tool_choice"], [t["function"]["name"] for t in tools])
+        offer = offer_tools(options["tools"], options["tool_choice"])  # read as plan_request reads them
         json_schema = options["json_schema"]
         response_format = None
         if json_schema is not None:
             response_format = {"type": "json_schema", "json_schema": {"name": "response", "schema": json_schema}}
         body = chat_body(
             prompt,
-            tools=tools or None,
-            tool_choice=choice if tools else None,
+            tools=offer.tools or None,
+            tool_choice=offer.choice,
             response_format=response_format,
             constrain_tool_calls=self.constrain_tool_calls,
             escape_special_tokens=self.escape_special_tokens,
             **sampling,
         )
-        if tools and not options["parallel_tool_calls"]:
+        if offer.tools and not options["parallel_tool_calls"]:
             body["parallel_tool_calls"] = False
         return body
 
@@ -753,12 +754,7 @@ class _Answer:
 
 def _local_answer(plan: RequestPlan, model: str, output: GenerationOutput) -> _Answer:
     parsed = plan.parse(output.text or "")
-    completion_tokens = len(output.token_ids)
-    usage = {
-        "prompt_tokens": output.prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": output.prompt_tokens + completion_tokens,
-    }
+    usage = TokenUsage.of(output).openai()
     return _Answer(
         parsed.content if plan.parse_tools else output.text or "",
         parsed.tool_calls,
@@ -772,13 +768,7 @@ def _local_answer(plan: RequestPlan, model: str, output: GenerationOutput) -> _A
 
 
 def _endpoint_answer(result: EndpointResult, options: dict[str, Any]) -> _Answer:
-    usage = {}
-    if result.prompt_tokens is not None and result.completion_tokens is not None:
-        usage = {
-            "prompt_tokens": result.prompt_tokens,
-            "completion_tokens": result.completion_tokens,
-            "total_tokens": result.prompt_tokens + result.completion_tokens,
-        }
+    usage = result.usage.openai() if result.usage is not None else {}
     return _Answer(
         result.text,
         result.tool_calls,
