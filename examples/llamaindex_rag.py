@@ -25,6 +25,7 @@ from llama_index.core.embeddings import MockEmbedding
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events.llm import LLMChatEndEvent
+from llama_index.core.node_parser import SentenceSplitter
 from llama_index.llms.selfspec import SpeculativeLLM
 
 DOCUMENTS = [
@@ -66,7 +67,11 @@ def main() -> None:
     llm = SpeculativeLLM(model=args.model, max_new_tokens=args.max_new_tokens)
     Settings.llm = llm
     Settings.embed_model = MockEmbedding(embed_dim=64)
-    index = VectorStoreIndex.from_documents([Document(text=text) for text in DOCUMENTS])
+    # MockEmbedding scores every chunk alike and ties are broken by node id: fixed ids keep the context's order
+    # (and so the answer) the same from run to run
+    splitter = SentenceSplitter(id_func=lambda i, doc: f"{doc.doc_id}-{i}")
+    documents = [Document(text=text, id_=f"note-{n}") for n, text in enumerate(DOCUMENTS)]
+    index = VectorStoreIndex.from_documents(documents, transformations=[splitter])
 
     llm.complete("Hello", max_new_tokens=4)  # warm up (the first forward pass is slow)
     last = LastResponse()
