@@ -35,6 +35,7 @@ from ..drafting.base import DecodeState, Draft, Drafter, choose_token
 from ..drafting.fitting import fit_tree, truncate_chain
 from ..modeling.cache import BatchedKVCache, StaticKVCache
 from ..modeling.runner import ModelRunner
+from ..modeling.transfer import device_ids
 from .generation import Generation
 from .outputs import FinishReason
 from .verify import prefill, prefill_row, score_chain, score_rows, score_tree
@@ -170,7 +171,7 @@ def accept_draft(state: DecodeState, draft: Draft, target_logits: torch.Tensor) 
             return accept_tree_greedy(draft.tokens, draft.parents, target_logits)
         target_probs = logits_to_probs(target_logits, state.params)
         return accept_tree_sampled(draft.tokens, draft.parents, draft.draft_probs, target_probs, state.generator)
-    draft_tokens = torch.tensor(draft.tokens, dtype=torch.long, device=target_logits.device)
+    draft_tokens = device_ids(draft.tokens, target_logits.device)
     if state.params.greedy:
         return accept_greedy(draft_tokens, target_logits)
     target_probs = logits_to_probs(target_logits, state.params)
