@@ -203,10 +203,10 @@ def engine_eagle_head(engine: Any, eagle_head: Any = None) -> EagleHead:
     ``eagle_head=`` is a folder, a loaded :class:`~selfspec.drafting.eagle.head.EagleHead`, or ``"auto"`` /
     ``None`` (:func:`~selfspec.drafting.eagle.head.find_eagle_head`).
     """
-    model = engine.runner.model
+    runner = engine.runner  # the heads reach the target's modules through it
     choice = eagle_head if eagle_head is not None else getattr(engine.config, "eagle_head", None)
     if choice is None or choice == "auto":
-        folder = find_eagle_head(engine.name_or_path, model)
+        folder = find_eagle_head(engine.name_or_path, runner)
         if folder is None:
             where = "beside this model (its eagle_head/ folder), in the user cache, or among the heads selfspec ships"
             raise ConfigurationError(
@@ -216,16 +216,15 @@ def engine_eagle_head(engine: Any, eagle_head: Any = None) -> EagleHead:
             )
         choice = folder
     if isinstance(choice, EagleHead):
-        check_fits(choice.head_config, model)
-        weight = model.model.embed_tokens.weight
-        return choice.to(device=weight.device, dtype=weight.dtype)
+        check_fits(choice.head_config, runner)
+        return choice.to(device=runner.device, dtype=runner.dtype)
     if not isinstance(choice, (str, os.PathLike)):
         raise ConfigurationError(f"eagle_head must be a folder, a loaded EagleHead or 'auto', got {choice!r}")
     from .published import is_published_head, load_published_head
 
     if is_published_head(choice):  # a published EAGLE-1/EAGLE-2 head folder (config.json + model.safetensors)
-        return load_published_head(choice, model)
-    return load_eagle_head(choice, model)
+        return load_published_head(choice, runner)
+    return load_eagle_head(choice, runner)
 
 
 def make_eagle(engine: Any, **options: Any) -> EagleDrafter:
