@@ -35,7 +35,7 @@ from torch import nn
 from ...core.sampling import SamplingParams, logits_to_probs, sample
 from ...errors import ConfigurationError, ModelNotFoundError, UnsafeCheckpointError
 from ..base import DecodeState, Draft, Drafter, draft_autoregressively
-from ..planning import BenchContext, BenchRow, DrafterBench, sampled
+from ..planning import BenchContext, BenchRow, DrafterBench, sampled, tree_rows
 from ..registry import register_drafter
 
 #: File names of the published layout.
@@ -404,16 +404,16 @@ def _rows(name: str, context: BenchContext) -> list[BenchRow]:
         f"Medusa heads, {num_heads} drafts, fixed",
         name,
     )
-    rows = [chain, *sampled(chain, context.temperatures)]
-    for nodes in context.tree_nodes:  # the heads' candidates verified as a tree
-        tree = BenchRow(
+
+    def tree(nodes: int) -> BenchRow:  # the heads' candidates verified as a tree
+        return BenchRow(
             f"selfspec_{name}_tree_{nodes}",
             context.engine(drafter=name, num_draft_tokens=num_heads, tree_nodes=nodes),
             f"Medusa candidate tree, at most {nodes} nodes and {num_heads} levels",
             name,
         )
-        rows += [tree, *sampled(tree, context.temperatures)]
-    return rows
+
+    return [chain, *sampled(chain, context.temperatures), *tree_rows(context, tree)]
 
 
 register_drafter(
