@@ -617,6 +617,7 @@ class RequestPlan:
         parse_tools: whether tool calls are read from the answer.
         repetition: the repeated piece of text, once the call was stopped because its JSON
             degenerated into repetition (:class:`selfspec.decoding.stopping.RepetitionDetector`).
+        logprobs: ``None``, or report each token's log-probability and this many alternatives.
     """
 
     engine: SpeculativeEngine
@@ -627,6 +628,7 @@ class RequestPlan:
     constraint: ConstraintPlan | None = None
     parse_tools: bool = False
     repetition: str | None = None
+    logprobs: int | None = None
 
     @property
     def guards_repetition(self) -> bool:
@@ -640,6 +642,7 @@ class RequestPlan:
             **self.sampling,
             "truncate_prompt": self.truncate_prompt,
             "constraint": self.constraint.build(self.engine) if self.constraint is not None else None,
+            "logprobs": self.logprobs,
         }
 
     def generate(self) -> GenerationOutput:
@@ -753,6 +756,11 @@ class _RepetitionGuard(Iterator[str]):
         return self._stream.stats
 
     @property
+    def logprobs(self) -> Any:
+        """The engine's log-probabilities of the tokens so far (``None`` unless asked for)."""
+        return self._stream.logprobs
+
+    @property
     def finish_reason(self) -> str | None:
         """``"repetition"`` when stopped on a loop, else the engine's finish reason."""
         if self._stream.output is None:
@@ -785,6 +793,7 @@ def plan_request(
     parallel_tool_calls: bool = True,
     escape_special_tokens: bool = False,
     fit_max_tokens: bool = True,
+    logprobs: int | None = None,
 ) -> RequestPlan:
     """Plan one call on ``engine``: everything but the framework's own types.
 
@@ -808,6 +817,8 @@ def plan_request(
             text for this call (the engine's own setting applies as well).
         fit_max_tokens: cut a ``max_tokens`` that does not fit to the context window (the
             adapters); ``False`` leaves it for the engine to refuse (``selfspec serve``).
+        logprobs: report each token's log-probability and this many most likely alternatives
+            (``None``: none; see :meth:`SpeculativeEngine.generate`).
 
     Raises:
         RequestFieldError: bad tools, ``tool_choice`` or ``response_format`` (a ``ValueError``
@@ -856,6 +867,7 @@ def plan_request(
         truncate_prompt=truncate_prompt,
         constraint=constraint,
         parse_tools=bool(normalized) and schema is None,
+        logprobs=logprobs,
     )
 
 
