@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 from ..core.bounds import check_prompt_chars, check_schema_size, check_tools_size, text_chars
-from ..errors import InvalidPromptError
+from ..errors import InvalidPromptError, InvalidSchemaError
 from .tools import ParsedOutput, parse_tool_calls, tool_schema
 
 if TYPE_CHECKING:
@@ -79,6 +79,19 @@ class RequestFieldError(ValueError):
 
     Attributes:
         field: the OpenAI request field at fault (the server answers 400 with it as ``param``).
+    """
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class OversizeFieldError(InvalidSchemaError):
+    """Tools or a schema over :mod:`selfspec.core.bounds`' limits, naming the request field.
+
+    Attributes:
+        field: ``"tools"`` or ``"response_format"`` (the server answers 400 ``invalid_schema``
+            with it as ``param``).
     """
 
     def __init__(self, message: str, field: str) -> None:
@@ -318,16 +331,25 @@ def check_request_bounds(
 
     The tools and the schema are bounded in size; the characters of everything that becomes
     prompt (messages, tool-call arguments, tools and schema, dictionary keys included) must fit
-    the context window unless ``truncate_prompt``.
+    the context window unless ``truncate_prompt``. The one place every front door checks these
+    (``selfspec serve`` too: its answers name the field, ``invalid_schema`` or
+    ``context_length_exceeded``).
 
     Raises:
-        InvalidSchemaError: tools or a schema over the bounds.
-        InvalidPromptError: more characters than the context window can hold.
+        OversizeFieldError: tools or a schema over the bounds (an ``InvalidSchemaError`` naming
+            ``tools`` or ``response_format``).
+        PromptTooLongError: more characters than the context window can hold (an ``InvalidPromptError``).
     """
-    if tools:
-        check_tools_size(list(tools))
-    if schema is not None:
-        check_schema_size(schema)
+    try:
+        if tools:
+            check_tools_size(list(tools))
+    except InvalidSchemaError as error:
+        raise OversizeFieldError(str(error), "tools") from None
+    try:
+        if schema is not None:
+            check_schema_size(schema)
+    except InvalidSchemaError as error:
+        raise OversizeFieldError(str(error), "response_format") from None
     if not truncate_prompt and engine.tokenizer is not None:
         chars = text_chars(prompt) + text_chars(list(tools)) + (text_chars(schema) if schema is not None else 0)
         check_prompt_chars(chars, engine.tokenizer, engine.context_window)

@@ -37,23 +37,28 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ...core.bounds import check_schema_size, check_tools_size
+from ...core.bounds import PromptTooLongError
 from ...decoding.engine import GenerationStream, SpeculativeEngine
 from ...decoding.outputs import GenerationOutput, TokenLogprob
 from ...errors import InvalidSchemaError, one_line
 from ...modeling.realmodels import display_name
 from ..engines import get_engine
-from ..requests import DEFAULT_MAX_TOKENS, RequestFieldError, RequestPlan, TokenUsage, plan_request  # noqa: F401
+from ..requests import (  # noqa: F401 - DEFAULT_MAX_TOKENS: the server's default budget, documented here
+    DEFAULT_MAX_TOKENS,
+    OversizeFieldError,
+    RequestFieldError,
+    RequestPlan,
+    TokenUsage,
+    plan_request,
+)
 from ..tools import ContentDelta, ToolCallChunk, ToolCallStreamParser
 from .limits import (
     CLIENT_CLOSED,
-    PromptLengthCheck,
     RequestGuard,
     ServerLimits,
     host_allow_list,
     internal_error,
     parse_json,
-    text_chars,
     uvicorn_config,
     uvicorn_settings,
 )
@@ -332,7 +337,6 @@ class _Server:
         self.model_id = model_id
         self.api_key = api_key
         self.limits = limits or ServerLimits()
-        self.prompt_length = PromptLengthCheck(engine.tokenizer, engine.context_window)
         self.metrics = Metrics()
         self.created = int(time.time())
         self._executor: ThreadPoolExecutor | None = None
@@ -451,8 +455,7 @@ class _Server:
         """Run one generation request, streamed or whole."""
         self.check_model(body.model)
         body.check_supported()
-        self.check_bounds(body)
-        self.check_prompt_length(body)
+        self.check_token_prompt(body)  # sizes and text lengths: the planner's one check (check_request_bounds)
         request_id = str(request.scope.get("selfspec.request_id", ""))
         prepare = self.prepare_chat if isinstance(body, ChatCompletionRequest) else self.prepare_completion
         job: _Job = await self.in_thread(prepare, body)
@@ -482,36 +485,17 @@ class _Server:
             )
         return JSONResponse(render.response(output), headers={**plan_headers, **_stats_headers(output)})
 
-    @staticmethod
-    def check_bounds(body: ChatCompletionRequest | CompletionRequest) -> None:
-        """Refuse tools and a ``response_format`` schema over :mod:`selfspec.bounds`' limits (before any work)."""
-        if not isinstance(body, ChatCompletionRequest):
-            return
-        try:
-            if body.tools:
-                check_tools_size(body.tools)
-        except InvalidSchemaError as error:
-            raise APIError(400, str(error), param="tools", code="invalid_schema") from None
-        try:
-            if body.response_format:
-                check_schema_size(body.response_format, "the response_format")
-        except InvalidSchemaError as error:
-            raise APIError(400, str(error), param="response_format", code="invalid_schema") from None
+    def check_token_prompt(self, body: ChatCompletionRequest | CompletionRequest) -> None:
+        """Refuse a token-id prompt longer than the context window (before a worker thread is taken).
 
-    def check_prompt_length(self, body: ChatCompletionRequest | CompletionRequest) -> None:
-        """Refuse, before tokenizing, a prompt with more characters than the context window can hold.
-
-        Everything that becomes prompt counts: messages (tool-call arguments included), tools and
-        the ``response_format`` schema, dictionary keys as well as strings.
+        Text prompts, messages, tools and schemas are bounded by the planner, once, before anything is
+        rendered or tokenized (:func:`selfspec.serving.requests.check_request_bounds`).
         """
-        if body.truncate_prompt:
-            return  # the engine keeps the prompt's end
-        if isinstance(body, ChatCompletionRequest):
-            chars = text_chars(body.messages) + text_chars(body.tools) + text_chars(body.response_format)
-            self.prompt_length.check(chars, "messages")
-        elif isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], str)):
-            self.prompt_length.check(text_chars(body.prompt), "prompt")
-        elif self.engine.context_window is not None and len(body.prompt) > self.engine.context_window:
+        if body.truncate_prompt or not isinstance(body, CompletionRequest) or not body.prompt:
+            return
+        if isinstance(body.prompt[0], str) or self.engine.context_window is None:
+            return
+        if len(body.prompt) > self.engine.context_window:
             raise APIError(
                 400,
                 f"the prompt has {len(body.prompt)} tokens; the context window holds {self.engine.context_window}",
@@ -567,6 +551,10 @@ def _bad_request(prompt_field: str) -> Iterator[None]:
         raise
     except RequestFieldError as error:
         raise APIError(400, str(error), param=error.field) from error
+    except OversizeFieldError as error:
+        raise APIError(400, str(error), param=error.field, code="invalid_schema") from error
+    except PromptTooLongError as error:
+        raise APIError(400, str(error), param=prompt_field, code="context_length_exceeded") from error
     except InvalidSchemaError as error:
         raise APIError(400, str(error), param=prompt_field, code="invalid_schema") from error
     except (ValueError, _TemplateError) as error:
