@@ -188,6 +188,23 @@ def test_engine_logprobs_from_verify_rows(tiny_model: Any) -> None:
             engine.generate_ids(prompt_ids, max_new_tokens=2, logprobs=bad)
 
 
+def test_engine_logprobs_in_a_batch(tiny_model: Any) -> None:
+    """Rows decoded together get the values they get alone (the batched verify's rows)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model, tokenizer = tiny_model
+    engine = SpeculativeEngine(model, tokenizer, drafter="early_exit", exit_layer=2, num_draft_tokens=3, batching=True)
+    prompts = [tokenizer(text)["input_ids"] for text in ("It is a truth", "The quick brown fox", "Hello world! STOP")]
+    with ThreadPoolExecutor(3) as pool:
+        outputs = list(pool.map(lambda ids: engine.generate_ids(ids, max_new_tokens=16, logprobs=2), prompts))
+    assert engine._batcher is not None and engine._batcher.max_rows_seen > 1  # they were decoded together
+    for prompt_ids, out in zip(prompts, outputs, strict=True):
+        assert out.logprobs is not None
+        reference = reference_logprobs(model, prompt_ids, out.token_ids)
+        want = reference.gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor([e.logprob for e in out.logprobs]), want, atol=TOLERANCE, rtol=0)
+
+
 # ------------------------------------------------------------------------------- the demo model
 @pytest.fixture(scope="module")
 def demo_http(demo_engine: Any) -> Iterator[Any]:
