@@ -304,3 +304,37 @@ def test_health_reports_the_plan_and_startup_logs_it(demo_engine: Any, caplog: A
     assert plan["method"] == engine_plan.method and plan["settings"] == engine_plan.settings
     assert plan["predicted_speedup"] == engine_plan.predicted_speedup
     assert plan["calibrated"] is engine_plan.calibrated
+
+
+def test_selfspec_serve_prints_the_plan_once_at_start() -> None:
+    """The real command: the start-up line reaches the console through uvicorn's handler (and only once)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    command = [sys.executable, "-m", "selfspec", "serve", "--model", "selfspec-demo", "--port", str(port)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    process = subprocess.Popen([*command, "--threads", "1"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+                if health.status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert process.poll() is None and time.monotonic() < deadline, "selfspec serve did not start"
+            time.sleep(0.2)
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+    finally:
+        process.terminate()
+        _, stderr = process.communicate(timeout=30)
+    plan = health.json()["plan"]
+    lines = [line for line in stderr.splitlines() if "serving selfspec-demo: " in line]
+    assert len(lines) == 1 and lines[0].startswith("INFO:") and lines[0].endswith(plan["summary"]), stderr[-2000:]

@@ -891,7 +891,26 @@ def serve(
             host,
         )
     app = create_app(engine, model_id=model_id, api_key=api_key, limits=limits, bound_host=host)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, **uvicorn_settings(limits))
+    config = _log_config(log_level)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, log_config=config, **uvicorn_settings(limits))
+
+
+def _log_config(log_level: str) -> dict[str, Any]:
+    """Uvicorn's logging setup, with selfspec's own loggers on its console handler at ``log_level``.
+
+    So the server's start-up line (the plan) and its warnings read like uvicorn's own lines.
+    """
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config.setdefault("loggers", {})["selfspec"] = {
+        "handlers": ["default"],
+        "level": log_level.upper(),
+        "propagate": False,
+    }
+    return config
 
 
 @contextmanager
