@@ -248,6 +248,42 @@ def test_demo_model_logprobs_under_a_grammar_are_the_models(demo_engine: Any, de
     check_chat_content(content, demo_engine, demo_engine.encode_prompt(messages), new_ids)
 
 
+def test_streamed_tool_call_carries_every_tokens_logprobs(demo_engine: Any, demo_http: Any) -> None:
+    """A forced tool call streamed as tool_calls deltas: the tokens the parser holds back ride in later chunks."""
+    pytest.importorskip("llguidance")
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "sing",
+            "description": "sing a song",
+            "parameters": {"type": "object", "properties": {"song": {"type": "string"}}, "required": ["song"]},
+        },
+    }
+    body = {
+        "model": "selfspec-demo",
+        "messages": [{"role": "user", "content": "Sing a song about the sea"}],
+        "tools": [tool],
+        "tool_choice": "required",
+        "max_tokens": 24,
+        "temperature": 0,
+        "logprobs": True,
+        "stream_options": {"include_usage": True},
+    }
+    whole = demo_http.post("/v1/chat/completions", json=body).json()
+    chunks, _ = streamed(demo_http, "/v1/chat/completions", body)
+    assert any(chunk["choices"] and chunk["choices"][0]["delta"].get("tool_calls") for chunk in chunks)
+    content = [
+        entry
+        for chunk in chunks
+        if chunk["choices"]
+        for entry in ((chunk["choices"][0].get("logprobs") or {}).get("content") or [])
+    ]
+    assert len(content) == chunks[-1]["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"]
+    expected = whole["choices"][0]["logprobs"]["content"]
+    assert [entry["bytes"] for entry in content] == [entry["bytes"] for entry in expected]
+    assert all(abs(a["logprob"] - b["logprob"]) < TOLERANCE for a, b in zip(content, expected, strict=True))
+
+
 # ------------------------------------------------------------------------------- temperature, headers, plan
 def test_temperature_above_two_is_refused(demo_http: Any) -> None:
     for route, body in (
