@@ -11,7 +11,8 @@ property names costs seconds of CPU; so before any of it runs:
   (:data:`MAX_TOOLS` tools, OpenAI's limit), :func:`check_schema_size` / :func:`check_tools_size`;
 - every character that becomes prompt text (message content, tool definitions, stated schemas,
   past tool-call arguments, dictionary keys included) is counted by :func:`text_chars` and
-  refused by :func:`check_prompt_chars` when the context window cannot hold that many.
+  refused by :func:`check_prompt_chars` when the context window cannot hold that many
+  (:class:`PromptTooLongError`, which ``selfspec serve`` answers as ``context_length_exceeded``).
 
 The engine's grammar functions, the request planner (both adapters in local mode) and
 ``selfspec serve`` share these checks, so the same input gets the same error everywhere:
@@ -37,6 +38,10 @@ MAX_SCHEMA_ITEMS = 10_000
 MAX_SCHEMA_DEPTH = 64
 #: Headroom for normalizers that shorten text (Unicode composition joins at most three characters).
 NORMALIZER_SLACK = 4
+
+
+class PromptTooLongError(InvalidPromptError):
+    """More characters of prompt text than the context window can hold, found before tokenizing."""
 
 
 @dataclass(frozen=True)
@@ -191,11 +196,11 @@ def check_prompt_chars(chars: int, tokenizer: Any, context_window: int | None) -
     """Refuse ``chars`` characters of prompt text that the context window cannot hold.
 
     Raises:
-        InvalidPromptError: naming both numbers and ``truncate_prompt``.
+        PromptTooLongError: naming both numbers and ``truncate_prompt`` (an ``InvalidPromptError``).
     """
     limit = max_prompt_chars(tokenizer, context_window)
     if limit is not None and chars > limit:
-        raise InvalidPromptError(
+        raise PromptTooLongError(
             f"the prompt has {chars} characters (messages, tools and schema together); this model's context "
             f"window of {context_window} tokens cannot hold more than {limit}: shorten it (or pass "
             "truncate_prompt=True to keep its end)"

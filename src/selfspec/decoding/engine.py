@@ -368,7 +368,7 @@ class SpeculativeEngine:
     def generate(
         self, prompt: Prompt, *, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int | None = None,
         top_p: float | None = None, stop: str | list[str] | None = None, seed: int | None = None,
-        constraint: TokenConstraint | None = None, truncate_prompt: bool = False,
+        constraint: TokenConstraint | None = None, truncate_prompt: bool = False, logprobs: int | None = None,
     ) -> GenerationOutput:  # fmt: skip
         """Generate text for a prompt.
 
@@ -384,22 +384,28 @@ class SpeculativeEngine:
             truncate_prompt: when the prompt plus ``max_new_tokens`` exceeds the context
                 window, keep only the prompt's last tokens instead of raising
                 :class:`~selfspec.errors.InvalidPromptError`.
+            logprobs: report each new token's log-probability under the model and the
+                ``logprobs`` most likely alternatives (``0 .. 20``;
+                :attr:`GenerationOutput.logprobs`). The values are the target's
+                ``log_softmax`` in the verify forward that emitted the token (no extra forward),
+                before temperature, top-k, top-p and a constraint's mask. ``None``: none.
 
         Returns:
             The text, new token ids, finish reason and speculation statistics.
         """
         ids = self._encode_checked(prompt, truncate_prompt)
         return self.generate_ids(ids, **_options(max_new_tokens, temperature, top_k, top_p, stop, seed, constraint,
-                                                 truncate_prompt))  # fmt: skip
+                                                 truncate_prompt, logprobs))  # fmt: skip
 
     def generate_ids(
         self, prompt_ids: Sequence[int] | torch.Tensor, *, max_new_tokens: int = 256, temperature: float = 0.0,
         top_k: int | None = None, top_p: float | None = None, stop: str | list[str] | None = None,
         seed: int | None = None, constraint: TokenConstraint | None = None, truncate_prompt: bool = False,
+        logprobs: int | None = None,
     ) -> GenerationOutput:  # fmt: skip
         """Like :meth:`generate`, from token ids (no tokenizer needed unless ``stop`` is given)."""
         run = self._start(GenerationRequest(prompt_ids, max_new_tokens, temperature, top_k, top_p, stop, seed,
-                                            constraint, truncate_prompt))  # fmt: skip
+                                            constraint, truncate_prompt, logprobs))  # fmt: skip
         for _ in run.deltas():
             pass
         return run.output()
@@ -407,26 +413,29 @@ class SpeculativeEngine:
     def stream(
         self, prompt: Prompt, *, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int | None = None,
         top_p: float | None = None, stop: str | list[str] | None = None, seed: int | None = None,
-        constraint: TokenConstraint | None = None, truncate_prompt: bool = False,
+        constraint: TokenConstraint | None = None, truncate_prompt: bool = False, logprobs: int | None = None,
     ) -> GenerationStream:  # fmt: skip
         """Stream the text of :meth:`generate` as ``str`` deltas (same arguments).
 
         The deltas join to exactly ``generate(...).text``. Call ``.close()`` to abandon the
-        stream early; ``.stats`` and ``.output`` are set once it is exhausted or closed.
+        stream early; ``.stats`` and ``.output`` are set once it is exhausted or closed; with
+        ``logprobs``, ``.logprobs`` holds the entries of the tokens generated so far.
         """
         ids = self._encode_checked(prompt, truncate_prompt)
         return self.stream_ids(ids, **_options(max_new_tokens, temperature, top_k, top_p, stop, seed, constraint,
-                                               truncate_prompt))  # fmt: skip
+                                               truncate_prompt, logprobs))  # fmt: skip
 
     def stream_ids(
         self, prompt_ids: Sequence[int] | torch.Tensor, *, max_new_tokens: int = 256, temperature: float = 0.0,
         top_k: int | None = None, top_p: float | None = None, stop: str | list[str] | None = None,
         seed: int | None = None, constraint: TokenConstraint | None = None, truncate_prompt: bool = False,
+        logprobs: int | None = None,
     ) -> GenerationStream:  # fmt: skip
         """Like :meth:`stream`, from token ids (a tokenizer is needed to produce text)."""
         self._require_tokenizer("streams")
         return GenerationStream(self._start(GenerationRequest(prompt_ids, max_new_tokens, temperature, top_k, top_p,
-                                                              stop, seed, constraint, truncate_prompt)))  # fmt: skip
+                                                              stop, seed, constraint, truncate_prompt,
+                                                              logprobs)))  # fmt: skip
 
     # ----------------------------------------------------------------- the loop
     def _start(self, request: GenerationRequest) -> Generation:
@@ -451,8 +460,8 @@ class SpeculativeEngine:
 
 def _options(
     max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None, stop: str | list[str] | None,
-    seed: int | None, constraint: TokenConstraint | None, truncate_prompt: bool,
+    seed: int | None, constraint: TokenConstraint | None, truncate_prompt: bool, logprobs: int | None,
 ) -> dict[str, Any]:  # fmt: skip
     """A call's keyword options, passed on from a text entry point to its token-id twin."""
     return dict(zip(GenerationRequest.OPTIONS, (max_new_tokens, temperature, top_k, top_p, stop, seed, constraint,
-                                                truncate_prompt), strict=True))  # fmt: skip
+                                                truncate_prompt, logprobs), strict=True))  # fmt: skip

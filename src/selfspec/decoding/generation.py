@@ -17,10 +17,10 @@ import torch
 
 from ..core.constraints import TokenConstraint
 from ..core.sampling import SamplingParams
-from ..core.validation import check_max_new_tokens, check_prompt, check_prompt_ids, check_seed
+from ..core.validation import check_logprobs, check_max_new_tokens, check_prompt, check_prompt_ids, check_seed
 from ..errors import ConfigurationError, GenerationMemoryError, InvalidPromptError
 from .controller import DraftController
-from .outputs import FinishReason, GenerationOutput, GenerationStats
+from .outputs import FinishReason, GenerationOutput, GenerationStats, TokenLogprob
 from .stopping import IncrementalDetokenizer, StopStringMatcher, normalize_stop
 
 #: A prompt: text, or a list of chat messages.
@@ -44,6 +44,8 @@ class GenerationRequest:
         seed: seed of the random generator.
         constraint: restrict the allowed tokens (grammar-constrained decoding).
         truncate_prompt: keep only the prompt's end when it does not fit the context window.
+        logprobs: ``None``, or report each new token's log-probability and this many most
+            likely alternatives (``0 .. 20``; :class:`~selfspec.decoding.outputs.TokenLogprob`).
     """
 
     prompt_ids: Sequence[int] | torch.Tensor
@@ -55,9 +57,12 @@ class GenerationRequest:
     seed: int | None = None
     constraint: TokenConstraint | None = None
     truncate_prompt: bool = False
+    logprobs: int | None = None
 
     #: The keyword options of ``generate`` and its siblings, in their order.
-    OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "stop", "seed", "constraint", "truncate_prompt")
+    OPTIONS = (
+        "max_new_tokens", "temperature", "top_k", "top_p", "stop", "seed", "constraint", "truncate_prompt", "logprobs",
+    )  # fmt: skip
 
     def checked_prompt(self, vocab_size: int) -> list[int]:
         """The prompt ids, validated (and ``max_new_tokens`` with them).
@@ -151,6 +156,7 @@ class Generation:
         stops: stop strings.
         generator: the random source.
         constraint: the call's constraint, if any.
+        logprobs: ``None``, or the alternatives reported per token with its log-probability.
     """
 
     def __init__(
@@ -164,8 +170,11 @@ class Generation:
         stops: list[str],
         generator: torch.Generator,
         constraint: TokenConstraint | None,
+        logprobs: int | None = None,
     ) -> None:
         self._rounds = rounds
+        self.top_logprobs = logprobs
+        self.computed_logprobs: list[TokenLogprob] = []  # written by the loop, one per token it emits
         self.prompt_ids = prompt_ids
         self.max_new_tokens = max_new_tokens
         self.params = params
@@ -202,9 +211,30 @@ class Generation:
             )
         ids = request.fit_window(ids, context_window)
         generator = request.generator(device)
+        logprobs = check_logprobs(request.logprobs)
         return cls(
-            rounds, tokenizer, controller, ids, request.max_new_tokens, params, stops, generator, request.constraint
+            rounds,
+            tokenizer,
+            controller,
+            ids,
+            request.max_new_tokens,
+            params,
+            stops,
+            generator,
+            request.constraint,
+            logprobs,
         )
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        """One entry per token in :attr:`token_ids` so far (``None`` unless the call asked for them).
+
+        The loop computes the entries of a round's tokens before it hands the tokens out; tokens
+        past a stop string are never added to :attr:`token_ids`, and their entries are left out.
+        """
+        if self.top_logprobs is None:
+            return None
+        return self.computed_logprobs[: len(self.token_ids)]
 
     def deltas(self) -> Generator[str, None, None]:
         """Run the generation, yielding text deltas (none without a tokenizer)."""
@@ -286,6 +316,7 @@ class Generation:
             finish_reason=self.finish_reason,
             stats=self.stats,
             prompt_tokens=len(self.prompt_ids),
+            logprobs=self.logprobs,
         )
 
 
@@ -325,6 +356,14 @@ class GenerationStream(Iterator[str]):
     def finish_reason(self) -> FinishReason | None:
         """``"stop"``, ``"length"`` or ``"cancelled"`` once finished, else ``None``."""
         return self._run.finish_reason if self.output is not None else None
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        """With ``logprobs=N``, one entry per token generated so far, else ``None``.
+
+        The text so far may lag behind the tokens by a held-back character or stop-string prefix.
+        """
+        return self._run.logprobs
 
     def _complete(self) -> None:
         if self.output is None and self._run.finish_reason is not None:
