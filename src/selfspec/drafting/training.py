@@ -99,6 +99,16 @@ def freeze(model: Any, seed: int, threads: int | None = None) -> None:
     model.eval().requires_grad_(False)
 
 
+def first_token_id(*candidates: Any) -> int:
+    """The first candidate token id that is set (of a list, its first element), else ``0``."""
+    for value in candidates:
+        if isinstance(value, list):
+            value = value[0] if value else None
+        if value is not None:
+            return int(value)
+    return 0
+
+
 def adamw(parameters: Iterable[torch.nn.Parameter], lr: float, betas: tuple[float, float] = (0.9, 0.999)) -> Any:
     """The optimizer every head trains with: AdamW without weight decay."""
     return torch.optim.AdamW(parameters, lr=lr, betas=betas, weight_decay=0.0)

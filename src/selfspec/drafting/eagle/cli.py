@@ -11,22 +11,20 @@ from typing import Any
 
 from ..commands import add_command, add_model_arguments, load_model, settings_from_args
 
+#: ``selfspec --help``'s line for the command.
+SUMMARY = "self-distil an EAGLE-style draft head for drafter='eagle' (no dataset needed)"
+#: ``selfspec train-eagle --help``'s description.
+DESCRIPTION = (
+    "Self-distil an EAGLE-style feature head: the model answers a built-in prompt mix, and a one-layer "
+    "head learns to predict its next features. Resumable: run it again to continue training."
+)
 #: Seconds of the ``--minutes`` budget kept for Python start-up, the final evaluation and saving.
 SAVE_RESERVE_SECONDS = 30.0
 
 
 def add_train_eagle_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``train-eagle`` to the ``selfspec`` command's subparsers."""
-    parser = add_command(
-        subparsers,
-        "train-eagle",
-        summary="self-distil an EAGLE-style draft head for drafter='eagle' (no dataset needed)",
-        description=(
-            "Self-distil an EAGLE-style feature head: the model answers a built-in prompt mix, and a one-layer "
-            "head learns to predict its next features. Resumable: run it again to continue training."
-        ),
-        func=cmd_train_eagle,
-    )
+    parser = add_command(subparsers, "train-eagle", summary=SUMMARY, description=DESCRIPTION, func=cmd_train_eagle)
     add_model_arguments(parser, model_help="hub id, local folder, .gguf file, or 'selfspec-demo'", dtype="float32")
     parser.add_argument(
         "--minutes", type=float, default=20.0, help="wall-time budget, writing and training (default 20)"

@@ -11,19 +11,18 @@ from typing import Any
 
 from ..commands import add_command, add_model_arguments, load_model
 
+#: ``selfspec --help``'s line for the command.
+SUMMARY = "write an EAGLE-3 head in vLLM's speculators layout (for vllm serve / SGLang)"
+#: ``selfspec export-eagle --help``'s description.
+DESCRIPTION = (
+    "Write an EAGLE-3 head (a SafeAILab/SpecForge or speculators folder) for --model as a speculators folder: "
+    "config.json naming the verifier + model.safetensors. `vllm serve DIR` runs it; selfspec reads it back."
+)
+
 
 def add_export_eagle_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``export-eagle`` to the ``selfspec`` command's subparsers."""
-    parser = add_command(
-        subparsers,
-        "export-eagle",
-        summary="write an EAGLE-3 head in vLLM's speculators layout (for vllm serve / SGLang)",
-        description=(
-            "Write an EAGLE-3 head (a SafeAILab/SpecForge or speculators folder) for --model as a speculators folder: "
-            "config.json naming the verifier + model.safetensors. `vllm serve DIR` runs it; selfspec reads it back."
-        ),
-        func=cmd_export_eagle,
-    )
+    parser = add_command(subparsers, "export-eagle", summary=SUMMARY, description=DESCRIPTION, func=cmd_export_eagle)
     add_model_arguments(
         parser,
         model_help="the target: hub id, local folder or .gguf file",

@@ -39,17 +39,7 @@ import torch
 
 from ...errors import ConfigurationError
 from ...modeling.compat import cache_kwargs
-from ..training import (
-    StepDone,
-    StepLoss,
-    TrainingLoop,
-    TrainingStep,
-    adamw,
-    freeze,
-    progress_bar,
-    run_loop,
-    warmup_cosine,
-)
+from .. import training
 from . import resume
 from .head import EagleHead, EagleHeadConfig
 from .prompts import Prompt, prompt_mix
@@ -171,13 +161,9 @@ def render_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
 
 
 def _pad_id(model: Any, tokenizer: Any) -> int:
+    """The padding token: the tokenizer's pad (else EOS), else the model's, else 0."""
     given = (tokenizer.pad_token_id, tokenizer.eos_token_id) if tokenizer is not None else ()
-    for value in (*given, model.config.pad_token_id, model.config.eos_token_id, 0):
-        if isinstance(value, list):
-            value = value[0] if value else None
-        if value is not None:
-            return int(value)
-    return 0
+    return training.first_token_id(*given, model.config.pad_token_id, model.config.eos_token_id)
 
 
 @torch.no_grad()
@@ -594,10 +580,10 @@ def train_eagle_head(
         raise ConfigurationError(f"head format {cfg.head_format!r} is not one of {', '.join(HEAD_FORMATS)}")
     started = time.perf_counter()
     end = started + cfg.max_seconds
-    freeze(model, cfg.seed, cfg.threads)
+    training.freeze(model, cfg.seed, cfg.threads)
     device = model.device
     state_path = Path(state_dir) if state_dir is not None else None
-    bar = progress_bar(None, None, progress)
+    bar = training.progress_bar(None, None, progress)
 
     # 1-2. write and record (or reuse what an earlier run wrote)
     kept = resume.load_data(state_path, Sample) if state_path is not None else None
@@ -632,7 +618,7 @@ def train_eagle_head(
         config = EagleHeadConfig.for_target(model, target_name)
         head = EagleHead(model, config, draft_token_ids=draft_ids, init_from_last_layer=cfg.init_from_last_layer)
     head = head.float().train()
-    optimizer = adamw(head.parameters(), cfg.lr, betas=(0.9, 0.95))
+    optimizer = training.adamw(head.parameters(), cfg.lr, betas=(0.9, 0.95))
     step, trained_seconds = 0, 0.0
     history: list[dict[str, Any]] = []
     restored = resume.load_checkpoint(state_path, head, optimizer) if state_path is not None else None
@@ -642,17 +628,17 @@ def train_eagle_head(
     train_started = time.perf_counter()
     agreement = evaluate(head, heldout, cfg, device) if step == 0 else (history[-1]["heldout"] if history else [])
 
-    def lr_at(at: TrainingStep) -> float:
+    def lr_at(at: training.TrainingStep) -> float:
         # warm-up (not again when resuming), then cosine decay over the time budget (or over
         # max_steps when that ends training first)
-        return warmup_cosine(cfg.lr, at.step, cfg.warmup_steps if resumed_at == 0 else 0, at.fraction)
+        return training.warmup_cosine(cfg.lr, at.step, cfg.warmup_steps if resumed_at == 0 else 0, at.fraction)
 
-    def loss_of(batch: list[Sample], at: TrainingStep) -> StepLoss:
+    def loss_of(batch: list[Sample], at: training.TrainingStep) -> training.StepLoss:
         steps = 1 if at.fraction < cfg.unroll_after else cfg.unroll  # teacher-forced first, then unrolled
         loss, _ = loss_and_agreement(head, collate(batch, device), cfg, steps)
-        return StepLoss(loss)
+        return training.StepLoss(loss)
 
-    def on_step(done: StepDone) -> str:
+    def on_step(done: training.StepDone) -> str:
         nonlocal agreement
         if done.step % cfg.eval_every == 0:
             agreement = evaluate(head, heldout, cfg, device)
@@ -673,7 +659,7 @@ def train_eagle_head(
         seconds_so_far = trained_seconds + time.perf_counter() - train_started
         resume.save_checkpoint(state_path, head, optimizer, steps_done, seconds_so_far, history)
 
-    loop = TrainingLoop(
+    loop = training.TrainingLoop(
         parameters=list(head.parameters()),
         optimizer=optimizer,
         loss_of=loss_of,
@@ -683,7 +669,7 @@ def train_eagle_head(
         deadline=end,
         first_step=step,
     )
-    done = run_loop(
+    done = training.run_loop(
         loop,
         _epochs(train, cfg.micro_batch, rng),
         on_step=on_step,

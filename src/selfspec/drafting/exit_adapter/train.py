@@ -28,17 +28,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..training import (
-    StepDone,
-    StepLoss,
-    TrainingLoop,
-    TrainingStep,
-    adamw,
-    freeze,
-    progress_bar,
-    run_loop,
-    warmup_cosine,
-)
+from .. import training
 from .adapter import ExitAdapter, ExitAdapterConfig
 
 logger = logging.getLogger(__name__)
@@ -92,14 +82,10 @@ class AdapterTrainResult:
 
 def _start_token(model: Any) -> int:
     """The token the model's own text starts from: its BOS (else pad, else EOS, else 0)."""
-    for source in (model.generation_config, model.config):
-        for name in ("bos_token_id", "pad_token_id", "eos_token_id"):
-            value = getattr(source, name, None)
-            if isinstance(value, list):
-                value = value[0] if value else None
-            if value is not None:
-                return int(value)
-    return 0
+    names = ("bos_token_id", "pad_token_id", "eos_token_id")
+    return training.first_token_id(
+        *(getattr(source, name, None) for source in (model.generation_config, model.config) for name in names)
+    )
 
 
 @torch.no_grad()
@@ -228,7 +214,7 @@ def train_exit_adapter(
         from ...errors import ConfigurationError
 
         raise ConfigurationError(f"exit_layer must be in [1, {num_layers - 1}], got {config.exit_layer}")
-    freeze(model, config.seed)
+    training.freeze(model, config.seed)
     device = model.get_input_embeddings().weight.device
     adapter = ExitAdapter(
         ExitAdapterConfig(
@@ -253,25 +239,25 @@ def train_exit_adapter(
     before = exit_agreement(model, None, config.exit_layer, held_out)
     warmup = max(1, config.steps // 20)
 
-    def loss_of(ids: torch.Tensor, _at: TrainingStep) -> StepLoss:
+    def loss_of(ids: torch.Tensor, _at: training.TrainingStep) -> training.StepLoss:
         loss, agreement = distill_loss(model, adapter, config.exit_layer, ids)
-        return StepLoss(loss, agreement)
+        return training.StepLoss(loss, agreement)
 
-    def on_step(done: StepDone) -> str:
+    def on_step(done: training.StepDone) -> str:
         recent = done.losses[-20:]
         return f"kl={sum(recent) / len(recent):.3f}, agree={done.extra:.2f}"
 
-    loop = TrainingLoop(
+    loop = training.TrainingLoop(
         parameters=list(adapter.parameters()),
-        optimizer=adamw(adapter.parameters(), config.lr),
+        optimizer=training.adamw(adapter.parameters(), config.lr),
         loss_of=loss_of,
-        lr_at=lambda at: warmup_cosine(config.lr, at.step, warmup, at.fraction),
+        lr_at=lambda at: training.warmup_cosine(config.lr, at.step, warmup, at.fraction),
         max_grad_norm=1.0,
         max_steps=config.steps,
     )
-    bar = progress_bar(f"exit adapter (layer {config.exit_layer})", config.steps, progress)
+    bar = training.progress_bar(f"exit adapter (layer {config.exit_layer})", config.steps, progress)
     adapter.train()
-    done = run_loop(loop, _pool_batches(pool, config, device), on_step=on_step, bar=bar)
+    done = training.run_loop(loop, _pool_batches(pool, config, device), on_step=on_step, bar=bar)
     bar.close()
     kl_first = done.losses[0] if done.losses else float("nan")
     kl_last = sum(done.losses[-20:]) / len(done.losses[-20:]) if done.losses else float("nan")

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ...errors import ConfigurationError
-from ..training import StepDone, StepLoss, TrainingLoop, TrainingStep, adamw, freeze, progress_bar, run_loop
+from .. import training
 from .drafter import MedusaHeads
 
 #: Metadata written beside the heads.
@@ -187,7 +187,7 @@ def train_medusa_heads(
         )
     if cfg.seed_tokens < 1:
         raise ConfigurationError(f"seed_tokens must be >= 1, got {cfg.seed_tokens}")
-    freeze(model, cfg.seed)
+    training.freeze(model, cfg.seed)
     rng = random.Random(cfg.seed)
     generator = torch.Generator(device=model.device).manual_seed(cfg.seed)
     config = model.config
@@ -199,20 +199,20 @@ def train_medusa_heads(
         str(getattr(config, "_name_or_path", "") or ""),
     ).to(model.device)
     heads.init_from_lm_head(model.lm_head)
-    optimizer = adamw(heads.parameters(), cfg.lr)
+    optimizer = training.adamw(heads.parameters(), cfg.lr)
 
-    def lr_at(at: TrainingStep) -> float:
+    def lr_at(at: training.TrainingStep) -> float:
         if at.step < cfg.warmup_steps:
             return cfg.lr * (at.step + 1) / cfg.warmup_steps
         progress_ = (at.step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
         return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress_))))
 
-    def loss_of(batch: tuple[torch.Tensor, torch.Tensor], _at: TrainingStep) -> StepLoss:
+    def loss_of(batch: tuple[torch.Tensor, torch.Tensor], _at: training.TrainingStep) -> training.StepLoss:
         hidden, teacher_logits = batch
         loss, per_head = medusa_loss(heads, hidden, teacher_logits, cfg.loss_decay)
-        return StepLoss(loss, per_head)
+        return training.StepLoss(loss, per_head)
 
-    def on_step(done: StepDone) -> str:
+    def on_step(done: training.StepDone) -> str:
         return f"loss={done.loss:.3f}, heads={' '.join(f'{x:.2f}' for x in done.extra)}"
 
     # a fixed held-out batch (greedy, self-made prompts) for the accuracy report
@@ -220,7 +220,7 @@ def train_medusa_heads(
     eval_hidden, eval_logits = teacher_outputs(model, eval_ids)
 
     started = time.perf_counter()
-    loop = TrainingLoop(
+    loop = training.TrainingLoop(
         parameters=list(heads.parameters()),
         optimizer=optimizer,
         loss_of=loss_of,
@@ -229,8 +229,8 @@ def train_medusa_heads(
         max_steps=cfg.steps,
         deadline=None if cfg.max_seconds is None else started + cfg.max_seconds,
     )
-    bar = progress_bar("train-medusa", cfg.steps, progress)
-    done = run_loop(loop, _written_batches(model, cfg, rng, generator, user_tokens), on_step=on_step, bar=bar)
+    bar = training.progress_bar("train-medusa", cfg.steps, progress)
+    done = training.run_loop(loop, _written_batches(model, cfg, rng, generator, user_tokens), on_step=on_step, bar=bar)
     bar.close()
     heads.eval()
     return MedusaTrainResult(
