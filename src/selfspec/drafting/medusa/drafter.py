@@ -379,8 +379,8 @@ def engine_medusa_heads(engine: Any) -> MedusaHeads:
         if heads is None:
             raise ConfigurationError(
                 "drafter='medusa' needs medusa_heads= a folder of Medusa heads (config.json + "
-                "medusa_lm_head.safetensors); none are saved beside this model (in its medusa/ "
-                "subfolder). Train some with `selfspec train-medusa --model M`."
+                "medusa_lm_head.safetensors); none are saved for this model (in the user cache's medusa_heads/ "
+                "folder, or beside it in its medusa/ subfolder). Train some with `selfspec train-medusa --model M`."
             )
     hidden = int(runner.config.hidden_size)
     if isinstance(heads, MedusaHeads):
