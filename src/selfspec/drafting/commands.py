@@ -53,7 +53,7 @@ def load_model(args: argparse.Namespace, dtype: str | None = None) -> tuple[Any,
 
 
 def settings_from_args(
-    settings_type: Callable[..., Any], args: argparse.Namespace, renamed: Mapping[str, str] = {}, **given: Any
+    settings_type: Callable[..., Any], args: argparse.Namespace, renamed: Mapping[str, str] | None = None, **given: Any
 ) -> Any:
     """A training-settings dataclass from the parsed flags.
 
@@ -61,7 +61,7 @@ def settings_from_args(
     ``renamed`` maps the field to) is taken from ``args``; ``given`` sets fields directly.
     Fields no flag names keep their defaults.
     """
-    values = dict(given)
+    values, renamed = dict(given), renamed or {}
     for spec in dataclasses.fields(settings_type):  # type: ignore[arg-type]
         flag = renamed.get(spec.name, spec.name)
         if spec.name not in values and hasattr(args, flag):

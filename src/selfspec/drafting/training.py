@@ -62,8 +62,8 @@ class TrainingLoop(Generic[BatchT]):
     """One run of the shared loop: what it optimises, its budget and its schedule.
 
     Attributes:
-        parameters: the trained parameters (the head's; never the model's).
-        optimizer: their optimizer (restored from a checkpoint already, when resuming).
+        optimizer: the optimizer of the trained parameters (the head's, never the model's;
+            restored from a checkpoint already, when resuming).
         loss_of: the loss of a batch at a given point of training.
         lr_at: the learning rate of a step.
         max_grad_norm: the gradient norm is clipped to this before each step.
@@ -72,7 +72,6 @@ class TrainingLoop(Generic[BatchT]):
         first_step: steps already taken (a resumed run counts on from here).
     """
 
-    parameters: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
     loss_of: Callable[[BatchT, TrainingStep], StepLoss]
     lr_at: Callable[[TrainingStep], float]
@@ -156,6 +155,7 @@ def run_loop(
     started = last_saved = time.perf_counter()
     time_budget = None if loop.deadline is None else max(loop.deadline - started, 1e-6)
     step_budget = None if loop.max_steps is None else max(loop.max_steps - loop.first_step, 1)
+    parameters = [p for group in loop.optimizer.param_groups for p in group["params"]]
     step = loop.first_step
     losses: list[float] = []
     while not _budget_spent(loop, step):
@@ -172,7 +172,7 @@ def run_loop(
         outcome = loop.loss_of(batch, at)
         loop.optimizer.zero_grad(set_to_none=True)
         outcome.loss.backward()
-        torch.nn.utils.clip_grad_norm_(loop.parameters, loop.max_grad_norm)
+        torch.nn.utils.clip_grad_norm_(parameters, loop.max_grad_norm)
         loop.optimizer.step()
         step += 1
         losses.append(float(outcome.loss.detach()))

@@ -660,7 +660,6 @@ def train_eagle_head(
         resume.save_checkpoint(state_path, head, optimizer, steps_done, seconds_so_far, history)
 
     loop = training.TrainingLoop(
-        parameters=list(head.parameters()),
         optimizer=optimizer,
         loss_of=loss_of,
         lr_at=lr_at,

@@ -248,7 +248,6 @@ def train_exit_adapter(
         return f"kl={sum(recent) / len(recent):.3f}, agree={done.extra:.2f}"
 
     loop = training.TrainingLoop(
-        parameters=list(adapter.parameters()),
         optimizer=training.adamw(adapter.parameters(), config.lr),
         loss_of=loss_of,
         lr_at=lambda at: training.warmup_cosine(config.lr, at.step, warmup, at.fraction),

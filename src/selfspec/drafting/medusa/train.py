@@ -199,7 +199,6 @@ def train_medusa_heads(
         str(getattr(config, "_name_or_path", "") or ""),
     ).to(model.device)
     heads.init_from_lm_head(model.lm_head)
-    optimizer = training.adamw(heads.parameters(), cfg.lr)
 
     def lr_at(at: training.TrainingStep) -> float:
         if at.step < cfg.warmup_steps:
@@ -221,8 +220,7 @@ def train_medusa_heads(
 
     started = time.perf_counter()
     loop = training.TrainingLoop(
-        parameters=list(heads.parameters()),
-        optimizer=optimizer,
+        optimizer=training.adamw(heads.parameters(), cfg.lr),
         loss_of=loss_of,
         lr_at=lr_at,
         max_grad_norm=1.0,
