@@ -108,7 +108,9 @@ def first_token_id(*candidates: Any) -> int:
     return 0
 
 
-def adamw(parameters: Iterable[torch.nn.Parameter], lr: float, betas: tuple[float, float] = (0.9, 0.999)) -> Any:
+def adamw(
+    parameters: Iterable[torch.nn.Parameter], lr: float, betas: tuple[float, float] = (0.9, 0.999)
+) -> torch.optim.AdamW:
     """The optimizer every head trains with: AdamW without weight decay."""
     return torch.optim.AdamW(parameters, lr=lr, betas=betas, weight_decay=0.0)
 
