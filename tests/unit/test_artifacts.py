@@ -182,3 +182,11 @@ def test_dequantized_copies_follow_the_file_and_keep_former_copies(cache: Path, 
     (former / "config.json").write_text(json.dumps({}), encoding="utf-8")
     (former / "model.safetensors").write_bytes(b"")
     assert dequantized_folder(str(tmp_path), gguf.name) == former
+
+
+def test_the_suite_writes_into_a_temporary_cache() -> None:
+    """tests/conftest.py: what tests write stays out of the user's cache; fetched checkpoints are linked in."""
+    import tempfile
+
+    assert Path(tempfile.gettempdir()) in cache_dir().parents
+    assert (cache_dir() / "models").is_symlink()
