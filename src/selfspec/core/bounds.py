@@ -75,24 +75,19 @@ def json_size(value: Any, *, max_chars: int | None = None, max_items: int | None
         container, depth = stack.pop()
         deepest = max(deepest, depth)
         items += len(container)
-        if isinstance(container, dict):
-            for key, child in container.items():
-                chars += (len(key) if isinstance(key, str) else 0) + 1
-                if isinstance(child, str):
-                    chars += len(child)
-                elif isinstance(child, (dict, list, tuple)):
-                    stack.append((child, depth + 1))
-                else:
-                    chars += 1
-        else:
+        if isinstance(container, dict):  # a key counts its text plus one (the key itself)
+            chars += sum((len(key) if isinstance(key, str) else 0) + 1 for key in container)
+            children = container.values()
+        else:  # an element counts one
             chars += len(container)
-            for child in container:
-                if isinstance(child, str):
-                    chars += len(child)
-                elif isinstance(child, (dict, list, tuple)):
-                    stack.append((child, depth + 1))
-                else:
-                    chars += 1
+            children = container
+        for child in children:
+            if isinstance(child, str):
+                chars += len(child)
+            elif isinstance(child, (dict, list, tuple)):
+                stack.append((child, depth + 1))
+            else:
+                chars += 1
         if (max_chars is not None and chars > max_chars) or (max_items is not None and items > max_items):
             break
     return JsonSize(chars, items, deepest)

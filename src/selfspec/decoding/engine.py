@@ -73,17 +73,17 @@ class SpeculativeEngine:
         draft_tokenizer: the draft model's tokenizer, checked against the target's.
         exit_adapter: a trained :class:`~selfspec.drafting.exit_adapter.adapter.ExitAdapter` for the
             early-exit and hybrid drafters (``selfspec train-adapter``): a folder, a loaded
-            adapter, ``"auto"`` (the one saved beside the model, if any) or ``None`` (default:
+            adapter, ``"auto"`` (the one saved for the model, if any) or ``None`` (default:
             none). It changes the drafts only, never the text. With ``exit_layer="auto"`` the
             adapter's exit layer is used; an explicit, different ``exit_layer`` is an error
             (with ``"auto"``, the saved adapter is then left out).
         medusa_heads: with ``drafter="medusa"``, a folder of heads in the published Medusa
             layout (``config.json`` + ``medusa_lm_head.safetensors``) or loaded
-            :class:`~selfspec.drafting.MedusaHeads`; ``None`` uses the heads saved beside the
+            :class:`~selfspec.drafting.MedusaHeads`; ``None`` uses the heads saved for the
             model (the demo model ships some; ``selfspec train-medusa`` trains them).
         eagle_head: with ``drafter="eagle"`` (or ``"eagle_hybrid"``), an EAGLE-style head
             (``selfspec train-eagle``): its folder, a loaded :class:`~selfspec.drafting.eagle.head.EagleHead`,
-            or ``"auto"``/``None`` (the head saved beside the model, in the user cache, or
+            or ``"auto"``/``None`` (the head saved in the user cache, beside the model, or
             shipped with selfspec for the model; ``docs/eagle.md``).
         tree_nodes: ``None`` (default) drafts a chain; an int ``N >= 1`` makes the early-exit
             drafter (also inside ``"hybrid"``) draft a token tree of at most ``N`` nodes and at
@@ -259,7 +259,7 @@ class SpeculativeEngine:
                 loaded like the target (same quantization, dtype and device).
             calibrate: when ``exit_layer`` or ``num_draft_tokens`` is ``"auto"`` and the
                 model has no saved calibration, measure one now (a few seconds, with a
-                progress bar) and save it beside the model or in the user cache.
+                progress bar) and save it in the user cache.
             calibration_budget: seconds first-load calibration may take (``None``: no limit); the
                 essentials are always measured, then the drafters in order of expected value, and
                 what does not fit is skipped and said (``docs/calibration.md``).

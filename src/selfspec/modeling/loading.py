@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import logging
 import os
@@ -14,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..artifacts import BUNDLED_MODELS
+from ..artifacts import BUNDLED_MODELS, dequantized_places
 from ..errors import (
     ConfigurationError,
     CorruptCheckpointError,
@@ -188,19 +187,15 @@ def require_gguf() -> None:
 def dequantized_folder(folder: str, gguf_file: str) -> Path:
     """Where the dequantized copy of a GGUF checkpoint is kept in the user cache.
 
-    ``<cache>/gguf/<file stem>-<key>/``, the key a hash of the file's absolute path, size and
-    modification time (of ``repo/file`` for a hub repository), so an edited file gets a new copy.
+    The copy an earlier version of selfspec made (:func:`~selfspec.artifacts.dequantized_places`)
+    when there is one, else where a new copy is written: ``<cache>/gguf/<model key>/<version>/``,
+    the version a hash of the file's size and modification time (an edited file gets a new copy).
     """
-    from ..artifacts import cache_dir
-
-    local = Path(folder) / gguf_file
-    if local.is_file():
-        info = local.resolve().stat()
-        ident = f"{local.resolve()}|{info.st_size}|{info.st_mtime_ns}"
-    else:
-        ident = f"hub:{folder}/{gguf_file}"
-    key = hashlib.sha256(ident.encode()).hexdigest()[:12]
-    return cache_dir() / "gguf" / f"{Path(gguf_file).stem}-{key}"
+    places = dequantized_places(folder, gguf_file)
+    for place in places:
+        if (place / "config.json").is_file() and any(place.glob("*.safetensors")):
+            return place
+    return places[0]
 
 
 def ensure_dequantized(folder: str, gguf_file: str, *, trust_remote_code: bool = False) -> Path:

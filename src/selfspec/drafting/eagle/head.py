@@ -28,7 +28,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...artifacts import BUNDLED_MODELS
+from ...artifacts import BUNDLED_MODELS, EAGLE_HEADS, find_artifact, loose_name, model_cache
 from ...errors import ConfigurationError, ModelNotFoundError
 from ...modeling.attention import causal_allowed, format_mask
 from ...modeling.compat import cache_kwargs
@@ -468,41 +467,35 @@ def load_eagle_head(folder: str | os.PathLike[str], model: Any) -> EagleHead:
     return head
 
 
-def _model_key(name: str) -> str:
-    """A model name reduced for matching: the last path part, lower case, without ``.gguf`` and quant tags."""
-    stem = Path(str(name).rstrip("/")).name.lower()
-    stem = re.sub(r"\.gguf$", "", stem)
-    return re.sub(r"[.-](q\d\w*|f16|f32|bf16)(-[0-9a-f]{12})?$", "", stem)
-
-
 def head_folder_for(name_or_path: str) -> Path:
     """Where ``selfspec train-eagle`` saves a head for a model, and where ``"auto"`` looks first.
 
-    ``<model folder>/eagle_head/`` for a local model folder, else the user cache
-    (``$SELFSPEC_CACHE`` or ``~/.cache/selfspec``) ``/eagle/<model name>/`` for hub ids and GGUF files.
+    The user cache's :func:`~selfspec.artifacts.model_cache` for :data:`~selfspec.artifacts.EAGLE_HEADS`
+    (``<cache>/eagle_heads/<model key>/``), never the model's own folder.
     """
-    from ...artifacts import cache_dir
+    return model_cache(name_or_path, EAGLE_HEADS)
 
-    path = Path(name_or_path).expanduser()
-    if path.is_dir() and (path / "config.json").is_file():
-        return path / EAGLE_SUBFOLDER
-    return cache_dir() / "eagle" / _model_key(name_or_path) / EAGLE_SUBFOLDER
+
+def _holds_head(folder: Path) -> bool:
+    """A selfspec head, or a published EAGLE-1/2/3 or ``speculators`` head folder."""
+    return (folder / HEAD_CONFIG).is_file() or (folder / "config.json").is_file()
 
 
 def find_eagle_head(name_or_path: str, model: Any = None) -> Path | None:
     """The head ``eagle_head="auto"`` uses: beside the model, in the user cache, or shipped.
 
-    Looks in :func:`head_folder_for` (the model folder's ``eagle_head/`` or the user cache: a
-    selfspec head, or a published EAGLE-1/2/3 or ``speculators`` head folder put there), then
-    in the heads shipped with selfspec (:data:`SHIPPED_HEADS`), whose target name must match
-    the model's name (ignoring folders, case and GGUF quantization tags) and, when ``model`` is
-    given, whose shapes must fit it. Returns ``None`` when there is none.
+    Looks in :func:`head_folder_for` (the user cache), then, read only, in a local model folder's
+    ``eagle_head/`` (a published head) and where earlier versions saved heads
+    (:func:`~selfspec.artifacts.find_artifact`: a selfspec head, or a published EAGLE-1/2/3 or
+    ``speculators`` head folder put there), then in the heads shipped with selfspec
+    (:data:`SHIPPED_HEADS`), whose target name must match the model's name (ignoring folders,
+    case and GGUF quantization tags) and, when ``model`` is given, whose shapes must fit it.
+    Returns ``None`` when there is none.
     """
-    if name_or_path:
-        own = head_folder_for(name_or_path)
-        if (own / HEAD_CONFIG).is_file() or (own / "config.json").is_file():  # selfspec's, or a published head
-            return own
-    key = _model_key(name_or_path) if name_or_path else ""
+    own = find_artifact(name_or_path, EAGLE_HEADS, _holds_head, beside=(EAGLE_SUBFOLDER,))
+    if own is not None:
+        return own
+    key = loose_name(name_or_path) if name_or_path else ""
     if not key or not SHIPPED_HEADS.is_dir():
         return None
     for folder in sorted(SHIPPED_HEADS.iterdir()):
@@ -512,7 +505,7 @@ def find_eagle_head(name_or_path: str, model: Any = None) -> Path | None:
             config = read_head_config(folder)
         except (ConfigurationError, ModelNotFoundError):
             continue
-        if _model_key(config.target) not in key and _model_key(folder.name) not in key:
+        if loose_name(config.target) not in key and loose_name(folder.name) not in key:
             continue
         if model is not None:
             try:
