@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from selfspec.core.speed import CostModel, expected_tokens, next_draft_length, worth_drafting
+from selfspec.core.speed import AcceptanceEstimate, CostModel, expected_tokens, next_draft_length, worth_drafting
 
 
 @pytest.mark.parametrize(("acceptance", "num_draft"), [(0.0, 3), (0.5, 1), (0.5, 4), (0.8, 6), (0.95, 16)])
@@ -69,8 +69,32 @@ def test_next_draft_length_grows_only_where_the_curve_pays() -> None:
     assert next_draft_length(4, 4, 4, 32, flat) == 8
     assert next_draft_length(16, 16, 16, 32, flat) == 32
     assert next_draft_length(4, 4, 4, 32) == 8  # no curve: always
-    assert next_draft_length(8, 8, 1, 32, flat) == 4  # mostly rejected: halved
-    assert next_draft_length(8, 8, 3, 32, flat) == 4
+    assert next_draft_length(8, 8, 1, 32, flat) == 2  # mostly rejected: what was accepted plus one
+    assert next_draft_length(8, 8, 3, 32, flat) == 4  # at most half
+    assert next_draft_length(32, 32, 3, 32, flat) == 4
     assert next_draft_length(8, 8, 4, 32, flat) == 8  # half accepted: kept
     assert next_draft_length(1, 1, 0, 32, flat) == 1
     assert next_draft_length(5, 0, 0, 32, flat) == 5  # nothing drafted: nothing learnt
+
+
+def test_growth_weighs_the_running_acceptance_on_a_steep_curve() -> None:
+    exact_bf16 = CostModel(0.0, {1: 1.33, 2: 1.6, 4: 1.92, 6: 2.82, 12: 4.51, 32: 10.13})  # row-exact verifies
+    assert next_draft_length(4, 4, 4, 32, exact_bf16) == 8  # as if every draft landed: it would grow
+    assert next_draft_length(4, 4, 4, 32, exact_bf16, acceptance=0.8) == 4  # 0.8 per token: 4 is best
+    assert next_draft_length(2, 2, 2, 32, exact_bf16, acceptance=0.8) == 4
+    flat = CostModel(0.0, {1: 1.1, 2: 1.1, 4: 1.15, 8: 1.2, 16: 1.3, 32: 1.6})
+    assert next_draft_length(8, 8, 8, 32, flat, acceptance=0.95) == 16
+
+
+def test_acceptance_estimate_counts_one_failure_per_rejected_round_and_follows_the_text() -> None:
+    estimate = AcceptanceEstimate()
+    assert estimate.rate is None
+    estimate.update(0, 0)  # a plain step says nothing
+    assert estimate.rate is None
+    estimate.update(8, 8)
+    assert estimate.rate == 1.0
+    estimate.update(4, 1)  # one success, one failure
+    assert abs(estimate.rate - (0.8 * 8 + 1) / (0.8 * 8 + 1 + 1)) < 1e-9
+    for _ in range(30):
+        estimate.update(4, 0)
+    assert estimate.rate < 0.01

@@ -19,12 +19,15 @@ def test_the_length_doubles_on_full_acceptance_and_halves_on_rejection() -> None
         drafted = controller.budget()
         controller.record(drafted, drafted, drafted + 1, 0.0)
         assert controller.budget() == expected
-    controller.record(16, 2, 3, 0.0)
+    controller.record(16, 7, 8, 0.0)  # 7 of 16: down to what was accepted plus one
     assert controller.budget() == 8
     controller.record(8, 5, 6, 0.0)  # more than half accepted: unchanged
     assert controller.budget() == 8
     controller.record(8, 0, 1, 0.0)
-    assert controller.budget() == 4
+    assert controller.budget() == 1
+    controller.record(1, 1, 2, 0.0)
+    controller.start_call()  # a new call: the calibrated length, a fresh acceptance estimate
+    assert controller.budget() == 2 and controller.acceptance.rate is None
 
 
 def test_the_longest_draft_follows_the_calibrated_curve() -> None:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..core.speed import CostModel, expected_tokens, next_draft_length
+from ..core.speed import AcceptanceEstimate, CostModel, expected_tokens, next_draft_length
 from ..decoding.config import DEFAULT_CALIBRATION_BUDGET
 from ..decoding.engine import SpeculativeEngine
 from ..drafting.auto import PLAIN_MARGIN, Plan
@@ -464,6 +464,7 @@ def replay(
         result.tokens += 1
         result.cost += 1.0
         current = num_draft_tokens
+        estimate = AcceptanceEstimate()  # per sequence, as the engine starts each call afresh
         while position < len(sequence):
             remaining = len(sequence) - position
             budget = max(0, min(current, remaining - 1))
@@ -498,7 +499,8 @@ def replay(
             result.accepted += accepted
             position += emitted
             if adaptive and draft:
-                current = next_draft_length(current, len(draft), accepted, max_draft_tokens, costs)
+                estimate.update(len(draft), accepted)
+                current = next_draft_length(current, len(draft), accepted, max_draft_tokens, costs, estimate.rate)
     return result
 
 

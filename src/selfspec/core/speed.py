@@ -87,24 +87,69 @@ def worth_drafting(reach: float, expected: float, drafted: int, round_cost: Call
     return reach * before >= (after - before) * expected
 
 
-def next_draft_length(current: int, drafted: int, accepted: int, longest: int, costs: CostModel | None = None) -> int:
+@dataclass
+class AcceptanceEstimate:
+    """A running estimate of the per-token acceptance rate, from whole rounds.
+
+    Each drafted token up to the first rejection is a Bernoulli trial: a round that accepted
+    ``n`` of ``k`` drafts gives ``n`` successes, and one failure when ``n < k``. The rate is
+    successes over trials, both decayed by ``decay`` per round so that it follows the text (a
+    copied passage, then free prose). ``None`` until a round was drafted.
+    """
+
+    decay: float = 0.8
+    successes: float = 0.0
+    failures: float = 0.0
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """Learn from a round that drafted ``drafted`` tokens and had ``accepted`` accepted."""
+        if drafted <= 0:
+            return
+        self.successes = self.decay * self.successes + accepted
+        self.failures = self.decay * self.failures + (1.0 if accepted < drafted else 0.0)
+
+    @property
+    def rate(self) -> float | None:
+        """The estimated per-token acceptance, ``None`` before any drafted round."""
+        trials = self.successes + self.failures
+        return self.successes / trials if trials > 0 else None
+
+
+def _rate(length: int, costs: CostModel, acceptance: float | None) -> float:
+    """Expected tokens per unit of cost of a ``length``-token draft (every draft accepted without ``acceptance``)."""
+    tokens = length + 1 if acceptance is None else expected_tokens(acceptance, length)
+    return tokens / costs.round_cost(length)
+
+
+def next_draft_length(
+    current: int,
+    drafted: int,
+    accepted: int,
+    longest: int,
+    costs: CostModel | None = None,
+    acceptance: float | None = None,
+) -> int:
     """The draft length after a round that drafted ``drafted`` tokens and had ``accepted`` accepted.
 
     A fully accepted draft doubles the length (up to ``longest``), so long copies reach the
-    lengths where a flat verify curve pays within a few rounds, but only where the longer draft,
-    fully accepted, emits more per unit of cost on the measured curve (``costs``; always without
-    one). A draft mostly rejected halves it (at least 1, at least what was accepted plus one).
-    The calibration replay and the online controller both follow this rule.
+    lengths where a flat verify curve pays within a few rounds, but only where the longer draft
+    is expected to emit more per unit of cost on the measured curve (``costs``; always without
+    one): with the running per-token ``acceptance`` (:class:`AcceptanceEstimate`) when given, else
+    as if fully accepted. A draft mostly rejected drops to what was accepted plus one (at most
+    half the length, at least 1): the copy or the chain diverged there. The calibration replay and
+    the online controller both follow this rule.
     """
     if drafted <= 0:
         return current
     if accepted == drafted:
         longer = min(max(2 * current, current + 1), longest)
-        while longer > current and costs is not None and costs.verify:
-            if (longer + 1) / costs.round_cost(longer) > (current + 1) / costs.round_cost(current):
+        if costs is None or not costs.verify:
+            return max(longer, current)
+        while longer > current:
+            if _rate(longer, costs, acceptance) > _rate(current, costs, acceptance):
                 return longer
             longer = current + (longer - current) // 2
-        return max(longer, current)
+        return current
     if accepted < drafted // 2:
-        return max(1, min(current, max(current // 2, accepted + 1)))
+        return max(1, min(current // 2, accepted + 1))
     return current

@@ -5,8 +5,9 @@ which tokens are emitted, so greedy text is the same as with any fixed draft len
 sampled text follows the model's distribution exactly.
 
 - The draft length doubles while drafts are fully accepted (up to the longest length whose verify
-  cost was measured, and only where the calibrated verify curve says the longer draft pays) and
-  halves when most are rejected (:func:`~selfspec.core.speed.next_draft_length`).
+  cost was measured, and only where the calibrated verify curve and the running acceptance say
+  the longer draft pays) and drops to what was accepted plus one when most are rejected
+  (:func:`~selfspec.core.speed.next_draft_length`); each call starts from the calibrated length.
 - **Timed** (greedy calls, sharing the engine's controller): plain decoding is measured now and
   then; when a window of speculative rounds is slower per token than plain decoding, the
   controller decodes plainly for :data:`FALLBACK_ROUNDS` rounds, then probes speculation again.
@@ -36,7 +37,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.speed import CostModel, next_draft_length
+from ..core.speed import AcceptanceEstimate, CostModel, next_draft_length
 
 #: How often (in rounds) plain decoding is re-measured while speculating.
 PROBE_EVERY = 64
@@ -89,6 +90,7 @@ class DraftController:
         self.fallback_left = 0
         self.fallbacks = 0
         self.pause = FALLBACK_ROUNDS
+        self.acceptance = AcceptanceEstimate()
 
     @property
     def guarded(self) -> bool:
@@ -119,7 +121,10 @@ class DraftController:
                 self.fallback_left -= 1
             return
         costs = self.costs if isinstance(self.costs, CostModel) else None
-        self.current = next_draft_length(self.current, num_drafted, num_accepted, self.max_draft_tokens, costs)
+        self.acceptance.update(num_drafted, num_accepted)
+        self.current = next_draft_length(
+            self.current, num_drafted, num_accepted, self.max_draft_tokens, costs, self.acceptance.rate
+        )
         if self.timed:
             self.spec_window.append((seconds, emitted))
             plain = self.plain_seconds_per_token
@@ -141,6 +146,16 @@ class DraftController:
             self.current = self.num_draft_tokens
         elif spec * MARGIN < plain:
             self.pause = FALLBACK_ROUNDS  # speculation pays again
+
+    def start_call(self) -> None:
+        """A new generation starts from the calibrated length and a fresh acceptance estimate.
+
+        The pauses and the plain-step timing carry over (they describe the machine); the draft
+        length and acceptance describe the last call's text (a long copy in a RAG answer must not
+        make the next call's first draft 32 tokens long).
+        """
+        self.current = self.num_draft_tokens
+        self.acceptance = AcceptanceEstimate()
 
     @property
     def spec_seconds_per_token(self) -> float | None:

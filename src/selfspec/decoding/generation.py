@@ -181,6 +181,8 @@ class Generation:
         self.generator = generator
         self.constraint = constraint
         self.stats = GenerationStats()
+        if params.greedy:
+            controller.start_call()
         self.controller = controller if params.greedy else controller.for_sampling()
         self.token_ids: list[int] = []
         self.text_parts: list[str] = []
