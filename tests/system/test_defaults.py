@@ -90,6 +90,7 @@ for adapter in (ChatSpeculative, SpeculativeLLM):
         else:
             raise AssertionError(f"{adapter.__name__}(drafter={name!r}) constructed")
     assert adapter(drafter="eagle").drafter == "eagle"
+    assert adapter(base_url="http://127.0.0.1:9/v1", drafter="eagle3").drafter == "eagle3"  # endpoint mode ignores it
 print("torch" in sys.modules)
 """
 

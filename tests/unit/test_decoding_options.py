@@ -177,14 +177,13 @@ def test_the_four_methods_take_the_generate_options() -> None:
         assert "Unpack[GenerateKeywords]" in str(listed["keywords"].annotation)
 
 
-def test_generate_options_keywords_and_requests_agree() -> None:
+def test_generate_options_and_keywords_agree() -> None:
     declared = {f.name: f.type for f in dataclasses.fields(GenerateOptions)}
     keywords = {name: getattr(kind, "__forward_arg__", kind) for name, kind in GenerateKeywords.__annotations__.items()}
     assert keywords == declared
-    request = [f for f in dataclasses.fields(GenerationRequest)][1:]  # after prompt_ids
-    assert {f.name: (f.type, f.default) for f in request} == {
-        f.name: (f.type, f.default) for f in dataclasses.fields(GenerateOptions)
-    }
+    assert issubclass(GenerationRequest, GenerateOptions)  # a request is the options plus its prompt
+    request = GenerationRequest.of([1, 2], GenerateOptions(max_new_tokens=3, seed=4))
+    assert (request.prompt_ids, request.max_new_tokens, request.seed) == ([1, 2], 3, 4)
 
 
 def test_keywords_replace_the_options_and_a_typo_names_the_option() -> None:

@@ -390,13 +390,14 @@ class ChatSpeculative(BaseChatModel):
     model_config = ConfigDict(use_attribute_docstrings=True)
 
     def __init__(self, **kwargs: Any) -> None:
-        """Check ``drafter`` before anything else, without importing torch.
+        """Check ``drafter`` before anything else, without importing torch (local mode: endpoint mode ignores it).
 
         Raises:
             ConfigurationError: an unknown drafter name (``"eagle3"``), with the valid names and the
                 closest one; a custom drafter is accepted once ``register_drafter`` registered it.
         """
-        check_drafter_name(kwargs.get("drafter", "auto"))
+        if kwargs.get("base_url") is None:
+            check_drafter_name(kwargs.get("drafter", "auto"))
         super().__init__(**kwargs)
 
     @model_validator(mode="before")

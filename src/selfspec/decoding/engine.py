@@ -405,9 +405,7 @@ class SpeculativeEngine:
         **keywords: Unpack[GenerateKeywords],
     ) -> GenerationOutput:
         """Like :meth:`generate`, from token ids (no tokenizer needed unless ``stop`` is given)."""
-        run = self._start(
-            GenerationRequest(prompt_ids, **GenerateOptions.of(options, keywords, "generate_ids").as_dict())
-        )
+        run = self._start(GenerationRequest.of(prompt_ids, GenerateOptions.of(options, keywords, "generate_ids")))
         for _ in run.deltas():
             pass
         return run.output()
@@ -433,7 +431,7 @@ class SpeculativeEngine:
         """Like :meth:`stream`, from token ids (a tokenizer is needed to produce text)."""
         chosen = GenerateOptions.of(options, keywords, "stream_ids")
         self._require_tokenizer("streams")
-        return GenerationStream(self._start(GenerationRequest(prompt_ids, **chosen.as_dict())))
+        return GenerationStream(self._start(GenerationRequest.of(prompt_ids, chosen)))
 
     # ----------------------------------------------------------------- the loop
     def _start(self, request: GenerationRequest) -> Generation:

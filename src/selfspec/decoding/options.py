@@ -462,7 +462,7 @@ def engine_settings(options: EngineOptions) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- a call's options
-@dataclass(frozen=True)
+@dataclass
 class GenerateOptions:
     """The keyword options of ``generate``, ``generate_ids``, ``stream`` and ``stream_ids``.
 
@@ -512,7 +512,7 @@ class GenerateOptions:
 
     def as_dict(self) -> dict[str, Any]:
         """The options as keyword arguments."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {f.name: getattr(self, f.name) for f in fields(GenerateOptions)}
 
 
 class GenerateKeywords(TypedDict, total=False):
