@@ -182,7 +182,7 @@ def test_generate_options_and_keywords_agree() -> None:
     keywords = {name: getattr(kind, "__forward_arg__", kind) for name, kind in GenerateKeywords.__annotations__.items()}
     assert keywords == declared
     assert issubclass(GenerationRequest, GenerateOptions)  # a request is the options plus its prompt
-    request = GenerationRequest.of([1, 2], GenerateOptions(max_new_tokens=3, seed=4))
+    request = GenerationRequest.for_prompt([1, 2], GenerateOptions(max_new_tokens=3, seed=4))
     assert (request.prompt_ids, request.max_new_tokens, request.seed) == ([1, 2], 3, 4)
 
 

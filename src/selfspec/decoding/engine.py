@@ -405,7 +405,8 @@ class SpeculativeEngine:
         **keywords: Unpack[GenerateKeywords],
     ) -> GenerationOutput:
         """Like :meth:`generate`, from token ids (no tokenizer needed unless ``stop`` is given)."""
-        run = self._start(GenerationRequest.of(prompt_ids, GenerateOptions.of(options, keywords, "generate_ids")))
+        chosen = GenerateOptions.of(options, keywords, "generate_ids")
+        run = self._start(GenerationRequest.for_prompt(prompt_ids, chosen))
         for _ in run.deltas():
             pass
         return run.output()
@@ -431,7 +432,7 @@ class SpeculativeEngine:
         """Like :meth:`stream`, from token ids (a tokenizer is needed to produce text)."""
         chosen = GenerateOptions.of(options, keywords, "stream_ids")
         self._require_tokenizer("streams")
-        return GenerationStream(self._start(GenerationRequest.of(prompt_ids, chosen)))
+        return GenerationStream(self._start(GenerationRequest.for_prompt(prompt_ids, chosen)))
 
     # ----------------------------------------------------------------- the loop
     def _start(self, request: GenerationRequest) -> Generation:

@@ -45,7 +45,7 @@ class GenerationRequest(GenerateOptions):
     prompt_ids: Sequence[int] | torch.Tensor = field(kw_only=True)
 
     @classmethod
-    def of(cls, prompt_ids: Sequence[int] | torch.Tensor, options: GenerateOptions) -> GenerationRequest:
+    def for_prompt(cls, prompt_ids: Sequence[int] | torch.Tensor, options: GenerateOptions) -> GenerationRequest:
         """The request for ``prompt_ids`` with ``options``."""
         return cls(prompt_ids=prompt_ids, **options.as_dict())
 
