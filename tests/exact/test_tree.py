@@ -415,7 +415,7 @@ def test_cli_tree_nodes_option(capsys) -> None:
     from selfspec.cli.args import add_engine_arguments, engine_kwargs
 
     parser = argparse.ArgumentParser()
-    add_engine_arguments(parser, default_model="m")
+    add_engine_arguments(parser, "generate", default_model="m")
     assert engine_kwargs(parser.parse_args([]))["tree_nodes"] is None
     assert engine_kwargs(parser.parse_args(["--tree-nodes", "6"]))["tree_nodes"] == 6
     assert engine_kwargs(parser.parse_args(["--tree-nodes", "auto"]))["tree_nodes"] == "auto"
