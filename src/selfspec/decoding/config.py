@@ -2,7 +2,8 @@
 
 :class:`EngineConfig` is what the parts of an engine read (the drafter factories in
 particular: ``engine.config.exit_layer``, ``engine.config.tree_nodes``, ...). It is built from
-the constructor's arguments, the model and the saved calibration by :meth:`EngineConfig.resolve`.
+the engine's :class:`~selfspec.decoding.options.EngineOptions`, the model and the saved calibration
+by :meth:`EngineConfig.resolve`.
 """
 
 from __future__ import annotations

@@ -103,6 +103,10 @@ class SpeculativeEngine:
             Default ``False``: such strings become control tokens, as in transformers'
             ``apply_chat_template`` and vLLM. Raw text prompts are encoded as given either way.
 
+    Attributes:
+        options: the engine's options as given (:class:`~selfspec.decoding.options.EngineOptions`;
+            with :meth:`from_pretrained`, the loading options too); :attr:`config` holds them resolved.
+
     Example:
         >>> from selfspec import SpeculativeEngine
         >>> engine = SpeculativeEngine.from_pretrained("selfspec-demo")
@@ -246,6 +250,10 @@ class SpeculativeEngine:
     ) -> SpeculativeEngine:
         """Load a model from the hub, a local folder, or ``"selfspec-demo"``.
 
+        Every keyword is an option of :class:`~selfspec.decoding.options.EngineOptions` (declared
+        there once, with its flag on the ``selfspec`` command line); the engine keeps them as
+        :attr:`options`.
+
         Args:
             name_or_path: a hub id, a local folder with ``config.json`` and safetensors
                 weights, a ``.gguf`` file, ``"selfspec-demo"`` (the small model bundled with the
@@ -284,7 +292,8 @@ class SpeculativeEngine:
             UnsupportedArchitectureError: the architecture has no adapter.
             QuantizationError: the requested quantization cannot run here.
         """
-        options = EngineOptions(**{name: value for name, value in locals().items() if name in EngineOptions.names()})
+        given = locals()  # exactly the options: a test pins this signature to EngineOptions
+        options = EngineOptions(**{name: given[name] for name in EngineOptions.names()})
         check_arguments(exit_layer, num_draft_tokens, drafter, tree_nodes)  # before any weight is read
         return cls._load(name_or_path, options)
 
