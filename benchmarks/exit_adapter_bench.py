@@ -26,7 +26,7 @@ import logging
 from pathlib import Path
 
 from selfspec.calibration.bench import format_category_table, format_table, run_benchmark, write_report
-from selfspec.drafting.exit_adapter.adapter import exit_adapter_path, load_exit_adapter
+from selfspec.drafting.exit_adapter.adapter import find_exit_adapter, load_exit_adapter
 from selfspec.modeling.loading import DEMO_DRAFT_MODEL, DEMO_MODEL, demo_model_path
 
 logger = logging.getLogger("exit_adapter_bench")
@@ -45,7 +45,7 @@ def main() -> int:
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
-    folder = exit_adapter_path(str(demo_model_path(DEMO_DRAFT_MODEL)))
+    folder = find_exit_adapter(str(demo_model_path(DEMO_DRAFT_MODEL)))  # shipped beside the model
     assert folder is not None
     adapter = load_exit_adapter(folder)
     if adapter.exit_layer != args.exit_layer:

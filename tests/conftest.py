@@ -1,9 +1,11 @@
-"""Test setup: offline, deterministic, single-threaded torch; tiny model helpers importable."""
+"""Test setup: offline, deterministic, single-threaded torch; tiny model helpers importable; a temporary cache."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -18,6 +20,43 @@ for _tier in ("unit", "exact", "system", "meta"):  # tests import helpers from e
     sys.path.insert(0, str(Path(__file__).parent / _tier))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # demo_model: how the demo model was built
 torch.set_num_threads(1)
+
+_TEST_CACHE: Path | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Point ``SELFSPEC_CACHE`` at a temporary cache for the session (removed at its end).
+
+    What tests write (calibrations, heads and adapters of their tiny models, dequantized copies of
+    tiny GGUF files) stays out of the user's cache. The real checkpoints fetched into the user's
+    cache are linked in: ``models/`` (fetched once, never again), and for each fetched checkpoint
+    its dequantized copies and calibrations (converted and measured once, on this machine).
+    """
+    global _TEST_CACHE
+    from selfspec import artifacts
+    from selfspec.modeling.realmodels import REAL_MODELS, model_path
+
+    real = artifacts.cache_dir()
+    checkpoints = [model_path(name) for name in REAL_MODELS]
+    _TEST_CACHE = Path(tempfile.mkdtemp(prefix="selfspec-test-cache-"))
+    (real / artifacts.MODELS).mkdir(parents=True, exist_ok=True)
+    (_TEST_CACHE / artifacts.MODELS).symlink_to(real / artifacts.MODELS, target_is_directory=True)
+    for kind in (artifacts.DEQUANTIZED, artifacts.CALIBRATIONS):
+        (_TEST_CACHE / kind).mkdir()
+        linked = [real / kind / artifacts.model_key(file) for file in checkpoints if file.is_file()]
+        if kind == artifacts.DEQUANTIZED and (real / kind).is_dir():  # also copies in the former layout
+            linked += [entry for entry in (real / kind).iterdir() if entry.is_dir()]
+        for folder in linked:
+            folder.mkdir(parents=True, exist_ok=True)
+            if not (_TEST_CACHE / kind / folder.name).exists():
+                (_TEST_CACHE / kind / folder.name).symlink_to(folder, target_is_directory=True)
+    os.environ["SELFSPEC_CACHE"] = str(_TEST_CACHE)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Remove the session's temporary cache (its links only, never what they point to)."""
+    if _TEST_CACHE is not None:
+        shutil.rmtree(_TEST_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -53,6 +53,33 @@ def test_old_or_foreign_calibration_is_measured_again(tmp_path, monkeypatch) -> 
     assert load_calibration(model) is None
 
 
+def test_costs_measured_on_a_busy_machine_are_measured_again_once_it_is_quiet(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    busy = {"exit_layer": 2, "cost_checks": {"load_per_core": [0.4, 1.6]}}
+    save_calibration("org/model", busy)
+    monkeypatch.setattr("selfspec.calibration.store.load_per_core", lambda: 1.2)
+    assert load_calibration("org/model")["exit_layer"] == 2  # still busy: nothing better to measure now
+    monkeypatch.setattr("selfspec.calibration.store.load_per_core", lambda: 0.1)
+    assert load_calibration("org/model") is None  # quiet now: measured again
+    save_calibration("org/model", {"exit_layer": 3, "cost_checks": {"load_per_core": [0.2, 0.3]}})
+    assert load_calibration("org/model")["exit_layer"] == 3  # measured quiet: kept
+    save_calibration("org/model", {"exit_layer": 4, "cost_checks": {"load_per_core": "busy?"}})
+    assert load_calibration("org/model")["exit_layer"] == 4  # unreadable load figures are not a reason
+
+
+def test_measured_costs_record_the_load_and_keep_a_verify_curve_up_to_32_drafts() -> None:
+    from selfspec.calibration.measure import measure_costs, verify_lengths
+
+    assert verify_lengths(6) == [1, 2, 3, 4, 5, 6, 12, 16, 24, 32]
+    assert verify_lengths(6, window=40) == [1, 2, 3, 4, 5, 6, 12, 16]
+    engine = SpeculativeEngine(make_model("llama"), None, drafter="none", calibration={})
+    checks: dict = {}
+    draft, verify, seconds = measure_costs(engine, list(range(1, 30)), [1, 2], [1, 2, 12], repeats=2, checks=checks)
+    assert sorted(verify) == [1, 2, 12] and all(v > 0 for v in verify.values()) and seconds > 0
+    assert list(draft) == [1, 2] and draft[2] >= draft[1]  # deeper exits never cheaper
+    assert len(checks["load_per_core"]) == 2 and "monotonic" in checks
+
+
 def test_calibrations_are_keyed_by_device_type_and_dtype(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
     cpu = save_calibration("org/model", {"exit_layer": 2, "device": "cpu", "dtype": "float32"})

@@ -130,14 +130,16 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def test_train_adapter_cli_end_to_end(model_dir, tmp_path, capsys) -> None:
+def test_train_adapter_cli_end_to_end(model_dir, tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     text = tmp_path / "user.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 40, encoding="utf-8")
     args = ["train-adapter", "--model", str(model_dir), "--exit-layer", "2", "--steps", "6"]
     assert main([*args, "--sequences", "8", "--seq-len", "16", "--data", str(text)]) == 0
     assert "saved to" in capsys.readouterr().out
     folder = exit_adapter_path(str(model_dir))
-    assert folder == model_dir / "exit_adapter"
+    assert folder is not None and folder.is_relative_to(tmp_path / "cache")  # the user cache, not the model folder
+    assert not (model_dir / "exit_adapter").exists()
     adapter = load_exit_adapter(folder)
     assert adapter.exit_layer == 2 and adapter.config.training["user_text_windows"] > 0
     # "auto" finds it beside the model; the text is the model's own
@@ -164,9 +166,9 @@ def test_train_adapter_cli_end_to_end(model_dir, tmp_path, capsys) -> None:
 
 
 def test_default_folders_follow_the_calibration(tmp_path, monkeypatch) -> None:
+    """Where adapters are written and looked for: tests/unit/test_artifacts.py."""
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
-    assert exit_adapter_path("org/model") == tmp_path / "cache" / "org--model" / "exit_adapter"
-    assert exit_adapter_path(str(tmp_path)) == tmp_path / "exit_adapter"
+    assert exit_adapter_path("org/model") == tmp_path / "cache" / "exit_adapters" / "org--model"
     assert exit_adapter_path(None) is None
     # "auto" for a model without a saved adapter (or without a name) is no adapter, not an error
     model = make_model("llama")

@@ -141,3 +141,21 @@ def test_verify_logits_are_the_decode_logits_bit_for_bit(row_exact: bool) -> Non
         verify, decoded = _verify_and_decode_logits(runner, prompt, new)
         same.append(torch.equal(verify, decoded))
     assert all(same) if row_exact else not all(same), same
+
+
+def test_auto_dtype_runs_a_bf16_checkpoint_in_bf16_where_the_cpu_computes_it(tmp_path, tiny_bf16) -> None:
+    """``dtype="auto"`` (the default) loads a bf16 checkpoint in bf16 on a CPU with AVX512-BF16 or AMX, exactly."""
+    from selfspec.modeling.loading import native_dtypes
+
+    folder = tmp_path / "bf16-model"
+    tiny_bf16.save_pretrained(folder)
+    engine = SpeculativeEngine.from_pretrained(folder, drafter="prompt_lookup", num_draft_tokens=8, calibrate=False)
+    native = torch.bfloat16 in native_dtypes(torch.device("cpu"))
+    assert engine.runner.dtype == (torch.bfloat16 if native else torch.float32)
+    assert "bfloat16" in repr(engine) if native else "float32" in repr(engine)
+    prompt = list(range(5, 25)) * 2
+    assert engine.generate_ids(prompt, max_new_tokens=MAX_NEW).token_ids == reference_greedy(
+        engine.model, prompt, MAX_NEW
+    )
+    forced = SpeculativeEngine.from_pretrained(folder, drafter="none", dtype="float32", calibrate=False)
+    assert forced.runner.dtype == torch.float32

@@ -295,8 +295,11 @@ def test_sampling_follows_target() -> None:
     assert 0.1 < sum(rates) / len(rates) < 0.9
 
 
-def test_train_medusa_cli_end_to_end(tmp_path, capsys) -> None:
+def test_train_medusa_cli_end_to_end(tmp_path, capsys, monkeypatch) -> None:
     """train-medusa on a tiny model folder; drafter='medusa' then finds the heads by itself."""
+    from selfspec.drafting.medusa.drafter import medusa_heads_folder
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     model_dir = tmp_path / "model"
     model = make_model("llama", dtype=torch.float32)
     model.save_pretrained(model_dir)
@@ -308,7 +311,8 @@ def test_train_medusa_cli_end_to_end(tmp_path, capsys) -> None:
     )  # fmt: skip
     assert code == 0
     assert "saved to" in capsys.readouterr().out
-    saved = model_dir / "medusa"
+    saved = medusa_heads_folder(str(model_dir))  # the user cache, not the model's folder
+    assert saved.is_relative_to(tmp_path / "cache") and not (model_dir / "medusa").exists()
     config = json.loads((saved / "config.json").read_text())
     assert config["medusa_num_heads"] == 2 and config["medusa_num_layers"] == 1
     assert json.loads((saved / "medusa_training.json").read_text())["steps_done"] == 3

@@ -101,7 +101,7 @@ def test_calibration_choice_follows_the_cost_model() -> None:
 def test_calibrate_measures_every_layer(model_dir) -> None:
     engine = SpeculativeEngine.from_pretrained(model_dir, exit_layer=1, num_draft_tokens=1, drafter="early_exit")
     result = calibrate(engine, max_new_tokens=8, max_draft_tokens=3, save=False, progress=False)
-    assert set(result.agreement) == {1, 2, 3} and set(result.verify_cost) == {1, 2, 3}
+    assert set(result.agreement) == {1, 2, 3} and set(result.verify_cost) == {1, 2, 3, 12, 16, 24, 32}
     assert all(0.0 <= a <= 1.0 for a in result.agreement.values())
     assert result.draft_cost[1] < 1.5  # one layer costs well under a full step plus noise
 
@@ -146,7 +146,12 @@ def test_bench_runs_every_method_and_checks_greedy_identity(model_dir, tmp_path)
     } <= set(methods)
     greedy = [m for m in methods.values() if m["baseline"] == "hf_greedy"]
     assert greedy and all(m["identical_to_greedy"] is True for m in greedy)
+    assert all(m["identical_to_plain"] is True for n, m in methods.items() if m in greedy and n != "hf_greedy")
+    assert methods["hf_greedy"]["identical_to_plain"] is None
     assert methods["selfspec_plain"]["tau"] == 1.0
+    settings = report["settings"]
+    assert len(settings["load_average_before"]) == len(settings["load_average_after"]) == 3
+    assert "Load average" in (tmp_path / "b.md").read_text() and "identical to plain" in (tmp_path / "b.md").read_text()
     assert (tmp_path / "b.png").stat().st_size > 1000 and "| method |" in (tmp_path / "b.md").read_text()
     # sampling is compared with selfspec's own plain loop at the same temperature, not only transformers
     assert methods["selfspec_plain_t1.0"]["baseline"] == "hf_sample_t1.0"

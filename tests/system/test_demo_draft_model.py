@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from selfspec import SpeculativeEngine, demo_model_path
-from selfspec.drafting.exit_adapter.adapter import exit_adapter_path, load_exit_adapter
+from selfspec.drafting.exit_adapter.adapter import find_exit_adapter, load_exit_adapter
 from selfspec.modeling.loading import DEMO_DRAFT_MODEL
 
 HELD_OUT = json.loads((Path(__file__).parents[1] / "data" / "heldout_austen.json").read_text(encoding="utf-8"))
@@ -48,7 +48,9 @@ def test_ships_a_small_draft_model_sharing_the_demo_tokenizer() -> None:
     config = json.loads((folder / "config.json").read_text())
     assert config["num_hidden_layers"] == 6 and config["dtype"] == "float16"
     assert sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 2**20 < 12
-    adapter = load_exit_adapter(exit_adapter_path(str(folder)))
+    shipped = find_exit_adapter(str(folder))  # shipped beside the model, read only
+    assert shipped == folder / "exit_adapter"
+    adapter = load_exit_adapter(shipped)
     assert adapter.config.num_layers == 6 and adapter.config.hidden_size == 192
 
 

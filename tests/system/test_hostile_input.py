@@ -318,7 +318,10 @@ def test_every_route_needs_the_key_and_health_shows_no_path(demo_engine: Any) ->
             assert http.get(route, headers={"Authorization": "Bearer nope"}).status_code == 401, route
             assert http.get(route, headers=auth).status_code == 200, route
         health = http.get("/health", headers=auth).json()
-        assert health == {"status": "ok", "model": "selfspec-demo"}  # the folder's name, not its path
+        assert health["status"] == "ok" and health["model"] == "selfspec-demo"  # the folder's name, not its path
+        assert health["plan"]["drafter"] == demo_engine.config.drafter_name  # the plan, with no path in it
+        assert str(Path(demo_engine.name_or_path).parent) not in json.dumps(health)
+        assert str(Path.home()) not in json.dumps(health)
         assert "/v1/chat/completions" in http.get("/openapi.json", headers=auth).json()["paths"]
     with TestClient(create_app(demo_engine), base_url="http://127.0.0.1") as http:  # no key: all open
         assert all(http.get(route).status_code == 200 for route in ("/health", "/metrics", "/docs", "/openapi.json"))

@@ -115,7 +115,9 @@ def test_models_health_and_metrics(client: Any, base_url: str) -> None:
     assert [m.id for m in client.models.list()] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
     health = httpx.get(f"{base_url}/health", headers=AUTH)
-    assert health.status_code == 200 and health.json() == {"status": "ok", "model": MODEL}
+    assert health.status_code == 200 and health.json()["status"] == "ok" and health.json()["model"] == MODEL
+    plan = health.json()["plan"]  # what the engine runs (tests/system/test_openai_parity.py checks it in full)
+    assert set(plan) == {"drafter", "method", "settings", "predicted_speedup", "calibrated", "summary"}
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
     metrics = httpx.get(f"{base_url}/metrics", headers=AUTH)
     assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
@@ -383,7 +385,7 @@ HTTP_BAD_INPUT = [
         400,
         None,
     ),
-    ("temperature=1e308", "completions", {**GOOD, "temperature": 1e308}, {}, 200, None),  # finite: allowed
+    ("temperature=1e308", "completions", {**GOOD, "temperature": 1e308}, {}, 400, "temperature"),  # OpenAI: <= 2
     ("top_k=true", "completions", {**GOOD, "top_k": True}, {}, 400, "top_k"),
     ("top_k=1.5", "completions", {**GOOD, "top_k": 1.5}, {}, 400, "top_k"),
     ("top_k<0", "completions", {**GOOD, "top_k": -1, "temperature": 1}, {}, 400, "top_k"),
@@ -453,7 +455,9 @@ HTTP_BAD_INPUT = [
     ),
     ("unknown model", "completions", {**GOOD, "model": "gpt-nothing"}, {}, 404, "model"),
     ("n=2", "completions", {**GOOD, "n": 2}, {}, 400, "n"),
-    ("logprobs", "completions", {**GOOD, "logprobs": 3}, {}, 400, "logprobs"),
+    ("logprobs over OpenAI's 5", "completions", {**GOOD, "logprobs": 6}, {}, 400, "logprobs"),
+    ("logprobs not an int", "completions", {**GOOD, "logprobs": True}, {}, 400, "logprobs"),
+    ("temperature over OpenAI's 2", "completions", {**GOOD, "temperature": 3}, {}, 400, "temperature"),
     (
         "bad response_format",
         "chat/completions",
@@ -463,7 +467,17 @@ HTTP_BAD_INPUT = [
         "response_format",
     ),
     ("tool_choice without tools", "chat/completions", {**CHAT, "tool_choice": "required"}, {}, 400, "tool_choice"),
-    ("top_logprobs", "chat/completions", {**CHAT, "top_logprobs": 2}, {}, 400, "top_logprobs"),
+    ("top_logprobs without logprobs", "chat/completions", {**CHAT, "top_logprobs": 2}, {}, 400, "top_logprobs"),
+    (
+        "top_logprobs over OpenAI's 20",
+        "chat/completions",
+        {**CHAT, "logprobs": True, "top_logprobs": 21},
+        {},
+        400,
+        "top_logprobs",
+    ),
+    ("chat logprobs not a bool", "chat/completions", {**CHAT, "logprobs": 3}, {}, 400, "logprobs"),
+    ("chat temperature 2.5", "chat/completions", {**CHAT, "temperature": 2.5}, {}, 400, "temperature"),
     # issue 29: everything that becomes prompt or grammar is bounded before any work
     (
         "1.6 MB enum schema",

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from selfspec.core.speed import CostModel, expected_tokens, worth_drafting
+from selfspec.core.speed import CostModel, expected_tokens, next_draft_length, worth_drafting
 
 
 @pytest.mark.parametrize(("acceptance", "num_draft"), [(0.0, 3), (0.5, 1), (0.5, 4), (0.8, 6), (0.95, 16)])
@@ -49,3 +49,28 @@ def test_worth_drafting_compares_marginal_and_average_rates() -> None:
     assert worth_drafting(0.5, 1.0, 0, flat)  # a nearly free token that is accepted half the time
     assert not worth_drafting(0.5, 1.0, 0, steep)  # costs 0.8 of a step for half a token
     assert not worth_drafting(0.0, 1.0, 0, flat)
+
+
+def test_verify_cost_interpolates_between_measured_lengths_and_extrapolates_past_them() -> None:
+    costs = CostModel(0.0, {1: 1.5, 3: 2.0, 8: 1.8})  # not monotonic: a GEMM faster for more rows
+    assert costs.verify_cost(0) == 1.0
+    assert costs.verify_cost(3) == 2.0
+    assert abs(costs.verify_cost(2) - 1.75) < 1e-9
+    assert abs(costs.verify_cost(4) - (2.0 - 0.2 / 5)) < 1e-9
+    assert abs(costs.verify_cost(16) - (1.8 + 0.8 / 8 * 8)) < 1e-9  # the slope of 8 drafts from a plain step
+    assert costs.longest == 8 and CostModel(0.1).longest == 0
+
+
+def test_next_draft_length_grows_only_where_the_curve_pays() -> None:
+    steep = CostModel(0.0, {1: 1.07, 2: 1.14, 3: 1.9, 4: 2.2, 8: 3.0})  # a step past 2 drafts
+    assert next_draft_length(2, 2, 2, 8, steep) == 2  # 3 tokens for 1.14 steps beat 5 for 2.2 and 4 for 1.9
+    assert next_draft_length(1, 1, 1, 8, steep) == 2
+    flat = CostModel(0.0, {1: 1.1, 2: 1.1, 4: 1.15, 8: 1.2, 16: 1.3, 32: 1.6})
+    assert next_draft_length(4, 4, 4, 32, flat) == 8
+    assert next_draft_length(16, 16, 16, 32, flat) == 32
+    assert next_draft_length(4, 4, 4, 32) == 8  # no curve: always
+    assert next_draft_length(8, 8, 1, 32, flat) == 4  # mostly rejected: halved
+    assert next_draft_length(8, 8, 3, 32, flat) == 4
+    assert next_draft_length(8, 8, 4, 32, flat) == 8  # half accepted: kept
+    assert next_draft_length(1, 1, 0, 32, flat) == 1
+    assert next_draft_length(5, 0, 0, 32, flat) == 5  # nothing drafted: nothing learnt

@@ -13,15 +13,24 @@ def test_a_fixed_controller_never_adapts() -> None:
     assert controller.budget() == 4 and controller.fallbacks == 0
 
 
-def test_the_length_grows_on_full_acceptance_and_shrinks_on_rejection() -> None:
-    controller = DraftController(3, adaptive=True, timed=False, max_draft_tokens=5)
-    controller.record(3, 3, 4, 0.0)
+def test_the_length_doubles_on_full_acceptance_and_halves_on_rejection() -> None:
+    controller = DraftController(2, adaptive=True, timed=False, max_draft_tokens=16)
+    for expected in (4, 8, 16, 16):  # doubles, capped
+        drafted = controller.budget()
+        controller.record(drafted, drafted, drafted + 1, 0.0)
+        assert controller.budget() == expected
+    controller.record(16, 2, 3, 0.0)
+    assert controller.budget() == 8
+    controller.record(8, 5, 6, 0.0)  # more than half accepted: unchanged
+    assert controller.budget() == 8
+    controller.record(8, 0, 1, 0.0)
     assert controller.budget() == 4
-    controller.record(4, 4, 5, 0.0)
-    controller.record(5, 5, 6, 0.0)
-    assert controller.budget() == 5  # capped
-    controller.record(5, 1, 2, 0.0)
-    assert controller.budget() == 4
+
+
+def test_the_longest_draft_follows_the_calibrated_curve() -> None:
+    flat = CostModel(0.0, {1: 1.0, 2: 1.0, 4: 1.05, 8: 1.1, 16: 1.2, 32: 1.5})
+    assert DraftController(4, adaptive=True, timed=False, costs=flat).max_draft_tokens == 32
+    assert DraftController(4, adaptive=True, timed=False).max_draft_tokens == 8  # no curve: the default
 
 
 def test_untimed_with_costs_pauses_where_drafts_do_not_pay_and_probes_again() -> None:

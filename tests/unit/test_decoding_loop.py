@@ -101,3 +101,33 @@ def test_an_empty_draft_is_a_plain_step() -> None:
     r = row()
     assert one_round(r, Draft(), [12]) == [12]
     assert r.state.position == 6 and r.run.stats.num_drafted == 0
+
+
+# ------------------------------------------------------------------------------- log-probabilities
+def test_token_logprobs_are_the_rows_log_softmax_and_top() -> None:
+    from selfspec.decoding.loop import token_logprobs
+
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0))
+    entries = token_logprobs(logits, [4, 7, 1], top=3)
+    reference = logits.log_softmax(-1)
+    for row, (entry, token) in enumerate(zip(entries, [4, 7, 1], strict=True)):
+        assert entry.token_id == token
+        assert abs(entry.logprob - float(reference[row, token])) < 1e-6
+        assert entry.top_token_ids == reference[row].topk(3).indices.tolist()
+        assert torch.allclose(torch.tensor(entry.top_logprobs), reference[row].topk(3).values)
+    assert token_logprobs(logits, [4, 7, 1], top=0)[0].top_token_ids == []
+    half = token_logprobs(logits.bfloat16(), [4, 7, 1], top=1)  # computed in float32, whatever the model's dtype
+    assert abs(half[0].logprob - float(logits.bfloat16().float().log_softmax(-1)[0, 4])) < 1e-6
+
+
+def test_emitted_rows_follow_the_chain_or_the_tree_path() -> None:
+    from selfspec.core.acceptance import Acceptance
+    from selfspec.core.tree import TreeAcceptance
+    from selfspec.decoding.loop import emitted_rows
+
+    state = row().state
+    chain = accept_draft(state, Draft(tokens=[5, 6, 9]), logits_choosing([5, 6, 3, 8]))  # two kept, a correction
+    assert isinstance(chain, Acceptance) and emitted_rows(chain) == [0, 1, 2]
+    tree = accept_draft(state, Draft(tokens=[5, 9, 6], parents=[-1, -1, 0]), logits_choosing([5, 6, 1, 4]))
+    assert isinstance(tree, TreeAcceptance) and list(tree.path) == [0, 2]
+    assert emitted_rows(tree) == [0, 1, 3]  # root, node 0 (row 1), node 2 (row 3)

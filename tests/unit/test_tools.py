@@ -140,8 +140,18 @@ def random_pieces(text: str, seed: int) -> list[str]:
     return pieces
 
 
-@pytest.mark.parametrize("text", [HERMES_ONE, QWEN_TWO, "Just text, no tools.", LLAMA_31, LLAMA_31_TAGGED,
-                                  "Before " + HERMES_ONE + " after", '<tool_call>{"name": "x", "arguments": {}}'])
+@pytest.mark.parametrize(
+    "text",
+    [
+        HERMES_ONE,
+        QWEN_TWO,
+        "Just text, no tools.",
+        LLAMA_31,
+        LLAMA_31_TAGGED,
+        "Before " + HERMES_ONE + " after",
+        '<tool_call>{"name": "x", "arguments": {}}',
+    ],
+)
 def test_streamed_chunks_reassemble_to_the_parse(text: str) -> None:
     expected = parse_tool_calls(text)
     for pieces in (list(text), [text], *(random_pieces(text, seed) for seed in range(5))):
@@ -268,6 +278,7 @@ def test_the_tokenizers_own_parser_is_used_when_it_has_one() -> None:
     assert parsed.content == "Let me add."
     assert [(c.name, c.arguments) for c in parsed.tool_calls] == [("add", {"a": 1, "b": 2})]
     # what the template cannot read falls back to the built-in parser
-    fallback = parse_tool_calls('<call>{oops</call><tool_call>{"name": "x", "arguments": {}}</tool_call>',
-                                tokenizer=tokenizer)
+    fallback = parse_tool_calls(
+        '<call>{oops</call><tool_call>{"name": "x", "arguments": {}}</tool_call>', tokenizer=tokenizer
+    )
     assert [c.name for c in fallback.tool_calls] == ["x"]

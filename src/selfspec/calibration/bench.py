@@ -10,7 +10,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import logging
-import platform
+import os
 import resource
 import statistics
 import time
@@ -31,6 +31,7 @@ from ..errors import ConfigurationError
 from ..modeling.loading import DEMO_DRAFT_MODEL, DEMO_MODEL, load_model_and_tokenizer
 from ..modeling.realmodels import display_name
 from ..prompts import CATEGORY_ALIASES, PROMPT_SETS, STOCK_PROMPT_SETS
+from .store import machine_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -395,8 +396,11 @@ def run_benchmark(
             "methods": list(methods) if methods is not None else "all",
             "torch": torch.__version__,
             "transformers": __import__("transformers").__version__,
-            "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+            "machine": machine_fingerprint(),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "load_average_before": [round(x, 2) for x in os.getloadavg()],
+            "plan": engine.plan.summary() if engine.plan is not None else None,
+            "verify_cost": engine.calibration.get("verify_cost"),
         }
     )
     # warm up every method once (first-call costs are not decoding speed)
@@ -438,6 +442,7 @@ def run_benchmark(
                 bar.update()
     bar.close()
     report.methods = summarise(report.runs, to_run)
+    report.settings["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     report.settings["process_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return report
 
@@ -491,6 +496,7 @@ def summarise(runs: list[Run], methods: list[Method]) -> dict[str, dict[str, Any
     for run in runs:
         by_method.setdefault(run.method, []).append(run)
     greedy_reference = {(r.category, r.prompt, r.repeat): r.token_ids for r in by_method.get("hf_greedy", [])}
+    plain_reference_ids = {(r.category, r.prompt, r.repeat): r.token_ids for r in by_method.get("selfspec_plain", [])}
     summary: dict[str, dict[str, Any]] = {}
     for method in methods:
         mine = by_method.get(method.name, [])
@@ -527,9 +533,11 @@ def summarise(runs: list[Run], methods: list[Method]) -> dict[str, dict[str, Any
                 per_category[cat]["vs_plain_median"] = round(statistics.median(ratios), 3) if ratios else None
         taus = [r.tau for r in mine if r.tau is not None]
         rates = [r.acceptance_rate for r in mine if r.acceptance_rate is not None]
-        identical = None
+        identical = identical_plain = None
         if method.greedy and greedy_reference:
             identical = all(r.token_ids == greedy_reference[(r.category, r.prompt, r.repeat)] for r in mine)
+        if method.greedy and plain_reference_ids and method.name != "hf_greedy":
+            identical_plain = all(r.token_ids == plain_reference_ids[(r.category, r.prompt, r.repeat)] for r in mine)
         memory = [r.peak_memory_mb for r in mine if r.peak_memory_mb is not None]
         summary[method.name] = {
             "description": method.description,
@@ -541,6 +549,7 @@ def summarise(runs: list[Run], methods: list[Method]) -> dict[str, dict[str, Any
             "tau": round(statistics.mean(taus), 3) if taus else None,
             "acceptance_rate": round(statistics.mean(rates), 3) if rates else None,
             "identical_to_greedy": identical,
+            "identical_to_plain": identical_plain,
             "peak_memory_mb": round(max(memory), 1) if memory else None,
             "profile": profile(mine),
             "per_category": per_category,
@@ -561,15 +570,18 @@ def summarise(runs: list[Run], methods: list[Method]) -> dict[str, dict[str, Any
 def format_table(report: BenchReport) -> str:
     """A markdown table of the summary, one row per method."""
     lines = [
-        "| method | tok/s | spread (per repeat) | speedup | tau | acceptance | identical to greedy |",
-        "|---|---:|---:|---:|---:|---:|:---:|",
+        "| method | tok/s | spread (per repeat) | speedup | tau | acceptance | identical to greedy "
+        "| identical to plain |",
+        "|---|---:|---:|---:|---:|---:|:---:|:---:|",
     ]
     for name, m in report.methods.items():
         spread = m["tokens_per_second_spread"]
         ident = {True: "yes", False: "NO", None: "n/a (sampling)"}[m["identical_to_greedy"]]
+        plain = {True: "yes", False: "NO", None: "-"}[m.get("identical_to_plain")]
         lines.append(
             f"| {name} | {m['tokens_per_second']:.1f} | {spread[0]:.1f}-{spread[1]:.1f} | "
-            f"{m['speedup']:.2f}x vs {m['baseline']} | {_fmt(m['tau'])} | {_fmt(m['acceptance_rate'])} | {ident} |"
+            f"{m['speedup']:.2f}x vs {m['baseline']} | {_fmt(m['tau'])} | {_fmt(m['acceptance_rate'])} | {ident} "
+            f"| {plain} |"
         )
     return "\n".join(lines)
 
@@ -655,7 +667,7 @@ def write_report(report: BenchReport, out_dir: str | Path, name: str = "bench") 
     header = (
         f"# selfspec benchmark: {settings['model']} on {settings['device']} ({settings['dtype']}, "
         f"{settings['threads']} thread(s))\n\n{settings['max_new_tokens']} new tokens, {settings['repeats']} repeats, "
-        f"methods interleaved in one process; {settings['date']}.\n\n"
+        f"methods interleaved in one process; {settings['date']}.\n\n" + _context_lines(settings)
     )
     paths[1].write_text(
         header
@@ -680,6 +692,25 @@ def write_report(report: BenchReport, out_dir: str | Path, name: str = "bench") 
     except ImportError:  # matplotlib is an optional extra: say so, do not skip silently
         logger.warning("no %s.png: matplotlib is not installed (pip install 'selfspec[bench]')", name)
     return paths
+
+
+def _context_lines(settings: dict[str, Any]) -> str:
+    """The machine, its load, the plan ``auto`` ran and the calibrated verify-cost curve (when recorded)."""
+    lines = []
+    if settings.get("machine"):
+        lines.append(f"Machine: {settings['machine']}.")
+    if settings.get("load_average_before"):
+        lines.append(
+            f"Load average {settings['load_average_before']} before, {settings.get('load_average_after')} after "
+            "(a shared machine: read ratios, not absolute times)."
+        )
+    if settings.get("plan"):
+        lines.append(f"`auto` plan: {settings['plan']}.")
+    curve = settings.get("verify_cost")
+    if curve:
+        shown = ", ".join(f"{k}: {float(v):.2f}" for k, v in sorted(curve.items(), key=lambda kv: int(kv[0])))
+        lines.append(f"Calibrated verify cost (drafts: plain steps): {shown}.")
+    return "".join(f"{line}\n" for line in lines) + ("\n" if lines else "")
 
 
 def method_colours(names: Sequence[str]) -> dict[str, Any]:

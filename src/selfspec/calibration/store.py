@@ -101,7 +101,9 @@ def load_calibration(
 
     Returns:
         The saved settings, or ``None`` (no file, unreadable, corrupt (:func:`calibration_problem`), an
-        older version, another machine, device type or dtype: each logged, and the caller measures afresh).
+        older version, another machine, device type or dtype, or costs measured on a busy machine
+        (:data:`BUSY_LOAD`) that is quiet now (:data:`QUIET_LOAD`): each logged, and the caller
+        measures afresh).
     """
     if not name_or_path:
         return None
@@ -138,6 +140,11 @@ def load_calibration(
             logger.info("calibration %s is from selfspec %s (now %s); measuring again", path,
                         data.get("selfspec_version"), _selfspec_version())  # fmt: skip
             continue
+        busy = _measured_busy(data)
+        if check_machine and not shipped and busy is not None and load_per_core() < QUIET_LOAD:
+            logger.info("calibration %s was measured on a busy machine (load %.1f per core); the machine is quiet "
+                        "now, measuring again", path, busy)  # fmt: skip
+            continue
         here = machine_fingerprint() if check_machine and not shipped else None
         if here is not None and data.get("machine") != here:
             logger.info(
@@ -149,6 +156,31 @@ def load_calibration(
             continue
         return data
     return None
+
+
+#: A calibration whose costs were measured at this load average per core or more (other work on
+#: every core) is measured again on a later load that finds the machine below :data:`QUIET_LOAD`.
+BUSY_LOAD = 1.0
+#: See :data:`BUSY_LOAD`.
+QUIET_LOAD = 0.5
+
+
+def load_per_core() -> float:
+    """The machine's one-minute load average per core (0.0 where the platform has none)."""
+    try:
+        return round(os.getloadavg()[0] / (os.cpu_count() or 1), 2)
+    except (AttributeError, OSError):
+        return 0.0
+
+
+def _measured_busy(data: dict[str, Any]) -> float | None:
+    """The load per core the costs were measured at, when it was :data:`BUSY_LOAD` or more, else ``None``."""
+    checks = data.get("cost_checks")
+    loads = checks.get("load_per_core") if isinstance(checks, dict) else None
+    if not isinstance(loads, list) or not all(isinstance(x, int | float) for x in loads) or not loads:
+        return None
+    busiest = float(max(loads))
+    return busiest if busiest >= BUSY_LOAD else None
 
 
 def _selfspec_version() -> str:

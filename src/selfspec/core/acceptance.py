@@ -61,10 +61,14 @@ def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> Ac
     """
     num_draft = draft_tokens.shape[0]
     target_tokens = target_logits.argmax(dim=-1)  # [k + 1]
+    if not num_draft:
+        return Acceptance(0, int(target_tokens[0].item()))
     matches = (target_tokens[:num_draft] == draft_tokens).long()
     # cumprod zeroes everything after the first mismatch
-    num_accepted = int(matches.cumprod(dim=0).sum().item()) if num_draft else 0
-    return Acceptance(num_accepted, int(target_tokens[num_accepted].item()))
+    num_accepted = matches.cumprod(dim=0).sum().view(1)
+    # indexed by a tensor (an int index would read the device), then the round's one read
+    accepted, token = torch.cat([num_accepted, target_tokens[num_accepted]]).tolist()
+    return Acceptance(accepted, token)
 
 
 def accept_sampled(

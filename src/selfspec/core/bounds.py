@@ -11,7 +11,8 @@ property names costs seconds of CPU; so before any of it runs:
   (:data:`MAX_TOOLS` tools, OpenAI's limit), :func:`check_schema_size` / :func:`check_tools_size`;
 - every character that becomes prompt text (message content, tool definitions, stated schemas,
   past tool-call arguments, dictionary keys included) is counted by :func:`text_chars` and
-  refused by :func:`check_prompt_chars` when the context window cannot hold that many.
+  refused by :func:`check_prompt_chars` when the context window cannot hold that many
+  (:class:`PromptTooLongError`, which ``selfspec serve`` answers as ``context_length_exceeded``).
 
 The engine's grammar functions, the request planner (both adapters in local mode) and
 ``selfspec serve`` share these checks, so the same input gets the same error everywhere:
@@ -37,6 +38,10 @@ MAX_SCHEMA_ITEMS = 10_000
 MAX_SCHEMA_DEPTH = 64
 #: Headroom for normalizers that shorten text (Unicode composition joins at most three characters).
 NORMALIZER_SLACK = 4
+
+
+class PromptTooLongError(InvalidPromptError):
+    """More characters of prompt text than the context window can hold, found before tokenizing."""
 
 
 @dataclass(frozen=True)
@@ -70,24 +75,19 @@ def json_size(value: Any, *, max_chars: int | None = None, max_items: int | None
         container, depth = stack.pop()
         deepest = max(deepest, depth)
         items += len(container)
-        if isinstance(container, dict):
-            for key, child in container.items():
-                chars += (len(key) if isinstance(key, str) else 0) + 1
-                if isinstance(child, str):
-                    chars += len(child)
-                elif isinstance(child, (dict, list, tuple)):
-                    stack.append((child, depth + 1))
-                else:
-                    chars += 1
-        else:
+        if isinstance(container, dict):  # a key counts its text plus one (the key itself)
+            chars += sum((len(key) if isinstance(key, str) else 0) + 1 for key in container)
+            children = container.values()
+        else:  # an element counts one
             chars += len(container)
-            for child in container:
-                if isinstance(child, str):
-                    chars += len(child)
-                elif isinstance(child, (dict, list, tuple)):
-                    stack.append((child, depth + 1))
-                else:
-                    chars += 1
+            children = container
+        for child in children:
+            if isinstance(child, str):
+                chars += len(child)
+            elif isinstance(child, (dict, list, tuple)):
+                stack.append((child, depth + 1))
+            else:
+                chars += 1
         if (max_chars is not None and chars > max_chars) or (max_items is not None and items > max_items):
             break
     return JsonSize(chars, items, deepest)
@@ -191,11 +191,11 @@ def check_prompt_chars(chars: int, tokenizer: Any, context_window: int | None) -
     """Refuse ``chars`` characters of prompt text that the context window cannot hold.
 
     Raises:
-        InvalidPromptError: naming both numbers and ``truncate_prompt``.
+        PromptTooLongError: naming both numbers and ``truncate_prompt`` (an ``InvalidPromptError``).
     """
     limit = max_prompt_chars(tokenizer, context_window)
     if limit is not None and chars > limit:
-        raise InvalidPromptError(
+        raise PromptTooLongError(
             f"the prompt has {chars} characters (messages, tools and schema together); this model's context "
             f"window of {context_window} tokens cannot hold more than {limit}: shorten it (or pass "
             "truncate_prompt=True to keep its end)"

@@ -30,8 +30,8 @@ class CostModel:
 
     Attributes:
         draft: cost of drafting one token (0 for prompt lookup).
-        verify: cost of verifying ``k`` drafts (``k + 1`` tokens) by ``k``; missing lengths are
-            extrapolated linearly from the longest measured one.
+        verify: cost of verifying ``k`` drafts (``k + 1`` tokens) by ``k``; a length between two
+            measured ones is interpolated linearly, one past the longest extrapolated from it.
     """
 
     draft: float
@@ -41,16 +41,27 @@ class CostModel:
         """Predicted cost of a round that drafted ``num_drafted`` tokens."""
         if num_drafted <= 0:
             return 1.0
+        return self.draft * num_drafted + self.verify_cost(num_drafted)
+
+    def verify_cost(self, num_drafted: int) -> float:
+        """Predicted cost of verifying ``num_drafted`` drafts (1.0 for none)."""
         verify = self.verify
+        if num_drafted <= 0 or not verify:
+            return 1.0
         if num_drafted in verify:
-            v = verify[num_drafted]
-        elif verify:
-            top = max(verify)
-            slope = (verify[top] - 1.0) / top if top else 0.0
-            v = verify[top] + slope * (num_drafted - top)
-        else:
-            v = 1.0
-        return self.draft * num_drafted + v
+            return verify[num_drafted]
+        below = max((k for k in verify if k < num_drafted), default=0)
+        above = min((k for k in verify if k > num_drafted), default=None)
+        low = verify[below] if below else 1.0
+        if above is None:  # past the longest measured length: its slope from a one-token step
+            slope = (low - 1.0) / below
+            return low + slope * (num_drafted - below)
+        return low + (verify[above] - low) * (num_drafted - below) / (above - below)
+
+    @property
+    def longest(self) -> int:
+        """The longest measured draft length (0 without a curve)."""
+        return max(self.verify, default=0)
 
     @classmethod
     def from_json(cls, data: Any) -> CostModel | None:
@@ -76,3 +87,24 @@ def worth_drafting(reach: float, expected: float, drafted: int, round_cost: Call
     return reach * before >= (after - before) * expected
 
 
+def next_draft_length(current: int, drafted: int, accepted: int, longest: int, costs: CostModel | None = None) -> int:
+    """The draft length after a round that drafted ``drafted`` tokens and had ``accepted`` accepted.
+
+    A fully accepted draft doubles the length (up to ``longest``), so long copies reach the
+    lengths where a flat verify curve pays within a few rounds, but only where the longer draft,
+    fully accepted, emits more per unit of cost on the measured curve (``costs``; always without
+    one). A draft mostly rejected halves it (at least 1, at least what was accepted plus one).
+    The calibration replay and the online controller both follow this rule.
+    """
+    if drafted <= 0:
+        return current
+    if accepted == drafted:
+        longer = min(max(2 * current, current + 1), longest)
+        while longer > current and costs is not None and costs.verify:
+            if (longer + 1) / costs.round_cost(longer) > (current + 1) / costs.round_cost(current):
+                return longer
+            longer = current + (longer - current) // 2
+        return max(longer, current)
+    if accepted < drafted // 2:
+        return max(1, min(current, max(current // 2, accepted + 1)))
+    return current

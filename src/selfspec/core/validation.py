@@ -44,6 +44,8 @@ MAX_SEED = 2**64 - 1
 MAX_STOP_STRINGS = 16
 #: The longest stop string, in characters.
 MAX_STOP_CHARS = 256
+#: The most alternatives ``logprobs`` may ask for per token (OpenAI's ``top_logprobs`` bound).
+MAX_LOGPROBS = 20
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -128,6 +130,19 @@ def check_seed(value: Any) -> int | None:
     if seed is None or not 0 <= seed <= MAX_SEED:
         raise SamplingError(f"seed must be None or an int in [0, 2**64 - 1], got {_kind(value)} {value!r}")
     return seed
+
+
+def check_logprobs(value: Any) -> int | None:
+    """``None`` (no log-probabilities), or an int in ``[0, MAX_LOGPROBS]``: alternatives per token."""
+    if value is None:
+        return None
+    count = as_integer(value)
+    if count is None or not 0 <= count <= MAX_LOGPROBS:
+        raise SamplingError(
+            f"logprobs must be None or an int in [0, {MAX_LOGPROBS}] (the most likely alternatives reported per "
+            f"token), got {_kind(value)} {value!r}"
+        )
+    return count
 
 
 def check_max_new_tokens(value: Any, context_window: int | None = -1) -> int:

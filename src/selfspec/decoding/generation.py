@@ -17,11 +17,11 @@ import torch
 
 from ..core.constraints import TokenConstraint
 from ..core.sampling import SamplingParams
-from ..core.validation import check_max_new_tokens, check_prompt, check_prompt_ids, check_seed
+from ..core.validation import check_logprobs, check_max_new_tokens, check_prompt, check_prompt_ids, check_seed
 from ..errors import ConfigurationError, GenerationMemoryError, InvalidPromptError
 from .controller import DraftController
 from .options import GenerateOptions
-from .outputs import FinishReason, GenerationOutput, GenerationStats
+from .outputs import FinishReason, GenerationOutput, GenerationStats, TokenLogprob
 from .stopping import IncrementalDetokenizer, StopStringMatcher, normalize_stop
 
 #: A prompt: text, or a list of chat messages.
@@ -36,7 +36,8 @@ class GenerationRequest(GenerateOptions):
     """What one call of ``generate`` / ``stream`` asks for: its prompt ids and its options.
 
     The options are :class:`~selfspec.decoding.options.GenerateOptions`' fields (``max_new_tokens``,
-    ``temperature``, ``top_k``, ``top_p``, ``stop``, ``seed``, ``constraint``, ``truncate_prompt``).
+    ``temperature``, ``top_k``, ``top_p``, ``stop``, ``seed``, ``constraint``, ``truncate_prompt``,
+    ``logprobs``).
 
     Attributes:
         prompt_ids: the prompt's token ids (a list, a 1-D tensor or a ``[1, n]`` tensor); a keyword.
@@ -141,6 +142,7 @@ class Generation:
         stops: stop strings.
         generator: the random source.
         constraint: the call's constraint, if any.
+        logprobs: ``None``, or the alternatives reported per token with its log-probability.
     """
 
     def __init__(
@@ -154,8 +156,11 @@ class Generation:
         stops: list[str],
         generator: torch.Generator,
         constraint: TokenConstraint | None,
+        logprobs: int | None = None,
     ) -> None:
         self._rounds = rounds
+        self.top_logprobs = logprobs
+        self.computed_logprobs: list[TokenLogprob] = []  # written by the loop, one per token it emits
         self.prompt_ids = prompt_ids
         self.max_new_tokens = max_new_tokens
         self.params = params
@@ -192,9 +197,30 @@ class Generation:
             )
         ids = request.fit_window(ids, context_window)
         generator = request.generator(device)
+        logprobs = check_logprobs(request.logprobs)
         return cls(
-            rounds, tokenizer, controller, ids, request.max_new_tokens, params, stops, generator, request.constraint
+            rounds,
+            tokenizer,
+            controller,
+            ids,
+            request.max_new_tokens,
+            params,
+            stops,
+            generator,
+            request.constraint,
+            logprobs,
         )
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        """One entry per token in :attr:`token_ids` so far (``None`` unless the call asked for them).
+
+        The loop computes the entries of a round's tokens before it hands the tokens out; tokens
+        past a stop string are never added to :attr:`token_ids`, and their entries are left out.
+        """
+        if self.top_logprobs is None:
+            return None
+        return self.computed_logprobs[: len(self.token_ids)]
 
     def deltas(self) -> Generator[str, None, None]:
         """Run the generation, yielding text deltas (none without a tokenizer)."""
@@ -276,6 +302,7 @@ class Generation:
             finish_reason=self.finish_reason,
             stats=self.stats,
             prompt_tokens=len(self.prompt_ids),
+            logprobs=self.logprobs,
         )
 
 
@@ -315,6 +342,14 @@ class GenerationStream(Iterator[str]):
     def finish_reason(self) -> FinishReason | None:
         """``"stop"``, ``"length"`` or ``"cancelled"`` once finished, else ``None``."""
         return self._run.finish_reason if self.output is not None else None
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        """With ``logprobs=N``, one entry per token generated so far, else ``None``.
+
+        The text so far may lag behind the tokens by a held-back character or stop-string prefix.
+        """
+        return self._run.logprobs
 
     def _complete(self) -> None:
         if self.output is None and self._run.finish_reason is not None:

@@ -9,11 +9,13 @@ batching scheduler (:mod:`selfspec.decoding.batching`), which only admits rows a
    budget and the cache;
 2. **score**: one target forward returns the target's logits at every draft position
    (:mod:`selfspec.decoding.verify`); a grammar constraint masks them and cuts the draft at its first
-   forbidden token;
+   forbidden token (:func:`constrain`);
 3. **accept**: the pure acceptance maths keeps a prefix (or a tree path) plus one recovered or
    bonus token (:mod:`selfspec.core.acceptance`, :mod:`selfspec.core.tree`);
 4. **commit**: the cache is cropped to exactly the accepted text, the tokens are emitted (cut
-   at the budget and at end-of-sequence), and the statistics and the controller are updated.
+   at the budget and at end-of-sequence), and the statistics and the controller are updated; a call
+   that asked for ``logprobs`` gets the emitted tokens' log-probabilities from the rows of the same
+   target forward (:func:`token_logprobs`: no extra forward).
 
 Plain decoding is the same loop with an empty draft (``drafter="none"``).
 """
@@ -35,8 +37,9 @@ from ..drafting.base import DecodeState, Draft, Drafter, choose_token
 from ..drafting.fitting import fit_tree, truncate_chain
 from ..modeling.cache import BatchedKVCache, StaticKVCache
 from ..modeling.runner import ModelRunner
+from ..modeling.transfer import device_ids
 from .generation import Generation
-from .outputs import FinishReason
+from .outputs import FinishReason, TokenLogprob
 from .verify import prefill, prefill_row, score_chain, score_rows, score_tree
 
 
@@ -86,6 +89,8 @@ def start_row(
             runner, cache, run.prompt_ids, keep_all=keep_all, feature_layers=drafter.feature_layers
         )
     first, _ = choose_token(logits, run.params, run.generator, run.constraint)
+    if run.top_logprobs is not None:
+        run.computed_logprobs.extend(token_logprobs(logits[None], [first], run.top_logprobs))
     run.stats.target_forwards += 1
     run.stats.verify_seconds += time.perf_counter() - started
     if run.constraint is not None:
@@ -137,12 +142,11 @@ def draft(drafter: Drafter, rows: Sequence[Row], batch_cap: int | None = None) -
     return drafts
 
 
-def score(drafter: Drafter, rows: Sequence[Row], drafts: list[Draft]) -> tuple[list[torch.Tensor], list[Draft]]:
+def score(drafter: Drafter, rows: Sequence[Row], drafts: list[Draft]) -> list[torch.Tensor]:
     """Step 2: the target's logits for every row's draft, in one target forward.
 
     Returns:
-        Per row, ``[k + 1, vocab]`` logits (``[n + 1, vocab]`` for a tree), masked by the row's
-        constraint, and the drafts (cut where the constraint forbids a token).
+        Per row, the target's raw ``[k + 1, vocab]`` logits (``[n + 1, vocab]`` for a tree).
     """
     states = [row.state for row in rows]
     if isinstance(states[0].cache, BatchedKVCache):
@@ -155,12 +159,58 @@ def score(drafter: Drafter, rows: Sequence[Row], drafts: list[Draft]) -> tuple[l
             else score_chain(state, d, drafter.needs_hidden)
             for state, d in zip(states, drafts, strict=True)
         ]
-    for i, state in enumerate(states):
-        masks = draft_masks(state.constraint, drafts[i].tokens) if drafts[i].parents is None else None
+    return logits
+
+
+def constrain(
+    rows: Sequence[Row], target_logits: list[torch.Tensor], drafts: list[Draft]
+) -> tuple[list[torch.Tensor], list[Draft]]:
+    """Step 2, for rows with a grammar: mask the target's logits and cut each draft at its first forbidden token.
+
+    Returns:
+        Per row, the logits acceptance reads (masked by the row's constraint; the raw ones are
+        left untouched) and the drafts (cut where the constraint forbids a token).
+    """
+    logits, drafts = list(target_logits), list(drafts)
+    for i, row in enumerate(rows):
+        constraint = row.state.constraint
+        masks = draft_masks(constraint, drafts[i].tokens) if drafts[i].parents is None else None
         if masks is not None:
             drafts[i] = truncate_chain(drafts[i], len(masks) - 1)
             logits[i] = apply_mask(logits[i][: len(masks)], torch.stack(masks))
     return logits, drafts
+
+
+def token_logprobs(target_logits: torch.Tensor, tokens: Sequence[int], top: int) -> list[TokenLogprob]:
+    """The target's log-probabilities of ``tokens``, row ``i`` scoring ``tokens[i]``, and each row's ``top`` best.
+
+    Args:
+        target_logits: ``[n, vocab]`` raw logits (before temperature, top-k, top-p and masks).
+        tokens: ``n`` tokens, one per row.
+        top: how many most likely alternatives to report per row.
+
+    Returns:
+        One :class:`~selfspec.decoding.outputs.TokenLogprob` per token (``log_softmax`` in float32,
+        or float64 for a float64 model).
+    """
+    logits = target_logits if target_logits.dtype == torch.float64 else target_logits.float()
+    logprobs = torch.log_softmax(logits, dim=-1)  # [n, vocab]
+    ids = torch.tensor(list(tokens), dtype=torch.long, device=logprobs.device)
+    chosen = logprobs.gather(-1, ids[:, None])[:, 0].tolist()
+    best = torch.topk(logprobs, min(top, logprobs.shape[-1]), dim=-1) if top else None
+    best_ids = best.indices.tolist() if best is not None else [[] for _ in tokens]
+    best_values = best.values.tolist() if best is not None else [[] for _ in tokens]
+    return [
+        TokenLogprob(int(token), float(value), list(top_ids), list(top_values))
+        for token, value, top_ids, top_values in zip(tokens, chosen, best_ids, best_values, strict=True)
+    ]
+
+
+def emitted_rows(acceptance: Acceptance | TreeAcceptance) -> list[int]:
+    """The rows of the target's logits that chose each emitted token (a chain's ``0 .. n``; a tree's path)."""
+    if isinstance(acceptance, TreeAcceptance):
+        return [0, *(i + 1 for i in acceptance.path)]
+    return list(range(acceptance.num_accepted + 1))
 
 
 def accept_draft(state: DecodeState, draft: Draft, target_logits: torch.Tensor) -> Acceptance | TreeAcceptance:
@@ -170,7 +220,7 @@ def accept_draft(state: DecodeState, draft: Draft, target_logits: torch.Tensor) 
             return accept_tree_greedy(draft.tokens, draft.parents, target_logits)
         target_probs = logits_to_probs(target_logits, state.params)
         return accept_tree_sampled(draft.tokens, draft.parents, draft.draft_probs, target_probs, state.generator)
-    draft_tokens = torch.tensor(draft.tokens, dtype=torch.long, device=target_logits.device)
+    draft_tokens = device_ids(draft.tokens, target_logits.device)
     if state.params.greedy:
         return accept_greedy(draft_tokens, target_logits)
     target_probs = logits_to_probs(target_logits, state.params)
@@ -248,15 +298,20 @@ def run_round(drafter: Drafter, rows: Sequence[Row], batch_cap: int | None = Non
     started = time.perf_counter()
     drafts = draft(drafter, rows, batch_cap)  # 1.
     drafted = time.perf_counter()
-    target_logits, drafts = score(drafter, rows, drafts)  # 2.
+    raw_logits = score(drafter, rows, drafts)  # 2.
+    target_logits, drafts = constrain(rows, raw_logits, drafts)
     times = RoundTimes(started, drafted, time.perf_counter())
     results: list[list[int] | Exception] = []
-    for row, row_draft, row_logits in zip(rows, drafts, target_logits, strict=True):
+    for row, row_draft, row_logits, row_raw in zip(rows, drafts, target_logits, raw_logits, strict=True):
         try:
             if row_draft.failure is not None:
                 raise row_draft.failure
             acceptance = accept_draft(row.state, row_draft, row_logits)  # 3.
-            results.append(commit(drafter, row, row_draft, acceptance, times))  # 4.
+            tokens = commit(drafter, row, row_draft, acceptance, times)  # 4.
+            if row.run.top_logprobs is not None:
+                used = emitted_rows(acceptance)[: len(tokens)]
+                row.run.computed_logprobs.extend(token_logprobs(row_raw[used], tokens, row.run.top_logprobs))
+            results.append(tokens)
         except Exception as error:  # noqa: BLE001 - this row fails; the others go on
             results.append(error)
     return results

@@ -481,6 +481,11 @@ class GenerateOptions:
         truncate_prompt: when the prompt plus ``max_new_tokens`` exceeds the context window, keep
             only the prompt's last tokens instead of raising
             :class:`~selfspec.errors.InvalidPromptError`.
+        logprobs: report each new token's log-probability under the model and the ``logprobs``
+            most likely alternatives (``0 .. 20``; :attr:`GenerationOutput.logprobs
+            <selfspec.GenerationOutput.logprobs>`). The values are the target's ``log_softmax`` in
+            the verify forward that emitted the token (no extra forward), before temperature,
+            top-k, top-p and a constraint's mask. ``None``: none.
     """
 
     max_new_tokens: int = 256
@@ -491,6 +496,7 @@ class GenerateOptions:
     seed: int | None = None
     constraint: TokenConstraint | None = None
     truncate_prompt: bool = False
+    logprobs: int | None = None
 
     @classmethod
     def of(cls, options: GenerateOptions | None, keywords: Mapping[str, Any], method: str) -> GenerateOptions:
@@ -526,3 +532,4 @@ class GenerateKeywords(TypedDict, total=False):
     seed: int | None
     constraint: TokenConstraint | None
     truncate_prompt: bool
+    logprobs: int | None

@@ -43,6 +43,29 @@ class GenerationStats:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability of one generated token, and of its most likely alternatives.
+
+    The values are the target model's own distribution at that position,
+    ``log_softmax(logits)`` of the verify forward that emitted the token: before temperature,
+    top-k, top-p and a grammar's mask (as OpenAI reports them), so they do not change with the
+    sampling settings (``docs/serving.md``).
+
+    Attributes:
+        token_id: the generated token.
+        logprob: its log-probability.
+        top_token_ids: the most likely tokens at that position, most likely first (as many as
+            the call's ``logprobs`` asked for; the generated token may or may not be among them).
+        top_logprobs: their log-probabilities, in the same order.
+    """
+
+    token_id: int
+    logprob: float
+    top_token_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
 @dataclass
 class GenerationOutput:
     """The result of :meth:`SpeculativeEngine.generate`.
@@ -56,6 +79,8 @@ class GenerationOutput:
             (``max_new_tokens`` reached) or ``"cancelled"``.
         stats: speculation statistics.
         prompt_tokens: number of prompt tokens.
+        logprobs: with ``logprobs=N``, one :class:`TokenLogprob` per token of ``token_ids``
+            (else ``None``).
     """
 
     text: str | None
@@ -63,3 +88,4 @@ class GenerationOutput:
     finish_reason: FinishReason
     stats: GenerationStats
     prompt_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None

@@ -18,6 +18,7 @@ from ..core.tree import TreeMask, tree_attention, tree_depths
 from ..drafting.base import DecodeState, Draft
 from ..modeling.cache import BatchedKVCache, StaticKVCache
 from ..modeling.runner import ModelRunner
+from ..modeling.transfer import device_ids
 
 
 def prefill(
@@ -34,7 +35,7 @@ def prefill(
         and the last position's ``[vocab]`` logits. With ``feature_layers`` (EAGLE-3), the states
         handed back are the inputs of those layers, concatenated (:func:`drafter_states`).
     """
-    ids = torch.tensor([prompt_ids], device=runner.device)
+    ids = device_ids([prompt_ids], runner.device)
     positions = torch.arange(len(prompt_ids), device=runner.device)
     capture = feature_capture(feature_layers)
     hidden = runner.run_layers(runner.embed(ids), 0, runner.num_layers, positions, cache, capture=capture)
@@ -70,7 +71,7 @@ def prefill_row(
     runner: ModelRunner, cache: BatchedKVCache, row: int, prompt_ids: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`prefill` into row ``row`` of a batched cache."""
-    ids = torch.tensor([prompt_ids], device=runner.device)
+    ids = device_ids([prompt_ids], runner.device)
     positions = torch.arange(len(prompt_ids), device=runner.device)[None]  # [1, n]
     hidden = runner.run_rows(runner.embed(ids), 0, runner.num_layers, positions, cache, row)[:, -1:]
     return hidden, runner.logits(hidden)[0]
@@ -95,7 +96,7 @@ def score_chain(state: DecodeState, draft: Draft, keep_hidden: bool = False) -> 
         exit_states = torch.cat([draft.exit_states[:, :num_draft], last_state], dim=1)
         hidden = runner.run_layers(exit_states, exit_layer, runner.num_layers, positions, cache)
     else:
-        ids = torch.tensor([[state.last_token, *draft.tokens]], device=device)
+        ids = device_ids([[state.last_token, *draft.tokens]], device)
         capture = feature_capture(state.feature_layers if keep_hidden else None)
         hidden = runner.run_layers(runner.embed(ids), 0, runner.num_layers, positions, cache, capture=capture)
         if capture is not None:
@@ -135,7 +136,7 @@ def score_tree(state: DecodeState, draft: Draft, keep_hidden: bool = False) -> t
             exit_states = torch.cat([exit_states, rest_states], dim=1)
         hidden = runner.run_layers(exit_states, exit_layer, runner.num_layers, positions, cache, tree=full)
     else:
-        ids = torch.tensor([[state.last_token, *draft.tokens]], device=device)
+        ids = device_ids([[state.last_token, *draft.tokens]], device)
         capture = feature_capture(state.feature_layers if keep_hidden else None)
         hidden = runner.run_layers(
             runner.embed(ids), 0, runner.num_layers, positions, cache, tree=full, capture=capture

@@ -26,6 +26,7 @@ from .planning import (
     DrafterCalibration,
     DrafterFactory,
     sampled,
+    tree_rows,
 )
 from .registry import register_drafter
 
@@ -247,13 +248,14 @@ def _rows(name: str, context: BenchContext) -> list[BenchRow]:
     if context.tree_nodes:  # trees are compared with the fixed chain, greedy and sampling
         chain = BenchRow(fixed.name, fixed.engine, "early-exit chain", "tree")
         rows += sampled(chain, context.temperatures)
-    for nodes in context.tree_nodes:
+
+    def tree(nodes: int) -> BenchRow:
         engine = context.engine(drafter=name, exit_layer=e, num_draft_tokens=k, tree_nodes=nodes)
-        tree = BenchRow(
+        return BenchRow(
             f"selfspec_tree_{nodes}", engine, f"early-exit token tree, at most {nodes} nodes and {k} levels", "tree"
         )
-        rows += [tree, *sampled(tree, context.temperatures)]
-    return rows
+
+    return rows + tree_rows(context, tree)
 
 
 register_drafter(

@@ -351,3 +351,12 @@ def sampled(row: BenchRow, temperatures: Sequence[float], family: str | None = N
         BenchRow(f"{row.name}_t{t}", row.engine, f"{row.description}, sampling T={t}", family or row.family, t)
         for t in temperatures
     ]
+
+
+def tree_rows(context: BenchContext, row_for: Callable[[int], BenchRow]) -> list[BenchRow]:
+    """A token-tree row per node budget of ``context.tree_nodes`` (``row_for(nodes)``), each greedy then sampled."""
+    rows: list[BenchRow] = []
+    for nodes in context.tree_nodes:
+        tree = row_for(nodes)
+        rows += [tree, *sampled(tree, context.temperatures)]
+    return rows

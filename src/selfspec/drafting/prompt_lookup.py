@@ -98,10 +98,10 @@ class LookupCalibration(DrafterCalibration):
     fallback_settings: ClassVar[dict[str, Any] | None] = {"num_draft_tokens": 4, "min_ngram": 2}
 
     def candidates(self, name: str, context: CalibrationContext, figures: Any) -> list[Candidate]:
-        """The best ``min_ngram`` (1 or 2) and draft length (at most 6)."""
+        """The best ``min_ngram`` (1 or 2) and starting draft length (copies grow where they land)."""
         best = (2, 4, 0.0)
         for min_ngram in (1, 2):
-            for k in [k for k in context.lengths if k <= 6] or context.lengths:
+            for k in context.lengths:
                 speed = context.replay(CostModel(0.0, context.verify_cost), k, lookup=(min_ngram, 3)).speedup
                 if speed > best[2]:
                     best = (min_ngram, k, speed)

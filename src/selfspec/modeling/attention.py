@@ -148,6 +148,24 @@ def tree_rows(allowed: Sequence[Sequence[bool]], tree_base: int) -> RowCalls:
     )
 
 
+def format_mask(allowed: torch.Tensor, dtype: torch.dtype, attn_implementation: str) -> torch.Tensor:
+    """A boolean ``allowed`` mask as the attention implementation takes it: bool for SDPA, else additive.
+
+    The additive form holds ``0`` where attention is allowed and the dtype's minimum elsewhere
+    (what eager attention adds to the scores).
+    """
+    if attn_implementation == "sdpa":
+        return allowed
+    additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return additive.masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def causal_allowed(num_queries: int, num_cached: int, batch: int, device: torch.device) -> torch.Tensor:
+    """``[batch, q, cached + q]``: query ``i`` sees every cached key and the new keys up to itself."""
+    allowed = torch.ones(num_queries, num_cached + num_queries, dtype=torch.bool, device=device)
+    return allowed.tril(num_cached)[None].expand(batch, -1, -1)
+
+
 _ROW_INVARIANT: dict[tuple[tuple[int, ...], torch.dtype, str], bool] = {}
 
 

@@ -40,7 +40,33 @@ class KVCache(Protocol):
         ...
 
 
-class StaticKVCache:
+class _LayerBuffers:
+    """What both caches share: a key and a value buffer per layer (made on the layer's first write) and ``update``.
+
+    ``update`` is the contract transformers' attention modules call; each cache writes in its own
+    :meth:`_write`.
+    """
+
+    is_compileable = False
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write new states to a layer; return the keys and values to attend over."""
+        return self._write(key_states, value_states, layer_idx)
+
+    def _write(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+
+class StaticKVCache(_LayerBuffers):
     """Per-layer preallocated key/value buffers with independent lengths.
 
     Args:
@@ -48,25 +74,16 @@ class StaticKVCache:
         max_length: the most positions any layer will hold.
     """
 
-    is_compileable = False
-
     def __init__(self, num_layers: int, max_length: int) -> None:
-        self.num_layers = num_layers
+        super().__init__(num_layers)
         self.max_length = max_length
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
-        self.values: list[torch.Tensor | None] = [None] * num_layers
         self.lengths = [0] * num_layers
 
     def __repr__(self) -> str:
         return f"StaticKVCache(num_layers={self.num_layers}, max_length={self.max_length}, lengths={self.lengths})"
 
-    def update(
-        self,
-        key_states: torch.Tensor,
-        value_states: torch.Tensor,
-        layer_idx: int,
-        *args: Any,
-        **kwargs: Any,
+    def _write(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``[batch, kv_heads, q, head_dim]`` states to a layer; return its filled views."""
         start = self.lengths[layer_idx]
@@ -110,7 +127,7 @@ class StaticKVCache:
             self.lengths[i] = min(self.lengths[i], length)
 
 
-class BatchedKVCache:
+class BatchedKVCache(_LayerBuffers):
     """Per-layer ``[rows, kv_heads, length, head_dim]`` key/value buffers, one row per generation.
 
     Slot ``j`` of a row holds position ``j``: a forward writes its new states at their
@@ -125,12 +142,8 @@ class BatchedKVCache:
         num_layers: number of decoder layers.
     """
 
-    is_compileable = False
-
     def __init__(self, num_layers: int) -> None:
-        self.num_layers = num_layers
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
-        self.values: list[torch.Tensor | None] = [None] * num_layers
+        super().__init__(num_layers)
         self.row_capacity = 0
         self.length_capacity = 0
         self._row_start = 0
@@ -171,13 +184,8 @@ class BatchedKVCache:
         self._positions = positions
         self._kv_length = kv_length
 
-    def update(
-        self,
-        key_states: torch.Tensor,
-        value_states: torch.Tensor,
-        layer_idx: int,
-        *args: Any,
-        **kwargs: Any,
+    def _write(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``[m, kv_heads, q, head_dim]`` states at their positions; return the rows' views."""
         assert self._positions is not None and self._row_index is not None, "select() before a forward"

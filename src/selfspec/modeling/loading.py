@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import logging
 import os
@@ -14,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..artifacts import BUNDLED_MODELS
+from ..artifacts import BUNDLED_MODELS, dequantized_places
 from ..errors import (
     ConfigurationError,
     CorruptCheckpointError,
@@ -188,19 +187,15 @@ def require_gguf() -> None:
 def dequantized_folder(folder: str, gguf_file: str) -> Path:
     """Where the dequantized copy of a GGUF checkpoint is kept in the user cache.
 
-    ``<cache>/gguf/<file stem>-<key>/``, the key a hash of the file's absolute path, size and
-    modification time (of ``repo/file`` for a hub repository), so an edited file gets a new copy.
+    The copy an earlier version of selfspec made (:func:`~selfspec.artifacts.dequantized_places`)
+    when there is one, else where a new copy is written: ``<cache>/gguf/<model key>/<version>/``,
+    the version a hash of the file's size and modification time (an edited file gets a new copy).
     """
-    from ..artifacts import cache_dir
-
-    local = Path(folder) / gguf_file
-    if local.is_file():
-        info = local.resolve().stat()
-        ident = f"{local.resolve()}|{info.st_size}|{info.st_mtime_ns}"
-    else:
-        ident = f"hub:{folder}/{gguf_file}"
-    key = hashlib.sha256(ident.encode()).hexdigest()[:12]
-    return cache_dir() / "gguf" / f"{Path(gguf_file).stem}-{key}"
+    places = dequantized_places(folder, gguf_file)
+    for place in places:
+        if (place / "config.json").is_file() and any(place.glob("*.safetensors")):
+            return place
+    return places[0]
 
 
 def ensure_dequantized(folder: str, gguf_file: str, *, trust_remote_code: bool = False) -> Path:
@@ -277,19 +272,67 @@ def resolve_device(device: str | torch.device) -> torch.device:
         raise ConfigurationError(f"unknown device {device!r}: use 'auto', 'cpu' or 'cuda[:N]'") from exc
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device, config: Any) -> torch.dtype:
-    """``"auto"``: float32 on CPU (half precision is slow there), the checkpoint's dtype on GPU."""
+def cpu_features() -> frozenset[str]:
+    """The CPU's instruction-set flags (``/proc/cpuinfo``; empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+#: CPU flags that compute a half precision natively (AMX tiles, or AVX-512 bf16 dot products).
+#: float16 is left out on CPUs: torch's CPU float16 matmuls are not faster than float32's.
+NATIVE_CPU_FLAGS: dict[torch.dtype, frozenset[str]] = {torch.bfloat16: frozenset({"amx_bf16", "avx512_bf16"})}
+
+
+def native_dtypes(device: torch.device, flags: frozenset[str] | None = None) -> frozenset[torch.dtype]:
+    """The half precisions ``device`` computes natively.
+
+    CUDA: bfloat16 where supported, and float16. CPU: bfloat16 with AMX or AVX512-BF16
+    (``flags``: the CPU's, read from ``/proc/cpuinfo`` by default), never float16.
+    """
+    if device.type == "cuda":
+        bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        return frozenset({torch.float16, torch.bfloat16} if bf16 else {torch.float16})
+    if device.type == "cpu":
+        flags = cpu_features() if flags is None else flags
+        return frozenset(dtype for dtype, needed in NATIVE_CPU_FLAGS.items() if flags & needed)
+    return frozenset()
+
+
+def checkpoint_dtype(config: Any) -> torch.dtype | None:
+    """The precision a checkpoint was saved in (its config's ``dtype``), ``None`` when it says none."""
+    saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(saved, str):
+        saved = _DTYPES.get(saved.replace("torch.", ""))
+    return saved if isinstance(saved, torch.dtype) else None
+
+
+def resolve_dtype(
+    dtype: str | torch.dtype, device: torch.device, config: Any, *, flags: frozenset[str] | None = None
+) -> torch.dtype:
+    """The dtype to run in.
+
+    ``"auto"`` runs the checkpoint's own half precision where the hardware computes it natively
+    (:func:`native_dtypes`: bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16) and float32
+    elsewhere; on CUDA a float32 checkpoint runs in bfloat16 (float16 without bfloat16 support). A
+    GGUF file runs at the precision its dequantized copy is saved in (float32 for quantized files).
+    Any other value is taken as given (``"float32"`` keeps float32 on every device).
+    """
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        if device.type == "cpu":
-            return torch.float32
-        saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-        if isinstance(saved, str):
-            saved = _DTYPES.get(saved)
-        if saved in (torch.float16, torch.bfloat16):
+        native = native_dtypes(device, flags)
+        saved = checkpoint_dtype(config)
+        if saved in native:
             return saved
-        return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float16
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.bfloat16 in native else torch.float16
+        return torch.float32
     if dtype in _DTYPES:
         return _DTYPES[dtype]
     raise ConfigurationError(f"unknown dtype {dtype!r}: use 'auto', {', '.join(sorted(_DTYPES))}")
@@ -475,6 +518,9 @@ def load_model_and_tokenizer(
     uses_pickle = check_weights(path, allow_pickle=allow_pickle)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device, config)
+    if dtype == "auto" and torch_device.type == "cpu" and torch_dtype != torch.float32:
+        logger.info("running %s in %s: the checkpoint's precision, native on this CPU (pass dtype='float32' for "
+                    "float32)", shown, str(torch_dtype).replace("torch.", ""))  # fmt: skip
     quant = quantization_config(quantization, config, torch_device, torch_dtype)
     if quantization == "8bit":
         silence_bitsandbytes_warnings()

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from ..artifacts import cache_dir
+from ..artifacts import MODELS, cache_dir
 from ..errors import ModelNotFoundError
 
 logger = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ DEFAULT_REAL_MODEL = "smollm2-135m-instruct"
 
 def models_dir() -> Path:
     """Where fetched checkpoints live: ``<user cache>/models`` (see :func:`selfspec.artifacts.cache_dir`)."""
-    return cache_dir() / "models"
+    return cache_dir() / MODELS
 
 
 def sha256_of(path: str | os.PathLike[str]) -> str:

@@ -32,6 +32,7 @@ from .attention import (
     AttentionPlan,
     RowCalls,
     chain_rows,
+    format_mask,
     linear_rows,
     row_exact_default,
     tree_rows,
@@ -69,6 +70,33 @@ def check_architecture(config: Any) -> None:
         raise UnsupportedArchitectureError(
             "models with use_bidirectional_attention=True are not causal LMs and are not supported"
         )
+
+
+def check_decoder_layout(model: Any, what: str) -> None:
+    """Raise :class:`ConfigurationError` unless ``model`` has the layout the runner drives.
+
+    That is the Llama layout: ``model.model.embed_tokens / layers / norm / rotary_emb`` and
+    ``model.lm_head``; ``what`` names who needs it, for the message.
+    """
+    base = getattr(model, "model", None)
+    needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+    if base is None or not all(hasattr(base, name) for name in needed) or not hasattr(model, "lm_head"):
+        raise ConfigurationError(
+            f"{what} needs a decoder-only model with model.embed_tokens, layers, norm, rotary_emb and "
+            f"lm_head (the Llama layout); {type(model).__name__} has another layout"
+        )
+
+
+def runner_for(model: Any, what: str = "selfspec") -> ModelRunner:
+    """``model``'s runner: a :class:`ModelRunner` as it is; a transformers model gets one (no fast path).
+
+    Raises:
+        ConfigurationError: ``model`` does not have the layout the runner drives (:func:`check_decoder_layout`).
+    """
+    if isinstance(model, ModelRunner):
+        return model
+    check_decoder_layout(model, what)
+    return ModelRunner(model, fast_path=False)
 
 
 class ModelRunner:
@@ -162,10 +190,12 @@ class ModelRunner:
             logits = linear_rows(normed, head.weight, head.bias, exact_rows=True)
         else:
             logits = head(normed)
-        if self.final_logit_softcapping is not None:
-            cap = self.final_logit_softcapping
-            logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        return self.softcap(logits).float()
+
+    def softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        """The target's final logit soft-capping (``cap * tanh(logits / cap)``), when it has one."""
+        cap = self.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def run_layers(
         self,
@@ -280,13 +310,22 @@ class ModelRunner:
             capture[end] = hidden
         return hidden
 
+    def rotary(
+        self, hidden: torch.Tensor, position_ids: torch.Tensor, layer_type: str = FULL_ATTENTION
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's rotary ``(cos, sin)`` at ``[m, q]`` ``position_ids`` for layers of ``layer_type``."""
+        if self._rotary_per_type:
+            per_type: tuple[torch.Tensor, torch.Tensor] = self.rotary_emb(hidden, position_ids, layer_type)
+            return per_type
+        shared: tuple[torch.Tensor, torch.Tensor] = self.rotary_emb(hidden, position_ids)
+        return shared
+
     def _rotary(
         self, hidden: torch.Tensor, position_ids: torch.Tensor, layer_types: set[str]
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         if self._rotary_per_type:
-            return {t: self.rotary_emb(hidden, position_ids, t) for t in layer_types}
-        shared = self.rotary_emb(hidden, position_ids)
-        return dict.fromkeys(layer_types, shared)
+            return {t: self.rotary(hidden, position_ids, t) for t in layer_types}
+        return dict.fromkeys(layer_types, self.rotary(hidden, position_ids))
 
     def _masked_plans(self, masks: dict[str, torch.Tensor | None]) -> dict[str, AttentionPlan]:
         return {t: FULL if mask is None else AttentionPlan(mask=mask) for t, mask in masks.items()}
@@ -402,7 +441,4 @@ class ModelRunner:
 
     def _format_mask(self, allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A bool ``allowed`` mask as the attention implementation takes it (bool, or additive)."""
-        if self.attn_implementation == "sdpa":
-            return allowed
-        additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-        return additive.masked_fill(~allowed, torch.finfo(dtype).min)
+        return format_mask(allowed, dtype, self.attn_implementation)

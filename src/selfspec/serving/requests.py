@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 from ..core.bounds import check_prompt_chars, check_schema_size, check_tools_size, text_chars
-from ..errors import InvalidPromptError
+from ..errors import InvalidPromptError, InvalidSchemaError
 from .tools import ParsedOutput, parse_tool_calls, tool_schema
 
 if TYPE_CHECKING:
@@ -79,6 +79,19 @@ class RequestFieldError(ValueError):
 
     Attributes:
         field: the OpenAI request field at fault (the server answers 400 with it as ``param``).
+    """
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class OversizeFieldError(InvalidSchemaError):
+    """Tools or a schema over :mod:`selfspec.core.bounds`' limits, naming the request field.
+
+    Attributes:
+        field: ``"tools"`` or ``"response_format"`` (the server answers 400 ``invalid_schema``
+            with it as ``param``).
     """
 
     def __init__(self, message: str, field: str) -> None:
@@ -318,16 +331,25 @@ def check_request_bounds(
 
     The tools and the schema are bounded in size; the characters of everything that becomes
     prompt (messages, tool-call arguments, tools and schema, dictionary keys included) must fit
-    the context window unless ``truncate_prompt``.
+    the context window unless ``truncate_prompt``. The one place every front door checks these
+    (``selfspec serve`` too: its answers name the field, ``invalid_schema`` or
+    ``context_length_exceeded``).
 
     Raises:
-        InvalidSchemaError: tools or a schema over the bounds.
-        InvalidPromptError: more characters than the context window can hold.
+        OversizeFieldError: tools or a schema over the bounds (an ``InvalidSchemaError`` naming
+            ``tools`` or ``response_format``).
+        PromptTooLongError: more characters than the context window can hold (an ``InvalidPromptError``).
     """
-    if tools:
-        check_tools_size(list(tools))
-    if schema is not None:
-        check_schema_size(schema)
+    try:
+        if tools:
+            check_tools_size(list(tools))
+    except InvalidSchemaError as error:
+        raise OversizeFieldError(str(error), "tools") from None
+    try:
+        if schema is not None:
+            check_schema_size(schema)
+    except InvalidSchemaError as error:
+        raise OversizeFieldError(str(error), "response_format") from None
     if not truncate_prompt and engine.tokenizer is not None:
         chars = text_chars(prompt) + text_chars(list(tools)) + (text_chars(schema) if schema is not None else 0)
         check_prompt_chars(chars, engine.tokenizer, engine.context_window)
@@ -617,6 +639,7 @@ class RequestPlan:
         parse_tools: whether tool calls are read from the answer.
         repetition: the repeated piece of text, once the call was stopped because its JSON
             degenerated into repetition (:class:`selfspec.decoding.stopping.RepetitionDetector`).
+        logprobs: ``None``, or report each token's log-probability and this many alternatives.
     """
 
     engine: SpeculativeEngine
@@ -627,6 +650,7 @@ class RequestPlan:
     constraint: ConstraintPlan | None = None
     parse_tools: bool = False
     repetition: str | None = None
+    logprobs: int | None = None
 
     @property
     def guards_repetition(self) -> bool:
@@ -640,6 +664,7 @@ class RequestPlan:
             **self.sampling,
             "truncate_prompt": self.truncate_prompt,
             "constraint": self.constraint.build(self.engine) if self.constraint is not None else None,
+            "logprobs": self.logprobs,
         }
 
     def generate(self) -> GenerationOutput:
@@ -753,6 +778,11 @@ class _RepetitionGuard(Iterator[str]):
         return self._stream.stats
 
     @property
+    def logprobs(self) -> Any:
+        """The engine's log-probabilities of the tokens so far (``None`` unless asked for)."""
+        return self._stream.logprobs
+
+    @property
     def finish_reason(self) -> str | None:
         """``"repetition"`` when stopped on a loop, else the engine's finish reason."""
         if self._stream.output is None:
@@ -785,6 +815,7 @@ def plan_request(
     parallel_tool_calls: bool = True,
     escape_special_tokens: bool = False,
     fit_max_tokens: bool = True,
+    logprobs: int | None = None,
 ) -> RequestPlan:
     """Plan one call on ``engine``: everything but the framework's own types.
 
@@ -808,6 +839,8 @@ def plan_request(
             text for this call (the engine's own setting applies as well).
         fit_max_tokens: cut a ``max_tokens`` that does not fit to the context window (the
             adapters); ``False`` leaves it for the engine to refuse (``selfspec serve``).
+        logprobs: report each token's log-probability and this many most likely alternatives
+            (``None``: none; see :meth:`SpeculativeEngine.generate`).
 
     Raises:
         RequestFieldError: bad tools, ``tool_choice`` or ``response_format`` (a ``ValueError``
@@ -856,6 +889,7 @@ def plan_request(
         truncate_prompt=truncate_prompt,
         constraint=constraint,
         parse_tools=bool(normalized) and schema is None,
+        logprobs=logprobs,
     )
 
 

@@ -9,27 +9,29 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from ..commands import add_command, add_model_arguments, load_model, settings_from_args
+
+#: ``selfspec --help``'s line for the command.
+SUMMARY = "self-distil an EAGLE-style draft head for drafter='eagle' (no dataset needed)"
+#: ``selfspec train-eagle --help``'s description.
+DESCRIPTION = (
+    "Self-distil an EAGLE-style feature head: the model answers a built-in prompt mix, and a one-layer "
+    "head learns to predict its next features. Resumable: run it again to continue training."
+)
 #: Seconds of the ``--minutes`` budget kept for Python start-up, the final evaluation and saving.
 SAVE_RESERVE_SECONDS = 30.0
 
 
 def add_train_eagle_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``train-eagle`` to the ``selfspec`` command's subparsers."""
-    parser = subparsers.add_parser(
-        "train-eagle",
-        help="self-distil an EAGLE-style draft head for drafter='eagle' (no dataset needed)",
-        description=(
-            "Self-distil an EAGLE-style feature head: the model answers a built-in prompt mix, and a one-layer "
-            "head learns to predict its next features. Resumable: run it again to continue training."
-        ),
-    )
-    parser.add_argument("--model", "-m", required=True, help="hub id, local folder, .gguf file, or 'selfspec-demo'")
+    parser = add_command(subparsers, "train-eagle", summary=SUMMARY, description=DESCRIPTION, func=cmd_train_eagle)
+    add_model_arguments(parser, model_help="hub id, local folder, .gguf file, or 'selfspec-demo'", dtype="float32")
     parser.add_argument(
         "--minutes", type=float, default=20.0, help="wall-time budget, writing and training (default 20)"
     )
     parser.add_argument("--data", type=Path, default=None, help="prompts, one per line or JSON lines with 'messages'")
     parser.add_argument(
-        "--out", type=Path, default=None, help="default: <model folder>/eagle_head, or the user cache for hub ids/GGUF"
+        "--out", type=Path, default=None, help="default: <cache>/eagle_heads/<model>/ (where eagle_head='auto' looks)"
     )
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens the model writes per prompt")
     parser.add_argument("--batch-size", type=int, default=64, help="prompts written together")
@@ -46,22 +48,18 @@ def add_train_eagle_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--max-steps", type=int, default=None, help="the most optimizer steps")
     parser.add_argument("--restart", action="store_true", help="ignore the saved data and checkpoint of an earlier run")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--device", default="auto")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.set_defaults(func=cmd_train_eagle)
     return parser
 
 
 def cmd_train_eagle(args: argparse.Namespace) -> int:
-    """Train a head for ``--model`` and save it beside the model (or in the user cache, or ``--out``)."""
+    """Train a head for ``--model`` and save it in the user cache (or in ``--out``)."""
     import shutil
     import time
 
-    from ...artifacts import cache_dir
+    from ...artifacts import EAGLE_TRAINING, model_cache
     from ...errors import ConfigurationError
-    from ...modeling.loading import load_model_and_tokenizer
-    from .head import _model_key, head_folder_for
+    from .head import head_folder_for
     from .prompts import prompt_mix, read_prompt_file
     from .train import EagleTrainConfig, save_trained_head, train_eagle_head
 
@@ -75,24 +73,18 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as exc:
             raise ConfigurationError(f"--data {args.data}: {exc}") from exc
         prompts = prompts + prompt_mix(args.seed)
-    model, tokenizer, path = load_model_and_tokenizer(args.model, dtype=args.dtype, device=args.device)
+    model, tokenizer, path = load_model(args)
     if tokenizer is None:
         raise ConfigurationError(f"{args.model} has no tokenizer: train-eagle needs one to write its prompts")
     out = args.out if args.out is not None else head_folder_for(path)
-    state_dir = cache_dir() / "eagle_train" / (_model_key(path) + ("-eagle3" if args.format == "eagle3" else ""))
+    state_dir = model_cache(path, EAGLE_TRAINING) / args.format
     if args.restart and state_dir.is_dir():
         shutil.rmtree(state_dir)
-    config = EagleTrainConfig(
+    config = settings_from_args(
+        EagleTrainConfig,
+        args,
+        {"draft_vocab_size": "draft_vocab", "head_format": "format"},
         max_seconds=max(args.minutes * 60.0 - (time.perf_counter() - started) - SAVE_RESERVE_SECONDS, 1.0),
-        new_tokens=args.new_tokens,
-        batch_size=args.batch_size,
-        draft_vocab_size=args.draft_vocab,
-        unroll=args.unroll,
-        head_format=args.format,
-        max_samples=args.max_samples,
-        max_steps=args.max_steps,
-        seed=args.seed,
-        threads=args.threads,
     )
     target_name = Path(str(path)).name if Path(str(path)).exists() else str(path)
     if args.format == "eagle3":  # the verifier vLLM loads: the hub id or path as given

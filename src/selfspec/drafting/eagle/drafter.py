@@ -18,27 +18,25 @@ generation, one entry per position ``t`` for the pair ``(f_t, x_{t+1})``. Each r
 
 Lossless as every drafter: greedy drafts are verified by exact match; sampled drafts carry the
 head's own processed distribution ``q`` (zero outside the head's draft vocabulary) and go
-through the rejection sampler; tree children follow the same rule as the early-exit tree
-(:mod:`selfspec.drafting.early_exit_tree`: a sampled first child, deterministic extras).
+through the rejection sampler; trees grow with the early-exit tree's grower
+(:mod:`selfspec.drafting.tree_grower`: a sampled first child, deterministic extras).
 """
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ...core.sampling import logits_to_probs, sample
 from ...core.speed import CostModel
 from ...core.tree import default_tree_width
 from ...errors import ConfigurationError
 from ..base import DecodeState, Draft, Drafter, draft_autoregressively
-from ..early_exit_tree import _Node, rerank
 from ..prompt_lookup import PromptLookupDrafter
 from ..registry import register_drafter
+from ..tree_grower import ROOT, TreeGrower, grow_tree
 from .calibration import EagleCalibration
 from .head import EagleHead, HeadCache, check_fits, find_eagle_head, load_eagle_head
 
@@ -161,113 +159,42 @@ class EagleDrafter(Drafter):
 
     def _tree(self, state: DecodeState, memory: _HeadMemory, root_feature: torch.Tensor, max_depth: int) -> Draft:
         """An EAGLE-2 dynamic tree: expand the most probable nodes depth by depth, rerank to the budget."""
-        head, params = self.head, state.params
+        head = self.head
         assert self.tree_nodes is not None
         tree_nodes = self.tree_nodes
         width = min(self.tree_width or default_tree_width(tree_nodes), tree_nodes)
-        max_depth = min(max_depth, tree_nodes)
+        grower = TreeGrower(state, tree_nodes, width, static=False, max_depth=max_depth)
+        nodes = grower.nodes
         device, start = root_feature.device, state.position
-        nodes: list[_Node] = []
-        root = _Node(token=state.last_token, parent=-1, depth=0, log_prob=0.0, row=None)
-        node_features: dict[int, torch.Tensor] = {}  # expanded node -> its predicted feature [H]
-        node_slot: dict[int, int] = {}  # expanded node -> its head cache slot
-        ancestors: dict[int, list[int]] = {-1: []}  # node -> head cache slots of its expanded ancestors
-        frontier = [-1]
-        logits = head.full_logits(root_feature)[0]  # [1, vocab]: the root's children
-        for depth in range(1, max_depth + 1):
-            probs = torch.softmax(logits, dim=-1) if params.greedy else logits_to_probs(logits, params)
-            new = self._children(state, nodes, root, frontier, probs, width, depth)
-            if depth == max_depth:
-                break
-            expand = [i for i in new if nodes[i].token not in state.eos_token_ids]
-            expand = sorted(sorted(expand, key=lambda i: -nodes[i].log_prob)[:width])
-            room = memory.cache.max_length - memory.cache.length
-            expand = expand[:room]
-            if not expand:
-                break
-            # one head forward over the nodes to expand: entry (parent's f̂, node token) at P + depth - 1
-            parent_features = torch.stack(
-                [root_feature[0, 0] if nodes[i].parent < 0 else node_features[nodes[i].parent] for i in expand]
-            )[None]  # [1, q, H]
+        node_features: dict[int, torch.Tensor] = {ROOT: root_feature[0, 0]}  # expanded node -> its predicted f̂ [H]
+        ancestors: dict[int, list[int]] = {ROOT: []}  # node -> head cache slots of its expanded ancestors
+
+        def expand(frontier: list[int], depth: int) -> tuple[list[int], torch.Tensor]:
+            """One head forward over the nodes to expand (as many as the head's cache holds)."""
+            if frontier == [ROOT]:
+                return frontier, head.full_logits(root_feature)[0]  # [1, vocab]: the root's children
+            frontier = frontier[: memory.cache.max_length - memory.cache.length]
+            if not frontier:
+                return frontier, torch.empty(0)
+            # entry (parent's f̂, node token) at P + depth - 2: the node sits at P + depth - 1
+            parent_features = torch.stack([node_features[nodes[i].parent] for i in frontier])[None]  # [1, q, H]
             base = memory.cache.length
-            allowed = torch.zeros(len(expand), base + len(expand), dtype=torch.bool, device=device)
+            allowed = torch.zeros(len(frontier), base + len(frontier), dtype=torch.bool, device=device)
             allowed[:, : memory.settled] = True
-            for row, i in enumerate(expand):
-                node_slot[i] = base + row
+            for row, i in enumerate(frontier):
+                nodes[i].slot = base + row
                 ancestors[i] = [*ancestors[nodes[i].parent], base + row]
                 allowed[row, ancestors[i]] = True
-            ids = torch.tensor([[nodes[i].token for i in expand]], device=device)
-            positions = torch.full((1, len(expand)), start + depth - 1, device=device)
+            ids = torch.tensor([[nodes[i].token for i in frontier]], device=device)
+            positions = torch.full((1, len(frontier)), start + depth - 2, device=device)
             predicted = head(parent_features, ids, positions, memory.cache, allowed=allowed[None])  # [1, q, H]
-            for row, i in enumerate(expand):
+            for row, i in enumerate(frontier):
                 node_features[i] = predicted[0, row]
-            logits = head.full_logits(predicted)[0]  # [q, vocab]
-            frontier = expand
+            return frontier, head.full_logits(predicted)[0]  # [q, vocab]
+
+        grow_tree(grower, expand)
         memory.cache.crop_to(memory.settled)
-        order = list(range(len(nodes)))
-        if len(nodes) > tree_nodes:
-            order = rerank(nodes, root, tree_nodes)
-        index = {old: new for new, old in enumerate(order)}
-        tokens = [nodes[i].token for i in order]
-        parents = [index[nodes[i].parent] if nodes[i].parent >= 0 else -1 for i in order]
-        draft_probs = None
-        if not params.greedy and order:
-            draft_probs = torch.stack([nodes[i].row for i in order])  # type: ignore[misc]
-        return Draft(tokens=tokens, parents=parents, draft_probs=draft_probs)
-
-    @staticmethod
-    def _children(
-        state: DecodeState,
-        nodes: list[_Node],
-        root: _Node,
-        frontier: list[int],
-        probs: torch.Tensor,
-        width: int,
-        depth: int,
-    ) -> list[int]:
-        """Add ``width`` children to each frontier node (row ``r`` of ``probs`` is node ``frontier[r]``'s).
-
-        Greedy: the top tokens. Sampling: the first child is sampled from the node's processed
-        distribution (its ``draft_probs`` row) and always kept; the others are the most probable
-        remaining tokens, chosen deterministically (one-hot rows), as in the early-exit tree.
-        """
-        params = state.params
-        added = []
-        for row, parent in enumerate(frontier):
-            parent_log_prob = 0.0 if parent < 0 else nodes[parent].log_prob
-            row_probs = probs[row]
-            picked: list[int] = []
-            first_row: torch.Tensor | None = None
-            if not params.greedy:
-                picked.append(int(sample(row_probs.unsqueeze(0), state.generator)[0]))
-                first_row = row_probs
-                rest = row_probs.clone()
-                rest[picked[0]] = 0.0
-            else:
-                rest = row_probs
-            top = torch.topk(rest, min(width - len(picked), rest.shape[-1]))
-            picked += [t for t, p in zip(top.indices.tolist(), top.values.tolist(), strict=True) if p > 0]
-            for rank, (token, prob) in enumerate(zip(picked, row_probs[picked].tolist(), strict=True)):
-                sampled_first = rank == 0 and first_row is not None
-                row_out: torch.Tensor | None = None
-                if sampled_first:
-                    row_out, prob = first_row, 1.0  # a sampled child scores as its parent: the chain stays whole
-                elif not params.greedy:
-                    row_out = torch.zeros_like(row_probs)
-                    row_out[token] = 1.0
-                if sampled_first:
-                    (nodes[parent] if parent >= 0 else root).first_child = len(nodes)
-                nodes.append(
-                    _Node(
-                        token=token,
-                        parent=parent,
-                        depth=depth,
-                        log_prob=parent_log_prob + math.log(max(prob, 1e-30)),
-                        row=row_out,
-                    )
-                )
-                added.append(len(nodes) - 1)
-        return added
+        return grower.draft(grower.reranked() if grower.over_budget() else range(len(nodes)))
 
 
 def engine_eagle_head(engine: Any, eagle_head: Any = None) -> EagleHead:
@@ -276,12 +203,12 @@ def engine_eagle_head(engine: Any, eagle_head: Any = None) -> EagleHead:
     ``eagle_head=`` is a folder, a loaded :class:`~selfspec.drafting.eagle.head.EagleHead`, or ``"auto"`` /
     ``None`` (:func:`~selfspec.drafting.eagle.head.find_eagle_head`).
     """
-    model = engine.runner.model
+    runner = engine.runner  # the heads reach the target's modules through it
     choice = eagle_head if eagle_head is not None else getattr(engine.config, "eagle_head", None)
     if choice is None or choice == "auto":
-        folder = find_eagle_head(engine.name_or_path, model)
+        folder = find_eagle_head(engine.name_or_path, runner)
         if folder is None:
-            where = "beside this model (its eagle_head/ folder), in the user cache, or among the heads selfspec ships"
+            where = "in the user cache, beside this model (its eagle_head/ folder), or among the heads selfspec ships"
             raise ConfigurationError(
                 f"drafter='eagle' needs a trained head: none was found {where}. Train one with "
                 "`selfspec train-eagle --model M` (a few minutes), or pass eagle_head= the folder of a head "
@@ -289,16 +216,15 @@ def engine_eagle_head(engine: Any, eagle_head: Any = None) -> EagleHead:
             )
         choice = folder
     if isinstance(choice, EagleHead):
-        check_fits(choice.head_config, model)
-        weight = model.model.embed_tokens.weight
-        return choice.to(device=weight.device, dtype=weight.dtype)
+        check_fits(choice.head_config, runner)
+        return choice.to(device=runner.device, dtype=runner.dtype)
     if not isinstance(choice, (str, os.PathLike)):
         raise ConfigurationError(f"eagle_head must be a folder, a loaded EagleHead or 'auto', got {choice!r}")
     from .published import is_published_head, load_published_head
 
     if is_published_head(choice):  # a published EAGLE-1/EAGLE-2 head folder (config.json + model.safetensors)
-        return load_published_head(choice, model)
-    return load_eagle_head(choice, model)
+        return load_published_head(choice, runner)
+    return load_eagle_head(choice, runner)
 
 
 def make_eagle(engine: Any, **options: Any) -> EagleDrafter:

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from ...errors import ConfigurationError
-from .head import EagleHead, EagleHeadConfig
+from .head import EagleHead, EagleHeadConfig, HeadStep
 
 #: The ``format`` of the :class:`~selfspec.drafting.eagle.head.EagleHeadConfig` of a loaded EAGLE-3 head.
 EAGLE3_FORMAT = "eagle-3"
@@ -162,12 +162,12 @@ class Eagle3Head(EagleHead):
 
     The drafter hands it the concatenated input states of :attr:`capture_layers` (the verifier
     captures them during its forward, see :mod:`selfspec.decoding.verify`); :meth:`target_features` fuses
-    them with ``fc``; :meth:`forward` runs :class:`Eagle3Layer` and returns the pre-norm output,
-    which is fed back as the next feature; :meth:`draft_logits` applies the head's own norm and LM
+    them with ``fc``; :meth:`layer_output` runs :class:`Eagle3Layer`, whose pre-norm output
+    is fed back as the next feature; :meth:`draft_logits` applies the head's own norm and LM
     head over its draft vocabulary, mapped to target ids by ``d2t``.
 
     Args:
-        model: the target (a Llama-layout transformers causal LM).
+        model: the target (a Llama-layout transformers causal LM, or its ModelRunner).
         config: the selfspec view of the head (target shapes, ``feature_layers``, draft vocabulary).
         spec: what the folder says (:class:`Eagle3Spec`).
         draft_token_ids: ``[draft vocab]`` target ids of the draft vocabulary (``arange + d2t``),
@@ -186,8 +186,7 @@ class Eagle3Head(EagleHead):
         source: str = "",
     ) -> None:
         super().__init__(model, config, init_from_last_layer=False)
-        implementation = getattr(model.config, "_attn_implementation", None)
-        implementation = implementation if implementation in ("eager", "sdpa") else "sdpa"
+        implementation = self.target.attn_implementation  # the runner's: "eager" or "sdpa"
         layer_config = build_layer_config(spec, implementation)
         hidden = int(layer_config.hidden_size)
         target_hidden = config.hidden_size
@@ -208,8 +207,7 @@ class Eagle3Head(EagleHead):
             draft_token_ids = draft_token_ids.to(torch.long).flatten()
         self.register_buffer("draft_token_ids", draft_token_ids, persistent=False)
         self.capture_layers = tuple(spec.feature_layers)
-        weight = model.model.embed_tokens.weight
-        self.to(device=weight.device, dtype=weight.dtype if weight.is_floating_point() else torch.float32)
+        self.to_target()
 
     def __repr__(self) -> str:
         return (
@@ -236,40 +234,13 @@ class Eagle3Head(EagleHead):
         cos_sin: tuple[torch.Tensor, torch.Tensor] = self.head_rotary(x, position_ids)
         return cos_sin
 
-    def forward(
-        self,
-        features: torch.Tensor,
-        next_tokens: torch.Tensor,
-        position_ids: torch.Tensor,
-        cache: Any,
-        allowed: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """One EAGLE-3 step over ``[B, q]`` entries.
+    def layer_output(self, step: HeadStep) -> torch.Tensor:
+        """:class:`Eagle3Layer` over the embeddings and the fused features (or the head's previous outputs)."""
+        out: torch.Tensor = self.layer(step.embeds, step.features, step.rotary, step.mask, step.cache)
+        return out
 
-        Args:
-            features: ``[B, q, H]`` fused target features (:meth:`target_features`) or the head's
-                own previous outputs.
-            next_tokens: ``[B, q]`` the tokens ``x_{t+1}`` that follow them.
-            position_ids: ``[B, q]`` positions ``t``.
-            cache: the head's KV cache.
-            allowed: ``[B, q, kv]`` which cached entries each query sees (``None``: causal).
-
-        Returns:
-            ``[B, q, H]`` the layer's pre-norm outputs (fed back as the next features; scored by
-            :meth:`draft_logits`).
-        """
-        embeds = self.embed(next_tokens).to(features.dtype)
-        if allowed is None and features.shape[1] > 1:
-            past = cache.get_seq_length(0)
-            q = features.shape[1]
-            allowed = (
-                torch.ones(q, past + q, dtype=torch.bool, device=features.device)
-                .tril(past)[None]
-                .expand(features.shape[0], -1, -1)
-            )
-        mask = None if allowed is None else self._format_mask(allowed, features.dtype)
-        rotary = self.rotary(features, position_ids)
-        out: torch.Tensor = self.layer(embeds, features, rotary, mask, cache)
+    def predicted(self, out: torch.Tensor) -> torch.Tensor:
+        """The layer's pre-norm output as it is: fed back as the next feature, scored by :meth:`draft_logits`."""
         return out
 
     # ------------------------------------------------------------------ logits
@@ -482,7 +453,9 @@ def new_eagle3_head(
     )
     head = Eagle3Head(model, head_config, spec, draft_token_ids=draft_token_ids)
     with torch.no_grad():
-        weight = model.lm_head.weight.detach()
+        weight = head.target.lm_head.weight
+        assert isinstance(weight, torch.Tensor)
+        weight = weight.detach()
         rows = weight if draft_token_ids is None else weight.index_select(0, draft_token_ids.to(weight.device))
         head.lm_head.weight.copy_(rows.to(head.lm_head.weight.dtype))
         head.norm.weight.fill_(1.0)

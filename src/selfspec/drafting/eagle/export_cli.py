@@ -9,25 +9,31 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from ..commands import add_command, add_model_arguments, load_model
+
+#: ``selfspec --help``'s line for the command.
+SUMMARY = "write an EAGLE-3 head in vLLM's speculators layout (for vllm serve / SGLang)"
+#: ``selfspec export-eagle --help``'s description.
+DESCRIPTION = (
+    "Write an EAGLE-3 head (a SafeAILab/SpecForge or speculators folder) for --model as a speculators folder: "
+    "config.json naming the verifier + model.safetensors. `vllm serve DIR` runs it; selfspec reads it back."
+)
+
 
 def add_export_eagle_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``export-eagle`` to the ``selfspec`` command's subparsers."""
-    parser = subparsers.add_parser(
-        "export-eagle",
-        help="write an EAGLE-3 head in vLLM's speculators layout (for vllm serve / SGLang)",
-        description=(
-            "Write an EAGLE-3 head (a SafeAILab/SpecForge or speculators folder) for --model as a speculators folder: "
-            "config.json naming the verifier + model.safetensors. `vllm serve DIR` runs it; selfspec reads it back."
-        ),
+    parser = add_command(subparsers, "export-eagle", summary=SUMMARY, description=DESCRIPTION, func=cmd_export_eagle)
+    add_model_arguments(
+        parser,
+        model_help="the target: hub id, local folder or .gguf file",
+        dtype="float16",
+        dtypes=("float16", "bfloat16", "float32"),
+        device="cpu",
     )
-    parser.add_argument("--model", "-m", required=True, help="the target: hub id, local folder or .gguf file")
     parser.add_argument("--head", required=True, help="the head folder ('auto': the one selfspec finds for the model)")
     parser.add_argument("--out", type=Path, required=True, help="the folder to write")
     parser.add_argument("--verifier", default=None, help="the target's name for vLLM (default: the head's, --model)")
     parser.add_argument("--speculative-tokens", type=int, default=None, help="vLLM's draft length (default 3)")
-    parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
-    parser.add_argument("--device", default="cpu")
-    parser.set_defaults(func=cmd_export_eagle)
     return parser
 
 
@@ -36,7 +42,6 @@ def cmd_export_eagle(args: argparse.Namespace) -> int:
     import torch
 
     from ...errors import ConfigurationError
-    from ...modeling.loading import load_model_and_tokenizer
     from .export import export_eagle
     from .head import find_eagle_head
 
@@ -45,7 +50,7 @@ def cmd_export_eagle(args: argparse.Namespace) -> int:
     head = args.head
     if head != "auto" and not Path(head).expanduser().is_dir():
         raise ConfigurationError(f"--head {head}: no such folder")
-    model, _, path = load_model_and_tokenizer(args.model, dtype="float32", device=args.device)
+    model, _, path = load_model(args, dtype="float32")  # --dtype is the written head's
     if head == "auto":
         found = find_eagle_head(str(path), model)
         if found is None:

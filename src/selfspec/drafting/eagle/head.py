@@ -26,10 +26,8 @@ features it reads, and how it was trained.
 from __future__ import annotations
 
 import copy
-import inspect
 import json
 import os
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,9 +35,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...artifacts import BUNDLED_MODELS
+from ...artifacts import BUNDLED_MODELS, EAGLE_HEADS, find_artifact, loose_name, model_cache
 from ...errors import ConfigurationError, ModelNotFoundError
+from ...modeling.attention import causal_allowed, format_mask
 from ...modeling.compat import cache_kwargs
+from ...modeling.runner import ModelRunner, runner_for
 
 #: Files of a saved head.
 HEAD_WEIGHTS = "eagle_head.safetensors"
@@ -159,12 +159,37 @@ class HeadCache:
         self.length = min(self.length, length)
 
 
+@dataclass
+class HeadStep:
+    """What the head's decoder layer reads in one forward (:meth:`EagleHead.layer_output`).
+
+    Attributes:
+        embeds: ``[B, q, H]`` embeddings of the tokens ``x_{t+1}``.
+        features: ``[B, q, H]`` features ``f_t`` (the target's, or the head's own predictions).
+        position_ids: ``[B, q]`` positions ``t``.
+        rotary: the rotary ``(cos, sin)`` at those positions.
+        mask: the attention mask as the layer takes it (``None``: one query over everything cached).
+        cache: the head's KV cache.
+    """
+
+    embeds: torch.Tensor
+    features: torch.Tensor
+    position_ids: torch.Tensor
+    rotary: tuple[torch.Tensor, torch.Tensor]
+    mask: torch.Tensor | None
+    cache: Any
+
+
 class EagleHead(nn.Module):
     """``fc`` + one decoder layer over the target's features; the target's modules are shared.
 
+    The target's modules (embedding, decoder layers, final norm, rotary embedding, LM head and
+    logit soft-capping) are reached through its :class:`~selfspec.modeling.runner.ModelRunner`.
+
     Args:
-        model: the target, a loaded transformers ``*ForCausalLM`` (Llama-family layout:
-            ``model.model.embed_tokens / layers / norm / rotary_emb`` and ``model.lm_head``).
+        model: the target: a loaded transformers ``*ForCausalLM`` of the Llama-family layout
+            (:func:`~selfspec.modeling.runner.check_decoder_layout`), or its
+            :class:`~selfspec.modeling.runner.ModelRunner`.
         config: the head's config (default: a new one for ``model``, full vocabulary).
         draft_token_ids: sorted ids of the reduced draft vocabulary (``None``: full vocabulary).
         init_from_last_layer: start the head's layer from a copy of the target's last layer
@@ -183,35 +208,38 @@ class EagleHead(nn.Module):
         init_from_last_layer: bool = True,
     ) -> None:
         super().__init__()
-        base = getattr(model, "model", None)
-        needed = ("embed_tokens", "layers", "norm", "rotary_emb")
-        if base is None or not all(hasattr(base, name) for name in needed) or not hasattr(model, "lm_head"):
-            raise ConfigurationError(
-                f"an EAGLE head needs a decoder-only model with model.embed_tokens, layers, norm, rotary_emb and "
-                f"lm_head (the Llama layout); {type(model).__name__} has another layout"
-            )
-        self.head_config = config or EagleHeadConfig.for_target(model)
-        check_fits(self.head_config, model)
-        hidden = self.head_config.hidden_size
         # the target's own modules, shared and frozen: kept out of this module's parameters
-        self._shared = _SharedParts(model)
-        layer_config = copy.deepcopy(model.config)
+        self._target: ModelRunner = runner_for(model, "an EAGLE head")
+        target = self._target
+        self.head_config = config or EagleHeadConfig.for_target(target)
+        check_fits(self.head_config, target)
+        hidden = self.head_config.hidden_size
+        layer_config = copy.deepcopy(target.config)
         layer_config.num_hidden_layers = 1
         if getattr(layer_config, "layer_types", None) is not None:
             layer_config.layer_types = ["full_attention"]
-        layer_class = type(base.layers[0])
+        layer_class: Any = type(target.layers[0])  # the target's own decoder-layer class
         self.fc = nn.Linear(2 * hidden, hidden, bias=True)
         self.layer = layer_class(layer_config, layer_idx=0)
-        self.attn_implementation = getattr(model.config, "_attn_implementation", None) or "eager"
+        self.attn_implementation = target.attn_implementation
         if init_from_last_layer:
-            self.layer.load_state_dict(base.layers[-1].state_dict())
+            self.layer.load_state_dict(target.layers[-1].state_dict())
         if draft_token_ids is not None:
             draft_token_ids = draft_token_ids.to(torch.long).flatten()
             self.head_config.draft_vocab_size = int(draft_token_ids.numel())
         self.register_buffer("draft_token_ids", draft_token_ids, persistent=False)
         self._draft_weight: torch.Tensor | None = None
-        weight = base.embed_tokens.weight
-        self.to(device=weight.device, dtype=weight.dtype if weight.is_floating_point() else torch.float32)
+        self.to_target()
+
+    @property
+    def target(self) -> ModelRunner:
+        """The runner of the target whose modules the head shares."""
+        return self._target
+
+    def to_target(self) -> None:
+        """Put the head on the target's device, in its dtype (float32 for a quantized embedding)."""
+        dtype = self._target.dtype
+        self.to(device=self._target.device, dtype=dtype if dtype.is_floating_point else torch.float32)
 
     def __repr__(self) -> str:
         config = self.head_config
@@ -233,15 +261,15 @@ class EagleHead(nn.Module):
     # ------------------------------------------------------------------ features
     def target_features(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[.., H]`` last decoder layer outputs -> the features the head reads (after the final norm)."""
-        return self._shared.norm(hidden)
+        return self._target.norm(hidden)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """The target's own token embedding."""
-        return self._shared.embed_tokens(token_ids)
+        return self._target.embed(token_ids)
 
     def rotary(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's rotary embedding at ``position_ids`` ``[B, q]``."""
-        return self._shared.rotary(x, position_ids)
+        return self._target.rotary(x, position_ids)
 
     def forward(
         self,
@@ -262,38 +290,51 @@ class EagleHead(nn.Module):
                 ``None`` is causal attention over everything cached (one query: no mask).
 
         Returns:
-            ``[B, q, H]`` predicted features ``f_{t+1}`` (in the post-norm space of ``features``).
+            ``[B, q, H]`` predicted features ``f_{t+1}`` (:meth:`predicted`: in the space of ``features``).
         """
-        x = self.fc(torch.cat([self.embed(next_tokens).to(features.dtype), features], dim=-1))
-        if allowed is None and x.shape[1] > 1:
-            past = cache.get_seq_length(0)
-            q = x.shape[1]
-            allowed = (
-                torch.ones(q, past + q, dtype=torch.bool, device=x.device).tril(past)[None].expand(x.shape[0], -1, -1)
-            )
-        mask = None if allowed is None else self._format_mask(allowed, x.dtype)
-        out = self.layer(
-            x,
-            attention_mask=mask,
+        step = HeadStep(
+            embeds=self.embed(next_tokens).to(features.dtype),
+            features=features,
             position_ids=position_ids,
-            use_cache=True,
-            position_embeddings=self.rotary(x, position_ids),
-            **cache_kwargs(self.layer, cache),
+            rotary=self.rotary(features, position_ids),
+            mask=self.attention_mask(features, cache, allowed),
+            cache=cache,
         )
-        return self._shared.norm(out)  # the target's final norm: predictions live where the features do
+        return self.predicted(self.layer_output(step))
 
-    def _format_mask(self, allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        allowed = allowed[:, None]  # [B, 1, q, kv]
-        if self.attn_implementation == "sdpa":
-            return allowed
-        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
-            ~allowed, torch.finfo(dtype).min
+    def layer_output(self, step: HeadStep) -> torch.Tensor:
+        """The decoder layer over ``fc([embeds, features])`` -> ``[B, q, H]``."""
+        x = self.fc(torch.cat([step.embeds, step.features], dim=-1))  # [B, q, 2H] -> [B, q, H]
+        out: torch.Tensor = self.layer(
+            x,
+            attention_mask=step.mask,
+            position_ids=step.position_ids,
+            use_cache=True,
+            position_embeddings=step.rotary,
+            **cache_kwargs(self.layer, step.cache),
         )
+        return out
+
+    def predicted(self, out: torch.Tensor) -> torch.Tensor:
+        """The layer's ``[B, q, H]`` output -> predicted features (the target's final norm: where features live)."""
+        normed: torch.Tensor = self._target.norm(out)
+        return normed
+
+    def attention_mask(self, x: torch.Tensor, cache: Any, allowed: torch.Tensor | None) -> torch.Tensor | None:
+        """The ``[B, 1, q, kv]`` mask of a forward over ``x`` ``[B, q, ..]`` as the layer takes it.
+
+        ``allowed`` (``[B, q, kv]``) as given, else causal over everything cached; one query
+        with nothing given needs no mask (``None``).
+        """
+        batch, num_queries = x.shape[0], x.shape[1]
+        if allowed is None and num_queries > 1:
+            allowed = causal_allowed(num_queries, cache.get_seq_length(0), batch, x.device)
+        return None if allowed is None else format_mask(allowed[:, None], x.dtype, self.attn_implementation)
 
     # ------------------------------------------------------------------ logits
     def draft_weight(self) -> torch.Tensor:
         """The LM-head rows the head scores: all of them, or the reduced draft vocabulary's."""
-        weight = self._shared.lm_head.weight
+        weight = self._target.lm_head.weight
         assert isinstance(weight, torch.Tensor)
         if self.draft_token_ids is None:
             return weight
@@ -305,10 +346,7 @@ class EagleHead(nn.Module):
     def draft_logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """``[.., H]`` predicted features -> ``[.., draft vocab]`` float32 logits."""
         logits = torch.nn.functional.linear(predicted.to(self.draft_weight().dtype), self.draft_weight())
-        cap = self._shared.softcap
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        return self._target.softcap(logits).float()
 
     def full_logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """``[.., H]`` predicted features -> ``[.., vocab]`` float32 logits (``-inf`` outside the draft vocabulary)."""
@@ -320,11 +358,7 @@ class EagleHead(nn.Module):
 
     def target_logits(self, features: torch.Tensor) -> torch.Tensor:
         """``[.., H]`` target features (post-norm) -> the target's own ``[.., vocab]`` float32 logits."""
-        logits = self._shared.lm_head(features)
-        cap = self._shared.softcap
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        return self._target.softcap(self._target.lm_head(features)).float()
 
     # ------------------------------------------------------------------ saving
     def save(self, folder: str | os.PathLike[str], dtype: torch.dtype = torch.float16) -> Path:
@@ -340,26 +374,6 @@ class EagleHead(nn.Module):
         text = json.dumps(asdict(self.head_config), indent=2, sort_keys=True) + "\n"
         (path / HEAD_CONFIG).write_text(text, encoding="utf-8")
         return path
-
-
-class _SharedParts:
-    """References to the target's own modules (not submodules of the head: never saved or trained)."""
-
-    def __init__(self, model: Any) -> None:
-        base = model.model
-        self.embed_tokens: nn.Module = base.embed_tokens
-        self.norm: nn.Module = base.norm
-        self.lm_head: nn.Module = model.lm_head
-        self.rotary_emb: nn.Module = base.rotary_emb
-        self.softcap: float | None = getattr(model.config, "final_logit_softcapping", None)
-        self._per_type = "layer_type" in inspect.signature(self.rotary_emb.forward).parameters
-
-    def rotary(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._per_type:
-            cos_sin: tuple[torch.Tensor, torch.Tensor] = self.rotary_emb(x, position_ids, "full_attention")
-        else:
-            cos_sin = self.rotary_emb(x, position_ids)
-        return cos_sin
 
 
 def check_fits(config: EagleHeadConfig, model: Any, where: str = "") -> None:
@@ -444,50 +458,44 @@ def load_eagle_head(folder: str | os.PathLike[str], model: Any) -> EagleHead:
     ):
         raise ConfigurationError(f"{path / HEAD_WEIGHTS}: draft_token_ids are not token ids of this vocabulary")
     head = EagleHead(model, config, draft_token_ids=draft_ids, init_from_last_layer=False)
-    weight = model.model.embed_tokens.weight
+    dtype = head.target.dtype
     try:
-        head.load_state_dict({k: v.to(weight.dtype) for k, v in state.items()}, strict=True)
+        head.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
     except RuntimeError as exc:
         raise ConfigurationError(f"the weights in {path / HEAD_WEIGHTS} do not match {HEAD_CONFIG}: {exc}") from exc
     head.eval().requires_grad_(False)
     return head
 
 
-def _model_key(name: str) -> str:
-    """A model name reduced for matching: the last path part, lower case, without ``.gguf`` and quant tags."""
-    stem = Path(str(name).rstrip("/")).name.lower()
-    stem = re.sub(r"\.gguf$", "", stem)
-    return re.sub(r"[.-](q\d\w*|f16|f32|bf16)(-[0-9a-f]{12})?$", "", stem)
-
-
 def head_folder_for(name_or_path: str) -> Path:
     """Where ``selfspec train-eagle`` saves a head for a model, and where ``"auto"`` looks first.
 
-    ``<model folder>/eagle_head/`` for a local model folder, else the user cache
-    (``$SELFSPEC_CACHE`` or ``~/.cache/selfspec``) ``/eagle/<model name>/`` for hub ids and GGUF files.
+    The user cache's :func:`~selfspec.artifacts.model_cache` for :data:`~selfspec.artifacts.EAGLE_HEADS`
+    (``<cache>/eagle_heads/<model key>/``), never the model's own folder.
     """
-    from ...artifacts import cache_dir
+    return model_cache(name_or_path, EAGLE_HEADS)
 
-    path = Path(name_or_path).expanduser()
-    if path.is_dir() and (path / "config.json").is_file():
-        return path / EAGLE_SUBFOLDER
-    return cache_dir() / "eagle" / _model_key(name_or_path) / EAGLE_SUBFOLDER
+
+def _holds_head(folder: Path) -> bool:
+    """A selfspec head, or a published EAGLE-1/2/3 or ``speculators`` head folder."""
+    return (folder / HEAD_CONFIG).is_file() or (folder / "config.json").is_file()
 
 
 def find_eagle_head(name_or_path: str, model: Any = None) -> Path | None:
     """The head ``eagle_head="auto"`` uses: beside the model, in the user cache, or shipped.
 
-    Looks in :func:`head_folder_for` (the model folder's ``eagle_head/`` or the user cache: a
-    selfspec head, or a published EAGLE-1/2/3 or ``speculators`` head folder put there), then
-    in the heads shipped with selfspec (:data:`SHIPPED_HEADS`), whose target name must match
-    the model's name (ignoring folders, case and GGUF quantization tags) and, when ``model`` is
-    given, whose shapes must fit it. Returns ``None`` when there is none.
+    Looks in :func:`head_folder_for` (the user cache), then, read only, in a local model folder's
+    ``eagle_head/`` (a published head) and where earlier versions saved heads
+    (:func:`~selfspec.artifacts.find_artifact`: a selfspec head, or a published EAGLE-1/2/3 or
+    ``speculators`` head folder put there), then in the heads shipped with selfspec
+    (:data:`SHIPPED_HEADS`), whose target name must match the model's name (ignoring folders,
+    case and GGUF quantization tags) and, when ``model`` is given, whose shapes must fit it.
+    Returns ``None`` when there is none.
     """
-    if name_or_path:
-        own = head_folder_for(name_or_path)
-        if (own / HEAD_CONFIG).is_file() or (own / "config.json").is_file():  # selfspec's, or a published head
-            return own
-    key = _model_key(name_or_path) if name_or_path else ""
+    own = find_artifact(name_or_path, EAGLE_HEADS, _holds_head, beside=(EAGLE_SUBFOLDER,))
+    if own is not None:
+        return own
+    key = loose_name(name_or_path) if name_or_path else ""
     if not key or not SHIPPED_HEADS.is_dir():
         return None
     for folder in sorted(SHIPPED_HEADS.iterdir()):
@@ -497,7 +505,7 @@ def find_eagle_head(name_or_path: str, model: Any = None) -> Path | None:
             config = read_head_config(folder)
         except (ConfigurationError, ModelNotFoundError):
             continue
-        if _model_key(config.target) not in key and _model_key(folder.name) not in key:
+        if loose_name(config.target) not in key and loose_name(folder.name) not in key:
             continue
         if model is not None:
             try:

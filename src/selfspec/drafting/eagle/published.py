@@ -35,7 +35,6 @@ import torch
 from torch import nn
 
 from ...errors import ConfigurationError, ModelNotFoundError
-from ...modeling.compat import cache_kwargs
 from . import files as eagle_files
 from .files import PUBLISHED_CONFIG, PUBLISHED_WEIGHTS, _read_config, _weight_files, _weight_shapes
 from .head import EagleHead, EagleHeadConfig
@@ -80,7 +79,7 @@ class PublishedEagleHead(EagleHead):
     to the LM head with no norm.
 
     Args:
-        model: the target (a Llama-layout transformers causal LM, like :class:`EagleHead`'s).
+        model: the target (a Llama-layout transformers causal LM or its runner, like :class:`EagleHead`'s).
         config: the head's selfspec config (shapes the head must fit; ``format`` "eagle-1").
         layer_config: a ``LlamaConfig`` of the head's decoder layer, from its ``config.json``.
         fc_bias: whether ``fc`` has a bias.
@@ -98,8 +97,7 @@ class PublishedEagleHead(EagleHead):
         self.layer.input_layernorm = nn.Identity()  # EAGLE's layer 0 has no input norm
         self.head_rotary = LlamaRotaryEmbedding(layer_config)
         self.attn_implementation = layer_config._attn_implementation
-        weight = model.model.embed_tokens.weight
-        self.to(device=weight.device, dtype=weight.dtype if weight.is_floating_point() else torch.float32)
+        self.to_target()
 
     def __repr__(self) -> str:
         return (
@@ -112,42 +110,8 @@ class PublishedEagleHead(EagleHead):
         cos_sin: tuple[torch.Tensor, torch.Tensor] = self.head_rotary(x, position_ids)
         return cos_sin
 
-    def forward(
-        self,
-        features: torch.Tensor,
-        next_tokens: torch.Tensor,
-        position_ids: torch.Tensor,
-        cache: Any,
-        allowed: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Predict the next features (as :meth:`EagleHead.forward`, with EAGLE-1's layer and no output norm).
-
-        Args:
-            features: ``[B, q, H]`` features ``f_t`` (the target's post-norm features, or predictions).
-            next_tokens: ``[B, q]`` the tokens ``x_{t+1}`` that follow them.
-            position_ids: ``[B, q]`` positions ``t``.
-            cache: the head's KV cache.
-            allowed: ``[B, q, kv]`` which cached entries each query sees (``None``: causal).
-
-        Returns:
-            ``[B, q, H]`` predicted features ``f_{t+1}``, scored by the target's LM head as they are.
-        """
-        x = self.fc(torch.cat([self.embed(next_tokens).to(features.dtype), features], dim=-1))  # [B, q, H]
-        if allowed is None and x.shape[1] > 1:
-            past = cache.get_seq_length(0)
-            q = x.shape[1]
-            allowed = (
-                torch.ones(q, past + q, dtype=torch.bool, device=x.device).tril(past)[None].expand(x.shape[0], -1, -1)
-            )
-        mask = None if allowed is None else self._format_mask(allowed, x.dtype)
-        out: torch.Tensor = self.layer(
-            x,
-            attention_mask=mask,
-            position_ids=position_ids,
-            use_cache=True,
-            position_embeddings=self.rotary(x, position_ids),
-            **cache_kwargs(self.layer, cache),
-        )
+    def predicted(self, out: torch.Tensor) -> torch.Tensor:
+        """The layer's output as it is: EAGLE-1 scores it with the target's LM head, with no norm."""
         return out
 
     def save(self, folder: str | os.PathLike[str], dtype: torch.dtype = torch.float16) -> Path:
@@ -221,7 +185,7 @@ def load_published_head(folder: str | os.PathLike[str], model: Any) -> EagleHead
 
     Args:
         folder: a folder with ``config.json`` and ``model.safetensors`` (or a safetensors index).
-        model: the target, a loaded Llama-layout transformers causal LM.
+        model: the target, a loaded Llama-layout transformers causal LM (or its ModelRunner).
 
     Raises:
         ModelNotFoundError: no such folder, or no weights in it.

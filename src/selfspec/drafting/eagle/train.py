@@ -27,11 +27,10 @@ the prompts gives the live agreement on the progress bar.
 from __future__ import annotations
 
 import json
-import math
 import random
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,7 @@ import torch
 
 from ...errors import ConfigurationError
 from ...modeling.compat import cache_kwargs
+from .. import training
 from . import resume
 from .head import EagleHead, EagleHeadConfig
 from .prompts import Prompt, prompt_mix
@@ -161,13 +161,9 @@ def render_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
 
 
 def _pad_id(model: Any, tokenizer: Any) -> int:
+    """The padding token: the tokenizer's pad (else EOS), else the model's, else 0."""
     given = (tokenizer.pad_token_id, tokenizer.eos_token_id) if tokenizer is not None else ()
-    for value in (*given, model.config.pad_token_id, model.config.eos_token_id, 0):
-        if isinstance(value, list):
-            value = value[0] if value else None
-        if value is not None:
-            return int(value)
-    return 0
+    return training.first_token_id(*given, model.config.pad_token_id, model.config.eos_token_id)
 
 
 @torch.no_grad()
@@ -582,17 +578,12 @@ def train_eagle_head(
         raise ConfigurationError(f"write_share must be in (0, 1), got {cfg.write_share}")
     if cfg.head_format not in HEAD_FORMATS:
         raise ConfigurationError(f"head format {cfg.head_format!r} is not one of {', '.join(HEAD_FORMATS)}")
-    from tqdm.auto import tqdm
-
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
     started = time.perf_counter()
     end = started + cfg.max_seconds
-    torch.manual_seed(cfg.seed)
-    model.eval().requires_grad_(False)
+    training.freeze(model, cfg.seed, cfg.threads)
     device = model.device
     state_path = Path(state_dir) if state_dir is not None else None
-    bar = tqdm(total=None, disable=not progress, unit="step", dynamic_ncols=True)
+    bar = training.progress_bar(None, None, progress)
 
     # 1-2. write and record (or reuse what an earlier run wrote)
     kept = resume.load_data(state_path, Sample) if state_path is not None else None
@@ -627,7 +618,7 @@ def train_eagle_head(
         config = EagleHeadConfig.for_target(model, target_name)
         head = EagleHead(model, config, draft_token_ids=draft_ids, init_from_last_layer=cfg.init_from_last_layer)
     head = head.float().train()
-    optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    optimizer = training.adamw(head.parameters(), cfg.lr, betas=(0.9, 0.95))
     step, trained_seconds = 0, 0.0
     history: list[dict[str, Any]] = []
     restored = resume.load_checkpoint(state_path, head, optimizer) if state_path is not None else None
@@ -635,51 +626,57 @@ def train_eagle_head(
         step, trained_seconds, history = restored
     resumed_at = step
     train_started = time.perf_counter()
-    train_budget = max(end - train_started, 1e-6)
-    last_saved = train_started
-    batches: list[list[Sample]] = []
-    losses: list[float] = []
     agreement = evaluate(head, heldout, cfg, device) if step == 0 else (history[-1]["heldout"] if history else [])
-    while True:
-        now = time.perf_counter()
-        if now >= end or (cfg.max_steps is not None and step >= cfg.max_steps):
-            break
-        if not batches:
-            rng.shuffle(train)
-            batches = [train[i : i + cfg.micro_batch] for i in range(0, len(train), cfg.micro_batch)]
-        batch = collate(batches.pop(), device)
-        # the schedule (warm-up, cosine decay, when to unroll) runs over the time budget, or over
-        # max_steps when that ends training first
-        fraction = (now - train_started) / train_budget
-        if cfg.max_steps is not None:
-            fraction = max(fraction, (step - resumed_at) / max(cfg.max_steps - resumed_at, 1))
-        warm = min(1.0, (step + 1) / cfg.warmup_steps) if resumed_at == 0 else 1.0
-        for group in optimizer.param_groups:
-            group["lr"] = cfg.lr * warm * 0.5 * (1.0 + math.cos(math.pi * min(fraction, 1.0)))
-        loss, _ = loss_and_agreement(head, batch, cfg, 1 if fraction < cfg.unroll_after else cfg.unroll)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
-        optimizer.step()
-        step += 1
-        losses.append(float(loss.detach()))
-        if step % cfg.eval_every == 0:
+
+    def lr_at(at: training.TrainingStep) -> float:
+        # warm-up (not again when resuming), then cosine decay over the time budget (or over
+        # max_steps when that ends training first)
+        return training.warmup_cosine(cfg.lr, at.step, cfg.warmup_steps if resumed_at == 0 else 0, at.fraction)
+
+    def loss_of(batch: list[Sample], at: training.TrainingStep) -> training.StepLoss:
+        steps = 1 if at.fraction < cfg.unroll_after else cfg.unroll  # teacher-forced first, then unrolled
+        loss, _ = loss_and_agreement(head, collate(batch, device), cfg, steps)
+        return training.StepLoss(loss)
+
+    def on_step(done: training.StepDone) -> str:
+        nonlocal agreement
+        if done.step % cfg.eval_every == 0:
             agreement = evaluate(head, heldout, cfg, device)
+            recent = done.losses[-cfg.eval_every :]
             history.append(
                 {
-                    "step": step,
+                    "step": done.step,
                     "seconds": round(trained_seconds + time.perf_counter() - train_started, 1),
-                    "loss": round(sum(losses[-cfg.eval_every :]) / len(losses[-cfg.eval_every :]), 4),
+                    "loss": round(sum(recent) / len(recent), 4),
                     "heldout": [round(a, 4) for a in agreement],
                 }
             )
         shown = " ".join(f"{a:.2f}" for a in agreement)
-        bar.set_description(f"train loss {losses[-1]:.3f} | held-out agreement per step {shown}")
-        bar.update(1)
-        if state_path is not None and time.perf_counter() - last_saved > 60:
-            seconds_so_far = trained_seconds + time.perf_counter() - train_started
-            resume.save_checkpoint(state_path, head, optimizer, step, seconds_so_far, history)
-            last_saved = time.perf_counter()
+        return f"train loss {done.loss:.3f} | held-out agreement per step {shown}"
+
+    def checkpoint(steps_done: int) -> None:
+        assert state_path is not None
+        seconds_so_far = trained_seconds + time.perf_counter() - train_started
+        resume.save_checkpoint(state_path, head, optimizer, steps_done, seconds_so_far, history)
+
+    loop = training.TrainingLoop(
+        optimizer=optimizer,
+        loss_of=loss_of,
+        lr_at=lr_at,
+        max_grad_norm=0.5,
+        max_steps=cfg.max_steps,
+        deadline=end,
+        first_step=step,
+    )
+    done = training.run_loop(
+        loop,
+        _epochs(train, cfg.micro_batch, rng),
+        on_step=on_step,
+        bar=bar,
+        show=bar.set_description,
+        checkpoint=checkpoint if state_path is not None else None,
+    )
+    step, losses = done.steps, done.losses
     agreement = evaluate(head, heldout, cfg, device)
     seconds_trained = trained_seconds + time.perf_counter() - train_started
     history.append({"step": step, "seconds": round(seconds_trained, 1), "heldout": [round(a, 4) for a in agreement]})
@@ -702,6 +699,14 @@ def train_eagle_head(
     head.head_config.training = {k: v for k, v in figures.items() if k != "config"}
     head.eval().requires_grad_(False)
     return EagleTrainResult(head=head, figures=figures, history=history)
+
+
+def _epochs(train: list[Sample], micro_batch: int, rng: random.Random) -> Iterator[list[Sample]]:
+    """Micro-batches of the training samples, epoch after epoch, each epoch in a new shuffled order."""
+    while True:
+        rng.shuffle(train)
+        batches = [train[i : i + micro_batch] for i in range(0, len(train), micro_batch)]
+        yield from reversed(batches)
 
 
 def tap_layers(model: Any, cfg: EagleTrainConfig) -> tuple[int, ...] | None:

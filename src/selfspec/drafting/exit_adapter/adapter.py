@@ -14,9 +14,9 @@ Medusa (Cai et al. 2024) and EAGLE (Li et al. 2024), but position-wise and tiny.
 The adapter touches only the drafter's logits. The exit states handed to verification stay the
 raw ``h_E``: the target continues its own layers ``[E, L)`` from them, so its text never changes.
 
-Saved as a folder (default ``<model folder>/exit_adapter``, or
-``~/.cache/selfspec/<hub id>/exit_adapter`` for a hub model, like :mod:`selfspec.calibration`)
-holding ``adapter_config.json`` and ``adapter.safetensors``.
+Saved as a folder holding ``adapter_config.json`` and ``adapter.safetensors``, by default in the
+user cache like a calibration (``<cache>/exit_adapters/<model key>/``, :mod:`selfspec.artifacts`);
+``exit_adapter="auto"`` also reads one shipped or published in ``<model folder>/exit_adapter``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...artifacts import cache_dir
+from ...artifacts import EXIT_ADAPTERS, find_artifact, model_cache
 from ...errors import ConfigurationError
 from ..registry import drafters_with, names_in_words
 
@@ -141,13 +141,25 @@ class ExitAdapter(nn.Module):
 
 
 def exit_adapter_path(name_or_path: str | os.PathLike[str] | None) -> Path | None:
-    """Where a model's adapter lives by default (``None`` when the model has no name)."""
+    """Where ``selfspec train-adapter`` saves a model's adapter: ``<cache>/exit_adapters/<model key>/``.
+
+    ``None`` when the model has no name. See :func:`find_exit_adapter` for where one is looked for.
+    """
     if not name_or_path:
         return None
-    path = Path(name_or_path)
-    if path.is_dir():
-        return path / EXIT_ADAPTER_DIR
-    return cache_dir() / str(name_or_path).replace("/", "--") / EXIT_ADAPTER_DIR
+    return model_cache(name_or_path, EXIT_ADAPTERS)
+
+
+def find_exit_adapter(name_or_path: str | os.PathLike[str] | None) -> Path | None:
+    """The adapter ``exit_adapter="auto"`` loads, or ``None``.
+
+    Looks in :func:`exit_adapter_path` (the user cache), then, read only, in a local model folder's
+    ``exit_adapter/`` (shipped beside the bundled demo draft model, or published) and where earlier
+    versions saved adapters (:func:`~selfspec.artifacts.find_artifact`).
+    """
+    return find_artifact(
+        name_or_path, EXIT_ADAPTERS, lambda folder: (folder / CONFIG_FILE).is_file(), beside=(EXIT_ADAPTER_DIR,)
+    )
 
 
 def load_exit_adapter(folder: str | os.PathLike[str]) -> ExitAdapter:
@@ -195,8 +207,8 @@ def resolve_exit_adapter(
             f"exit_adapter must be None, 'auto', a folder or an ExitAdapter, got {type(exit_adapter).__name__}"
         )
     if exit_adapter == "auto":
-        saved = exit_adapter_path(name_or_path)
-        return load_exit_adapter(saved) if saved is not None and (saved / CONFIG_FILE).is_file() else None
+        saved = find_exit_adapter(name_or_path)
+        return load_exit_adapter(saved) if saved is not None else None
     return load_exit_adapter(exit_adapter)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ...modeling.realmodels import display_name
+from ..commands import add_command, add_model_arguments, load_model, settings_from_args
 
 #: Defaults shared with :class:`~selfspec.drafting.exit_adapter.train.AdapterTrainConfig`.
 DEFAULTS = {"steps": 400, "rank": 64, "sequences": 128, "seq_len": 128, "batch_size": 8, "lr": 3e-3}
@@ -17,12 +18,14 @@ DEFAULTS = {"steps": 400, "rank": 64, "sequences": 128, "seq_len": 128, "batch_s
 
 def add_train_adapter_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``train-adapter`` to the ``selfspec`` command's subparsers."""
-    parser = subparsers.add_parser(
+    parser = add_command(
+        subparsers,
         "train-adapter",
-        help="self-distil an exit adapter for the early-exit drafter (no dataset needed)",
+        summary="self-distil an exit adapter for the early-exit drafter (no dataset needed)",
         description="Self-distil an exit adapter: the model teaches its own early exit, no dataset needed.",
+        func=cmd_train_adapter,
     )
-    parser.add_argument("--model", "-m", required=True, help="hub id, local folder, or 'selfspec-demo'")
+    add_model_arguments(parser, model_help="hub id, local folder, or 'selfspec-demo'", trust_remote_code=True)
     parser.add_argument("--exit-layer", type=int, default=None, help="default: the calibrated one, else L // 4")
     parser.add_argument("--steps", type=int, default=DEFAULTS["steps"])
     parser.add_argument("--rank", type=int, default=DEFAULTS["rank"])
@@ -32,41 +35,30 @@ def add_train_adapter_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=float, default=DEFAULTS["lr"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data", type=Path, default=None, help="optional UTF-8 text file mixed into the training text")
-    parser.add_argument("--out", type=Path, default=None, help="default: <model folder>/exit_adapter")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="default: <cache>/exit_adapters/<model>/ (where exit_adapter='auto' looks)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    parser.set_defaults(func=cmd_train_adapter)
     return parser
 
 
 def cmd_train_adapter(args: argparse.Namespace) -> int:
-    """Train an exit adapter for ``--model`` and save it beside the model (or in ``--out``)."""
+    """Train an exit adapter for ``--model`` and save it in the user cache (or in ``--out``)."""
     from ...calibration import load_calibration
     from ...decoding.config import default_exit_layer
-    from ...modeling.loading import load_model_and_tokenizer
     from .adapter import exit_adapter_path
     from .train import AdapterTrainConfig, train_exit_adapter
 
-    model, tokenizer, path = load_model_and_tokenizer(
-        args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code
-    )
+    model, tokenizer, path = load_model(args)
     exit_layer = args.exit_layer
     if exit_layer is None:
         saved = (load_calibration(path) or {}).get("exit_layer")
         exit_layer = saved if isinstance(saved, int) else default_exit_layer(int(model.config.num_hidden_layers))
     texts = [args.data.read_text(encoding="utf-8")] if args.data is not None else []
-    config = AdapterTrainConfig(
-        exit_layer=exit_layer,
-        steps=args.steps,
-        rank=args.rank,
-        sequences=args.sequences,
-        seq_len=args.seq_len,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        seed=args.seed,
-    )
+    config = settings_from_args(AdapterTrainConfig, args, exit_layer=exit_layer)
     result = train_exit_adapter(model, config, tokenizer=tokenizer, texts=texts)
     out = args.out if args.out is not None else exit_adapter_path(path)
     assert out is not None

@@ -18,10 +18,9 @@ Usage: ``selfspec train-adapter --model M [--exit-layer E --steps N --out DIR --
 from __future__ import annotations
 
 import logging
-import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -29,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from .. import training
 from .adapter import ExitAdapter, ExitAdapterConfig
 
 logger = logging.getLogger(__name__)
@@ -82,14 +82,10 @@ class AdapterTrainResult:
 
 def _start_token(model: Any) -> int:
     """The token the model's own text starts from: its BOS (else pad, else EOS, else 0)."""
-    for source in (model.generation_config, model.config):
-        for name in ("bos_token_id", "pad_token_id", "eos_token_id"):
-            value = getattr(source, name, None)
-            if isinstance(value, list):
-                value = value[0] if value else None
-            if value is not None:
-                return int(value)
-    return 0
+    names = ("bos_token_id", "pad_token_id", "eos_token_id")
+    return training.first_token_id(
+        *(getattr(source, name, None) for source in (model.generation_config, model.config) for name in names)
+    )
 
 
 @torch.no_grad()
@@ -182,6 +178,17 @@ def exit_agreement(model: Any, adapter: ExitAdapter | None, exit_layer: int, seq
     return agree / max(1, total)
 
 
+def _pool_batches(pool: list[list[int]], config: AdapterTrainConfig, device: Any) -> Iterator[torch.Tensor]:
+    """Batches of ``[batch_size, seq_len]`` ids from the pool, in a seeded order that reshuffles as it runs out."""
+    rng = random.Random(config.seed)
+    order: list[int] = []
+    while True:
+        if len(order) < config.batch_size:
+            order += rng.sample(range(len(pool)), len(pool))
+        batch, order = order[: config.batch_size], order[config.batch_size :]
+        yield torch.tensor([pool[i] for i in batch], device=device)
+
+
 def train_exit_adapter(
     model: Any,
     config: AdapterTrainConfig,
@@ -207,9 +214,8 @@ def train_exit_adapter(
         from ...errors import ConfigurationError
 
         raise ConfigurationError(f"exit_layer must be in [1, {num_layers - 1}], got {config.exit_layer}")
-    model.eval().requires_grad_(False)
+    training.freeze(model, config.seed)
     device = model.get_input_embeddings().weight.device
-    torch.manual_seed(config.seed)
     adapter = ExitAdapter(
         ExitAdapterConfig(
             exit_layer=config.exit_layer,
@@ -231,32 +237,29 @@ def train_exit_adapter(
             raise ValueError("texts need a tokenizer")
         pool += text_windows(tokenizer, texts, config.seq_len)
     before = exit_agreement(model, None, config.exit_layer, held_out)
-    opt = torch.optim.AdamW(adapter.parameters(), lr=config.lr, weight_decay=0.0)
     warmup = max(1, config.steps // 20)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / config.steps))
-    )
-    rng = random.Random(config.seed)
-    order: list[int] = []
-    kl_first = kl_last = float("nan")
-    recent: list[float] = []
-    bar = tqdm(range(config.steps), desc=f"exit adapter (layer {config.exit_layer})", disable=not progress)
-    adapter.train()
-    for step in bar:
-        if len(order) < config.batch_size:
-            order += rng.sample(range(len(pool)), len(pool))
-        batch, order = order[: config.batch_size], order[config.batch_size :]
-        ids = torch.tensor([pool[i] for i in batch], device=device)
+
+    def loss_of(ids: torch.Tensor, _at: training.TrainingStep) -> training.StepLoss:
         loss, agreement = distill_loss(model, adapter, config.exit_layer, ids)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(adapter.parameters(), 1.0)
-        opt.step()
-        schedule.step()
-        recent = [*recent[-19:], loss.item()]
-        kl_first = recent[-1] if step == 0 else kl_first
-        kl_last = sum(recent) / len(recent)
-        bar.set_postfix(kl=f"{kl_last:.3f}", agree=f"{agreement:.2f}")
+        return training.StepLoss(loss, agreement)
+
+    def on_step(done: training.StepDone) -> str:
+        recent = done.losses[-20:]
+        return f"kl={sum(recent) / len(recent):.3f}, agree={done.extra:.2f}"
+
+    loop = training.TrainingLoop(
+        optimizer=training.adamw(adapter.parameters(), config.lr),
+        loss_of=loss_of,
+        lr_at=lambda at: training.warmup_cosine(config.lr, at.step, warmup, at.fraction),
+        max_grad_norm=1.0,
+        max_steps=config.steps,
+    )
+    bar = training.progress_bar(f"exit adapter (layer {config.exit_layer})", config.steps, progress)
+    adapter.train()
+    done = training.run_loop(loop, _pool_batches(pool, config, device), on_step=on_step, bar=bar)
+    bar.close()
+    kl_first = done.losses[0] if done.losses else float("nan")
+    kl_last = sum(done.losses[-20:]) / len(done.losses[-20:]) if done.losses else float("nan")
     adapter.eval().requires_grad_(False)
     after = exit_agreement(model, adapter, config.exit_layer, held_out)
     result = AdapterTrainResult(adapter, config.steps, time.monotonic() - started, kl_first, kl_last, before, after)

@@ -7,35 +7,28 @@ from typing import Any
 
 from ...modeling.loading import DEMO_MODEL
 from ...modeling.realmodels import display_name
+from ..commands import add_command, add_model_arguments, load_model, settings_from_args
 
 
 def cmd_train_medusa(args: argparse.Namespace) -> int:
     """Self-distil Medusa heads for a model and save them in the published Medusa layout."""
-    from ...modeling.loading import load_model_and_tokenizer
-    from .train import MedusaTrainConfig, default_output_folder, save_medusa_training, train_medusa_heads
+    from .drafter import medusa_heads_folder
+    from .train import MedusaTrainConfig, save_medusa_training, train_medusa_heads
 
-    model, tokenizer, path = load_model_and_tokenizer(
-        args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code
-    )
+    model, tokenizer, path = load_model(args)
     model.config._name_or_path = path
-    out = args.out or default_output_folder(path)
+    out = args.out or medusa_heads_folder(path)
     user_tokens = None
     if args.data:
         if tokenizer is None:
             raise ValueError("--data needs the model's tokenizer, and this model has none")
         with open(args.data, encoding="utf-8") as f:
             user_tokens = list(tokenizer(f.read(), add_special_tokens=False)["input_ids"])
-    cfg = MedusaTrainConfig(
-        num_heads=args.heads,
-        num_layers=args.layers,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        micro_batch=args.micro_batch,
-        seed_tokens=args.seed_tokens,
-        new_tokens=args.new_tokens,
-        lr=args.lr,
+    cfg = settings_from_args(
+        MedusaTrainConfig,
+        args,
+        {"num_heads": "heads", "num_layers": "layers"},
         max_seconds=args.max_minutes * 60 if args.max_minutes else None,
-        seed=args.seed,
     )
     result = train_medusa_heads(model, cfg, user_tokens=user_tokens)
     result.heads.base_model_name_or_path = str(args.model)
@@ -61,8 +54,15 @@ def _threads(value: str) -> int:
 
 def add_train_medusa_parser(subparsers: Any) -> None:
     """Add ``train-medusa`` to the ``selfspec`` command's subparsers."""
-    medusa = subparsers.add_parser("train-medusa", help="train Medusa heads for a model by self-distillation")
-    medusa.add_argument("--model", "-m", required=True, help=f"hub id, local folder, or {DEMO_MODEL!r}")
+    medusa = add_command(
+        subparsers,
+        "train-medusa",
+        summary="train Medusa heads for a model by self-distillation",
+        func=cmd_train_medusa,
+    )
+    add_model_arguments(
+        medusa, model_help=f"hub id, local folder, or {DEMO_MODEL!r}", dtype="float32", trust_remote_code=True
+    )
     medusa.add_argument("--heads", type=int, default=4, help="number of heads")
     medusa.add_argument("--layers", type=int, default=1, help="residual blocks per head")
     medusa.add_argument("--steps", type=int, default=200)
@@ -73,10 +73,10 @@ def add_train_medusa_parser(subparsers: Any) -> None:
     medusa.add_argument("--lr", type=float, default=3e-3)
     medusa.add_argument("--max-minutes", type=float, default=None, help="stop after this long")
     medusa.add_argument("--data", default=None, help="optional text file: prompts are spans of it")
-    medusa.add_argument("--out", default=None, help="output folder (default: <model folder>/medusa)")
+    medusa.add_argument(
+        "--out",
+        default=None,
+        help="output folder (default: <cache>/medusa_heads/<model>/, where drafter='medusa' looks)",
+    )
     medusa.add_argument("--seed", type=int, default=0)
-    medusa.add_argument("--dtype", default="float32")
-    medusa.add_argument("--device", default="auto")
     medusa.add_argument("--threads", type=_threads, default=None, help="torch CPU threads")
-    medusa.add_argument("--trust-remote-code", action="store_true")
-    medusa.set_defaults(func=cmd_train_medusa)

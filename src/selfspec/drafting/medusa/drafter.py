@@ -32,10 +32,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...artifacts import MEDUSA_HEADS, find_artifact, model_cache
 from ...core.sampling import SamplingParams, logits_to_probs, sample
 from ...errors import ConfigurationError, ModelNotFoundError, UnsafeCheckpointError
 from ..base import DecodeState, Draft, Drafter, draft_autoregressively
-from ..planning import BenchContext, BenchRow, DrafterBench, sampled
+from ..planning import BenchContext, BenchRow, DrafterBench, sampled, tree_rows
 from ..registry import register_drafter
 
 #: File names of the published layout.
@@ -152,14 +153,24 @@ def has_medusa_heads(folder: str | os.PathLike[str]) -> bool:
     return (path / MEDUSA_SAFETENSORS).is_file() or (path / MEDUSA_PICKLE).is_file()
 
 
-def find_medusa_heads(model_folder: str | os.PathLike[str]) -> Path | None:
-    """The heads saved beside a model: ``<model>/medusa/``, else the model folder itself."""
-    if not model_folder:
-        return None
-    for folder in (Path(model_folder) / MEDUSA_SUBFOLDER, Path(model_folder)):
-        if folder.is_dir() and has_medusa_heads(folder):
-            return folder
-    return None
+def medusa_heads_folder(name_or_path: str | os.PathLike[str]) -> Path:
+    """Where ``selfspec train-medusa`` saves a model's heads: ``<cache>/medusa_heads/<model key>/``."""
+    return model_cache(name_or_path, MEDUSA_HEADS)
+
+
+def find_medusa_heads(name_or_path: str | os.PathLike[str] | None) -> Path | None:
+    """The heads ``drafter="medusa"`` loads for a model, or ``None``.
+
+    :func:`medusa_heads_folder` (the user cache), then, read only, a local model folder's
+    ``medusa/`` (shipped beside the bundled demo model, or published) and the model folder itself
+    (a published Medusa repository).
+    """
+    return find_artifact(
+        name_or_path,
+        MEDUSA_HEADS,
+        lambda folder: folder.is_dir() and has_medusa_heads(folder),
+        beside=(MEDUSA_SUBFOLDER, ""),
+    )
 
 
 def load_medusa_heads(
@@ -368,8 +379,8 @@ def engine_medusa_heads(engine: Any) -> MedusaHeads:
         if heads is None:
             raise ConfigurationError(
                 "drafter='medusa' needs medusa_heads= a folder of Medusa heads (config.json + "
-                "medusa_lm_head.safetensors); none are saved beside this model (in its medusa/ "
-                "subfolder). Train some with `selfspec train-medusa --model M`."
+                "medusa_lm_head.safetensors); none are saved for this model (in the user cache's medusa_heads/ "
+                "folder, or beside it in its medusa/ subfolder). Train some with `selfspec train-medusa --model M`."
             )
     hidden = int(runner.config.hidden_size)
     if isinstance(heads, MedusaHeads):
@@ -404,16 +415,16 @@ def _rows(name: str, context: BenchContext) -> list[BenchRow]:
         f"Medusa heads, {num_heads} drafts, fixed",
         name,
     )
-    rows = [chain, *sampled(chain, context.temperatures)]
-    for nodes in context.tree_nodes:  # the heads' candidates verified as a tree
-        tree = BenchRow(
+
+    def tree(nodes: int) -> BenchRow:  # the heads' candidates verified as a tree
+        return BenchRow(
             f"selfspec_{name}_tree_{nodes}",
             context.engine(drafter=name, num_draft_tokens=num_heads, tree_nodes=nodes),
             f"Medusa candidate tree, at most {nodes} nodes and {num_heads} levels",
             name,
         )
-        rows += [tree, *sampled(tree, context.temperatures)]
-    return rows
+
+    return [chain, *sampled(chain, context.temperatures), *tree_rows(context, tree)]
 
 
 register_drafter(

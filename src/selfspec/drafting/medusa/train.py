@@ -12,20 +12,22 @@ in the published Medusa layout (:meth:`selfspec.drafting.medusa.drafter.MedusaHe
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from ...errors import ConfigurationError
-from .drafter import MEDUSA_SUBFOLDER, MedusaHeads
+from .. import training
+from .drafter import MedusaHeads
 
 #: Metadata written beside the heads.
 METADATA_FILE = "medusa_training.json"
@@ -185,10 +187,9 @@ def train_medusa_heads(
         )
     if cfg.seed_tokens < 1:
         raise ConfigurationError(f"seed_tokens must be >= 1, got {cfg.seed_tokens}")
-    torch.manual_seed(cfg.seed)
+    training.freeze(model, cfg.seed)
     rng = random.Random(cfg.seed)
     generator = torch.Generator(device=model.device).manual_seed(cfg.seed)
-    model.eval().requires_grad_(False)
     config = model.config
     heads = MedusaHeads(
         cfg.num_heads,
@@ -198,64 +199,61 @@ def train_medusa_heads(
         str(getattr(config, "_name_or_path", "") or ""),
     ).to(model.device)
     heads.init_from_lm_head(model.lm_head)
-    optimizer = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=0.0)
 
-    def lr_at(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return cfg.lr * (step + 1) / cfg.warmup_steps
-        progress_ = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    def lr_at(at: training.TrainingStep) -> float:
+        if at.step < cfg.warmup_steps:
+            return cfg.lr * (at.step + 1) / cfg.warmup_steps
+        progress_ = (at.step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
         return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress_))))
+
+    def loss_of(batch: tuple[torch.Tensor, torch.Tensor], _at: training.TrainingStep) -> training.StepLoss:
+        hidden, teacher_logits = batch
+        loss, per_head = medusa_loss(heads, hidden, teacher_logits, cfg.loss_decay)
+        return training.StepLoss(loss, per_head)
+
+    def on_step(done: training.StepDone) -> str:
+        return f"loss={done.loss:.3f}, heads={' '.join(f'{x:.2f}' for x in done.extra)}"
 
     # a fixed held-out batch (greedy, self-made prompts) for the accuracy report
     eval_ids = continue_text(model, make_prompts(model, cfg, rng, generator, None)[:16], cfg, sampled=False)
     eval_hidden, eval_logits = teacher_outputs(model, eval_ids)
 
     started = time.perf_counter()
-    losses: list[float] = []
-    steps_done = rounds = 0
-    micro = max(1, min(cfg.micro_batch, cfg.batch_size))
-    bar = tqdm(total=cfg.steps, desc="train-medusa", disable=not progress)
-    while steps_done < cfg.steps:
-        if cfg.max_seconds is not None and time.perf_counter() - started > cfg.max_seconds:
-            break
-        # one round: the model writes a batch (user-text prompts 3 rounds in 4, when given;
-        # greedy and sampled continuations alternate), then the heads learn from it
-        prompts = make_prompts(model, cfg, rng, generator, user_tokens if rounds % 4 != 3 else None)
-        ids = continue_text(model, prompts, cfg, sampled=rounds % 2 == 1)
-        rounds += 1
-        for chunk in ids.split(micro):
-            if steps_done >= cfg.steps:
-                break
-            hidden, teacher_logits = teacher_outputs(model, chunk)
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(steps_done)
-            loss, per_head = medusa_loss(heads, hidden, teacher_logits, cfg.loss_decay)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(heads.parameters(), 1.0)
-            optimizer.step()
-            losses.append(float(loss.detach()))
-            steps_done += 1
-            bar.update(1)
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", heads=" ".join(f"{x:.2f}" for x in per_head))
+    loop = training.TrainingLoop(
+        optimizer=training.adamw(heads.parameters(), cfg.lr),
+        loss_of=loss_of,
+        lr_at=lr_at,
+        max_grad_norm=1.0,
+        max_steps=cfg.steps,
+        deadline=None if cfg.max_seconds is None else started + cfg.max_seconds,
+    )
+    bar = training.progress_bar("train-medusa", cfg.steps, progress)
+    done = training.run_loop(loop, _written_batches(model, cfg, rng, generator, user_tokens), on_step=on_step, bar=bar)
     bar.close()
     heads.eval()
     return MedusaTrainResult(
         heads=heads.requires_grad_(False),
-        steps_done=steps_done,
+        steps_done=done.steps,
         seconds=time.perf_counter() - started,
-        losses=losses[-10:],
+        losses=done.losses[-10:],
         head_accuracy=head_accuracy(heads, eval_hidden, eval_logits),
     )
 
 
-def default_output_folder(model_path: str) -> Path:
-    """Where heads go without ``--out``: ``<model folder>/medusa`` for a local model."""
-    if not Path(model_path).is_dir():
-        raise ConfigurationError(
-            f"{model_path!r} is not a local folder: pass --out DIR to choose where the heads are saved"
-        )
-    return Path(model_path) / MEDUSA_SUBFOLDER
+def _written_batches(
+    model: Any, cfg: MedusaTrainConfig, rng: random.Random, generator: torch.Generator, user_tokens: list[int] | None
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The frozen model's states and logits over text it writes round by round, a micro-batch at a time.
+
+    Each round the model writes a batch (user-text prompts 3 rounds in 4, when given; greedy and
+    sampled continuations alternate), then the heads learn from it micro-batch by micro-batch.
+    """
+    micro = max(1, min(cfg.micro_batch, cfg.batch_size))
+    for rounds in itertools.count():
+        prompts = make_prompts(model, cfg, rng, generator, user_tokens if rounds % 4 != 3 else None)
+        ids = continue_text(model, prompts, cfg, sampled=rounds % 2 == 1)
+        for chunk in ids.split(micro):
+            yield teacher_outputs(model, chunk)
 
 
 def save_medusa_training(

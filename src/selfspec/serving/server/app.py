@@ -7,7 +7,10 @@ engine serialises concurrent generations round by round, and each gets the text 
 alone. A client that goes away cancels its generation.
 
 The ``selfspec`` key of each response (and of the last streamed chunk) holds the engine's
-:class:`~selfspec.decoding.outputs.GenerationStats` under the same field names.
+:class:`~selfspec.decoding.outputs.GenerationStats` under the same field names; a non-streamed
+response also carries them as ``x-selfspec-*`` headers (any OpenAI client can read those), and
+every generation response carries the plan (``x-selfspec-drafter``, ``-method``, ``-plan``, ...).
+The plan is logged once when the app starts and reported by ``/health`` (:func:`plan_report`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -33,26 +37,32 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ...core.bounds import check_schema_size, check_tools_size
+from ...core.bounds import PromptTooLongError
 from ...decoding.engine import GenerationStream, SpeculativeEngine
-from ...decoding.outputs import GenerationOutput
+from ...decoding.outputs import GenerationOutput, TokenLogprob
 from ...errors import InvalidSchemaError, one_line
 from ...modeling.realmodels import display_name
 from ..engines import get_engine
-from ..requests import DEFAULT_MAX_TOKENS, RequestFieldError, RequestPlan, TokenUsage, plan_request  # noqa: F401
+from ..requests import (  # noqa: F401 - DEFAULT_MAX_TOKENS: the server's default budget, documented here
+    DEFAULT_MAX_TOKENS,
+    OversizeFieldError,
+    RequestFieldError,
+    RequestPlan,
+    TokenUsage,
+    plan_request,
+)
 from ..tools import ContentDelta, ToolCallChunk, ToolCallStreamParser
 from .limits import (
     CLIENT_CLOSED,
-    PromptLengthCheck,
     RequestGuard,
     ServerLimits,
     host_allow_list,
     internal_error,
     parse_json,
-    text_chars,
     uvicorn_config,
     uvicorn_settings,
 )
+from .logprobs import TextOffsets, chat_content, completion_logprobs, token_pieces
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import (
     APIError,
@@ -79,6 +89,14 @@ except ImportError:  # pragma: no cover - jinja2 comes with transformers' chat t
 
 
 # ------------------------------------------------------------------------------- generation jobs
+@dataclass
+class _Delta:
+    """One streamed text delta and the log-probabilities of the tokens generated since the last one."""
+
+    text: str
+    logprobs: list[TokenLogprob]
+
+
 class _Job:
     """One generation, run by a worker thread that can be told to stop between deltas."""
 
@@ -93,6 +111,7 @@ class _Job:
         self.output: GenerationOutput | None = None
         self._queue: asyncio.Queue[object] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._logprobs_sent = 0
 
     def run(self, metrics: Metrics) -> GenerationOutput | None:
         """Decode to the end (or until cancelled), sending deltas to the queue when streaming."""
@@ -103,7 +122,7 @@ class _Job:
                 delta = next(self.stream, None)
                 if delta is None:
                     break
-                self._emit(delta)
+                self._emit(_Delta(delta, self._new_logprobs()))
         except Exception as error:  # reported to the client; the engine stays usable
             logger.exception("generation failed")
             self.error = error
@@ -118,6 +137,14 @@ class _Job:
                 metrics.generation_failed()
             self._emit(_END)
         return self.output
+
+    def _new_logprobs(self) -> list[TokenLogprob]:
+        """The log-probabilities of the tokens generated since the last call (none unless asked for)."""
+        if self._queue is None or self.plan.logprobs is None:
+            return []
+        entries = self.stream.logprobs or []  # read on the worker thread, between two deltas
+        new, self._logprobs_sent = entries[self._logprobs_sent :], len(entries)
+        return list(new)
 
     def stream_to(self, loop: asyncio.AbstractEventLoop) -> asyncio.Queue[object]:
         """Have :meth:`run` send its deltas to a queue read on ``loop``."""
@@ -154,9 +181,10 @@ class _Render:
         model: the model id to report.
         job: the generation.
         include_usage: end a stream with a usage chunk.
+        tokenizer: the engine's tokenizer (token texts and bytes for ``logprobs``).
     """
 
-    def __init__(self, kind: str, model: str, job: _Job, include_usage: bool) -> None:
+    def __init__(self, kind: str, model: str, job: _Job, include_usage: bool, tokenizer: Any = None) -> None:
         self.kind = kind
         self.model = model
         self.job = job
@@ -165,6 +193,12 @@ class _Render:
         self.created = int(time.time())
         self.parser = ToolCallStreamParser() if job.parse_tools else None
         self.saw_tool_call = False
+        self.wants_logprobs = job.plan.logprobs is not None
+        self.pieces = token_pieces(tokenizer) if self.wants_logprobs and tokenizer is not None else None
+        self.offsets = TextOffsets(tokenizer) if self.wants_logprobs and kind == "text" else None
+        self.pending: list[TokenLogprob] = []  # received from the job, not yet in a chunk
+        self.received = 0  # log-probability entries received from the job
+        self.streamed_chars = 0  # text sent so far (completions' text_offset stays inside it)
 
     def _envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
         kind = "chat.completion" if self.kind == "chat" else "text_completion"
@@ -179,13 +213,26 @@ class _Render:
             body["usage"] = None
         return body
 
+    def _logprobs(self, entries: list[TokenLogprob], text_length: int | None = None) -> dict[str, Any] | None:
+        """The ``logprobs`` of a choice holding ``entries`` (``None`` unless the request asked for them)."""
+        if not self.wants_logprobs or self.pieces is None:
+            return None
+        if self.kind == "chat":
+            return {"content": chat_content(self.pieces, entries), "refusal": None}
+        assert self.offsets is not None
+        return completion_logprobs(self.pieces, entries, self.offsets, text_length)
+
     def _chunk(self, piece: dict[str, Any] | str, finish_reason: str | None = None) -> dict[str, Any]:
+        """A chunk; it carries the log-probabilities of every token not yet sent in one."""
         choice: dict[str, Any] = {"index": 0}
         if self.kind == "chat":
             choice["delta"] = piece
         else:
             choice["text"] = piece
-        choice.update({"logprobs": None, "finish_reason": finish_reason})
+            self.streamed_chars += len(str(piece))
+        entries, self.pending = self.pending, []
+        logprobs = self._logprobs(entries, self.streamed_chars) if entries else None
+        choice.update({"logprobs": logprobs, "finish_reason": finish_reason})
         return self._envelope([choice], chunk=True)
 
     # -- streaming
@@ -193,15 +240,23 @@ class _Render:
         """The chunks sent before any text (chat: the assistant role)."""
         return [self._chunk({"role": "assistant", "content": ""})] if self.kind == "chat" else []
 
-    def delta(self, text: str) -> list[dict[str, Any]]:
-        """The chunks of one text delta (tool-call markup becomes ``tool_calls`` deltas)."""
+    def delta(self, item: _Delta) -> list[dict[str, Any]]:
+        """The chunks of one text delta (tool-call markup becomes ``tool_calls`` deltas).
+
+        The delta's log-probabilities ride in its first chunk (or in the next chunk sent, when
+        the tool-call parser holds the text back).
+        """
+        self.pending.extend(item.logprobs)
+        self.received += len(item.logprobs)
         if self.kind == "text":
-            return [self._chunk(text)]
-        events = self.parser.feed(text) if self.parser is not None else [ContentDelta(text)]
+            return [self._chunk(item.text)]
+        events = self.parser.feed(item.text) if self.parser is not None else [ContentDelta(item.text)]
         return [self._event_chunk(event) for event in events]
 
     def last(self, output: GenerationOutput) -> list[dict[str, Any]]:
-        """The closing chunks: held-back text, the finish reason with stats, then usage."""
+        """The closing chunks: held-back text, the finish reason with stats (and the last tokens' logprobs), usage."""
+        self.pending.extend((output.logprobs or [])[self.received :])  # tokens that added no text (end of sequence)
+        self.received = len(output.logprobs or [])
         chunks = []
         if self.parser is not None:
             chunks = [self._event_chunk(event) for event in self.parser.finish()]
@@ -233,9 +288,10 @@ class _Render:
         """The non-streamed body."""
         text = output.text or ""
         choice: dict[str, Any] = {"index": 0}
+        logprobs = self._logprobs(output.logprobs or [], len(text))
         if self.kind == "text":
             choice.update(
-                {"text": text, "logprobs": None, "finish_reason": _finish_reason(self.job.plan, output, False)}
+                {"text": text, "logprobs": logprobs, "finish_reason": _finish_reason(self.job.plan, output, False)}
             )
         else:
             message: dict[str, Any] = {"role": "assistant", "content": text}
@@ -252,7 +308,7 @@ class _Render:
             choice.update(
                 {
                     "message": message,
-                    "logprobs": None,
+                    "logprobs": logprobs,
                     "finish_reason": _finish_reason(self.job.plan, output, bool(calls)),
                 }
             )
@@ -281,7 +337,6 @@ class _Server:
         self.model_id = model_id
         self.api_key = api_key
         self.limits = limits or ServerLimits()
-        self.prompt_length = PromptLengthCheck(engine.tokenizer, engine.context_window)
         self.metrics = Metrics()
         self.created = int(time.time())
         self._executor: ThreadPoolExecutor | None = None
@@ -345,6 +400,7 @@ class _Server:
                 messages,
                 max_tokens=body.token_limit,
                 **body.sampling(),
+                logprobs=body.engine_logprobs,
                 tools=body.tools,
                 tool_choice=body.tool_choice,
                 response_format=body.response_format,
@@ -366,7 +422,12 @@ class _Server:
             prompt = str(prompt[0])
         with _bad_request("prompt"):
             plan = plan_request(
-                self.engine, prompt, max_tokens=body.token_limit, **body.sampling(), fit_max_tokens=False
+                self.engine,
+                prompt,
+                max_tokens=body.token_limit,
+                **body.sampling(),
+                logprobs=body.engine_logprobs,
+                fit_max_tokens=False,
             )
         return self._start(plan, "prompt")
 
@@ -394,18 +455,18 @@ class _Server:
         """Run one generation request, streamed or whole."""
         self.check_model(body.model)
         body.check_supported()
-        self.check_bounds(body)
-        self.check_prompt_length(body)
+        self.check_token_prompt(body)  # sizes and text lengths: the planner's one check (check_request_bounds)
         request_id = str(request.scope.get("selfspec.request_id", ""))
         prepare = self.prepare_chat if isinstance(body, ChatCompletionRequest) else self.prepare_completion
         job: _Job = await self.in_thread(prepare, body)
-        render = _Render(kind, self.model_id, job, body.include_usage)
-        if body.stream:
+        render = _Render(kind, self.model_id, job, body.include_usage, self.engine.tokenizer)
+        plan_headers = _plan_headers(plan_report(self.engine))
+        if body.stream:  # the statistics come in the last chunk ("selfspec"): only the plan is known now
             queue = job.stream_to(asyncio.get_running_loop())
             return StreamingResponse(
                 self._events(job, queue, render, request_id),
                 media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **plan_headers},
             )
         watcher = asyncio.ensure_future(_cancel_on_disconnect(request, job))
         self._jobs.add(job)
@@ -422,38 +483,19 @@ class _Server:
             raise APIError(
                 503, "the server is shutting down; retry the request", type="server_error", code="shutting_down"
             )
-        return JSONResponse(render.response(output))
+        return JSONResponse(render.response(output), headers={**plan_headers, **_stats_headers(output)})
 
-    @staticmethod
-    def check_bounds(body: ChatCompletionRequest | CompletionRequest) -> None:
-        """Refuse tools and a ``response_format`` schema over :mod:`selfspec.bounds`' limits (before any work)."""
-        if not isinstance(body, ChatCompletionRequest):
-            return
-        try:
-            if body.tools:
-                check_tools_size(body.tools)
-        except InvalidSchemaError as error:
-            raise APIError(400, str(error), param="tools", code="invalid_schema") from None
-        try:
-            if body.response_format:
-                check_schema_size(body.response_format, "the response_format")
-        except InvalidSchemaError as error:
-            raise APIError(400, str(error), param="response_format", code="invalid_schema") from None
+    def check_token_prompt(self, body: ChatCompletionRequest | CompletionRequest) -> None:
+        """Refuse a token-id prompt longer than the context window (before a worker thread is taken).
 
-    def check_prompt_length(self, body: ChatCompletionRequest | CompletionRequest) -> None:
-        """Refuse, before tokenizing, a prompt with more characters than the context window can hold.
-
-        Everything that becomes prompt counts: messages (tool-call arguments included), tools and
-        the ``response_format`` schema, dictionary keys as well as strings.
+        Text prompts, messages, tools and schemas are bounded by the planner, once, before anything is
+        rendered or tokenized (:func:`selfspec.serving.requests.check_request_bounds`).
         """
-        if body.truncate_prompt:
-            return  # the engine keeps the prompt's end
-        if isinstance(body, ChatCompletionRequest):
-            chars = text_chars(body.messages) + text_chars(body.tools) + text_chars(body.response_format)
-            self.prompt_length.check(chars, "messages")
-        elif isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], str)):
-            self.prompt_length.check(text_chars(body.prompt), "prompt")
-        elif self.engine.context_window is not None and len(body.prompt) > self.engine.context_window:
+        if body.truncate_prompt or not isinstance(body, CompletionRequest) or not body.prompt:
+            return
+        if isinstance(body.prompt[0], str) or self.engine.context_window is None:
+            return
+        if len(body.prompt) > self.engine.context_window:
             raise APIError(
                 400,
                 f"the prompt has {len(body.prompt)} tokens; the context window holds {self.engine.context_window}",
@@ -471,7 +513,7 @@ class _Server:
             for chunk in render.first():
                 yield _sse(chunk)
             while (item := await queue.get()) is not _END:
-                assert isinstance(item, str)
+                assert isinstance(item, _Delta)
                 for chunk in render.delta(item):
                     yield _sse(chunk)
             await future
@@ -509,6 +551,10 @@ def _bad_request(prompt_field: str) -> Iterator[None]:
         raise
     except RequestFieldError as error:
         raise APIError(400, str(error), param=error.field) from error
+    except OversizeFieldError as error:
+        raise APIError(400, str(error), param=error.field, code="invalid_schema") from error
+    except PromptTooLongError as error:
+        raise APIError(400, str(error), param=prompt_field, code="context_length_exceeded") from error
     except InvalidSchemaError as error:
         raise APIError(400, str(error), param=prompt_field, code="invalid_schema") from error
     except (ValueError, _TemplateError) as error:
@@ -592,6 +638,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        logger.info("serving %s: %s", _public_name(server.model_id), plan_report(engine)["summary"])
         try:
             yield
         finally:
@@ -635,7 +682,7 @@ def create_app(
 
     @app.get("/health", dependencies=keyed)
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": _public_name(server.model_id)}
+        return {"status": "ok", "model": _public_name(server.model_id), "plan": plan_report(server.engine)}
 
     @app.get("/metrics", dependencies=keyed)
     async def metrics() -> Response:
@@ -686,6 +733,88 @@ def _public_name(model_id: str) -> str:
     if os.path.isabs(model_id) or model_id.startswith(("~", "./", "../")):
         return Path(model_id).name
     return model_id
+
+
+# ------------------------------------------------------------------------------- the plan, statistics headers
+def plan_report(engine: SpeculativeEngine) -> dict[str, Any]:
+    """What the engine runs, for ``/health``, the startup log line and the ``x-selfspec-*`` headers.
+
+    Returns:
+        ``drafter`` (the engine's drafter: ``"auto"`` or a registered name), ``method`` (what
+        runs: the plan's method under ``"auto"``), ``settings`` (the method's settings),
+        ``predicted_speedup`` (calibration's prediction over plain decoding, or ``None``),
+        ``calibrated`` (whether the settings were measured on this machine) and ``summary``
+        (one line). No file path appears in it: a path-like setting is cut to its last part.
+    """
+    config = engine.config
+    plan = engine.plan
+    if plan is not None:
+        settings = dict(plan.settings)
+        report: dict[str, Any] = {
+            "drafter": "auto",
+            "method": plan.method,
+            "settings": settings,
+            "predicted_speedup": plan.predicted_speedup,
+            "calibrated": plan.calibrated,
+            "summary": plan.summary(),
+        }
+    else:
+        name = config.drafter_name
+        settings = {"num_draft_tokens": config.num_draft_tokens, "adaptive": config.adaptive}
+        if config.tree_nodes:
+            settings["tree_nodes"] = config.tree_nodes
+        if name in ("early_exit", "hybrid", "layer_skip"):
+            settings["exit_layer"] = config.exit_layer
+        speedup = config.calibration.get("predicted_speedup") if isinstance(config.calibration, dict) else None
+        report = {
+            "drafter": name,
+            "method": name,
+            "settings": settings,
+            "predicted_speedup": speedup if isinstance(speedup, (int, float)) else None,
+            "calibrated": bool(config.calibration),
+            "summary": f"{name}, " + ", ".join(f"{key}={value}" for key, value in settings.items()),
+        }
+    report["settings"] = {key: _public_value(value) for key, value in settings.items()}
+    return report
+
+
+def _public_value(value: Any) -> Any:
+    """A setting fit for ``/health``: a path is cut to its last part."""
+    if isinstance(value, os.PathLike) or (isinstance(value, str) and (os.sep in value or value.startswith("~"))):
+        return Path(value).name
+    return value
+
+
+def _header(value: Any) -> str:
+    """A header value: one line of ASCII."""
+    text = value if isinstance(value, str) else json.dumps(value)
+    return " ".join(text.encode("ascii", "replace").decode("ascii").split())
+
+
+def _plan_headers(report: dict[str, Any]) -> dict[str, str]:
+    """``x-selfspec-drafter``, ``-method``, ``-plan``, ``-calibrated`` and ``-predicted-speedup``."""
+    headers = {
+        "x-selfspec-drafter": _header(report["drafter"]),
+        "x-selfspec-method": _header(report["method"]),
+        "x-selfspec-plan": _header(report["summary"]),
+        "x-selfspec-calibrated": _header(report["calibrated"]),
+    }
+    if report["predicted_speedup"] is not None:
+        headers["x-selfspec-predicted-speedup"] = _header(report["predicted_speedup"])
+    return headers
+
+
+def _stats_headers(output: GenerationOutput) -> dict[str, str]:
+    """Every :class:`~selfspec.decoding.outputs.GenerationStats` field as ``x-selfspec-<field-with-dashes>``.
+
+    E.g. ``x-selfspec-num-drafted``, ``x-selfspec-num-accepted``, ``x-selfspec-mean-accepted-length``,
+    ``x-selfspec-tokens-per-second``; the histogram as comma-separated counts.
+    """
+    headers = {}
+    for name, value in output.stats.to_dict().items():
+        text = ",".join(str(v) for v in value) if isinstance(value, list) else _header(value)
+        headers[f"x-selfspec-{name.replace('_', '-')}"] = text
+    return headers
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -762,7 +891,26 @@ def serve(
             host,
         )
     app = create_app(engine, model_id=model_id, api_key=api_key, limits=limits, bound_host=host)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, **uvicorn_settings(limits))
+    config = _log_config(log_level)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, log_config=config, **uvicorn_settings(limits))
+
+
+def _log_config(log_level: str) -> dict[str, Any]:
+    """Uvicorn's logging setup, with selfspec's own loggers on its console handler at ``log_level``.
+
+    So the server's start-up line (the plan) and its warnings read like uvicorn's own lines.
+    """
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config.setdefault("loggers", {})["selfspec"] = {
+        "handlers": ["default"],
+        "level": log_level.upper(),
+        "propagate": False,
+    }
+    return config
 
 
 @contextmanager

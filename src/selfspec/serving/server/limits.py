@@ -21,8 +21,8 @@ connection whose request headers are not complete in ``header_timeout`` seconds 
 keep-alive timeout, and the largest request head.
 
 The JSON of a body is checked by :func:`check_json` (depth, lone surrogates, non-finite
-numbers) and a prompt's length in characters by :class:`PromptLengthCheck`, before any
-tokenizer runs.
+numbers); a prompt's length in characters, tools and schemas are bounded by the request planner
+(:func:`selfspec.serving.requests.check_request_bounds`), before any tokenizer runs.
 """
 
 from __future__ import annotations
@@ -37,14 +37,13 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ...core.bounds import text_chars as _bounds_text_chars
 from .protocol import APIError
 from .settings import ServerLimits
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-__all__ = ["Admission", "PromptLengthCheck", "RequestGuard", "ServerLimits", "check_json", "parse_json"]
+__all__ = ["Admission", "RequestGuard", "ServerLimits", "check_json", "parse_json"]
 
 logger = logging.getLogger("selfspec.serving.server")
 
@@ -188,65 +187,6 @@ def parse_json(raw: bytes, max_depth: int) -> Any:
         raise APIError(400, f"the request body is not valid JSON: {error}") from None
     check_json(data, max_depth)
     return data
-
-
-# ------------------------------------------------------------------------------- prompt length
-class PromptLengthCheck:
-    """Refuses, before tokenizing, a prompt too long in characters for the context window.
-
-    No token of the tokenizer's vocabulary (added and special tokens included) spells more
-    than ``max_token_chars`` characters, so a text of ``n`` characters has at least
-    ``n / max_token_chars`` tokens. A factor of 4 covers normalizers that shorten text
-    (Unicode composition joins at most three characters into one). The check therefore never
-    refuses a prompt that fits, and refuses a 5 MB message in microseconds.
-
-    Args:
-        tokenizer: the engine's tokenizer (``None``: no check).
-        context_window: the model's window in tokens (``None``: no check).
-    """
-
-    #: headroom for normalizers that shorten text
-    SLACK = 4
-
-    def __init__(self, tokenizer: Any, context_window: int | None) -> None:
-        self.context_window = context_window
-        self.max_token_chars = _longest_token(tokenizer) if tokenizer is not None else None
-
-    @property
-    def max_chars(self) -> int | None:
-        """The most characters a prompt can have and still fit the window (``None``: unbounded)."""
-        if self.context_window is None or self.max_token_chars is None:
-            return None
-        return self.context_window * self.max_token_chars * self.SLACK
-
-    def check(self, chars: int, param: str) -> None:
-        """Refuse ``chars`` characters of prompt text (a 400 with code ``context_length_exceeded``)."""
-        limit = self.max_chars
-        if limit is not None and chars > limit:
-            raise APIError(
-                400,
-                f"the prompt has {chars} characters; this model's context window of {self.context_window} tokens "
-                f"cannot hold more than {limit}: shorten it (or send truncate_prompt=true to keep its end)",
-                param=param,
-                code="context_length_exceeded",
-            )
-
-
-def _longest_token(tokenizer: Any) -> int | None:
-    try:
-        vocab = tokenizer.get_vocab()
-    except Exception:  # noqa: BLE001 - a tokenizer without a vocabulary: no check
-        return None
-    lengths = [len(token) for token in vocab if isinstance(token, str)]
-    return max(lengths) if lengths else None
-
-
-def text_chars(value: Any) -> int:
-    """Characters of text in a prompt, messages, tools or schema: strings and dictionary keys alike.
-
-    (:func:`selfspec.bounds.text_chars`: a tool with 19,000 property names is 19,000 names of prompt.)
-    """
-    return _bounds_text_chars(value)
 
 
 # ------------------------------------------------------------------------------- admission

@@ -7,8 +7,9 @@ and usage) is the request planner's, :mod:`selfspec.serving.requests`, shared wi
 Unknown fields are ignored, as OpenAI-compatible servers do, but the known ones are typed
 strictly: ``true`` is not a number, ``"5"`` and ``5.0`` are not integers, ``"yes"`` is not a
 boolean (pydantic's strict mode). Options that would change the answer and that selfspec cannot
-honour (``n > 1``, ``logprobs``, penalties, ``logit_bias``) are refused with a 400 rather than
-silently dropped. Sampling values themselves are checked by the engine
+honour (``n > 1``, penalties, ``logit_bias``) are refused with a 400 rather than silently dropped;
+OpenAI's own ranges are enforced here (``temperature`` at most 2, ``top_logprobs`` 0..20, the
+completions' ``logprobs`` 0..5). Sampling values themselves are checked by the engine
 (:mod:`selfspec.core.validation`), whose ``ValueError`` subclasses become 400 responses with the
 engine's message.
 """
@@ -24,6 +25,12 @@ from ...errors import InvalidPromptError
 
 #: Chat roles the server accepts (``developer`` is OpenAI's newer name for ``system``).
 ROLES = ("system", "developer", "user", "assistant", "tool")
+#: OpenAI's largest ``temperature``.
+MAX_TEMPERATURE = 2.0
+#: OpenAI's largest chat ``top_logprobs``.
+MAX_TOP_LOGPROBS = 20
+#: OpenAI's largest completions ``logprobs``.
+MAX_COMPLETION_LOGPROBS = 5
 
 
 class APIError(Exception):
@@ -121,8 +128,6 @@ class _SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = None
-    logprobs: Any = None
-    top_logprobs: Any = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -140,15 +145,22 @@ class _SamplingRequest(BaseModel):
             raise APIError(400, f"max_tokens must be >= 1, got {limit}", param="max_tokens")
         if self.n not in (None, 1):
             raise APIError(400, "only n=1 is supported", param="n")
-        if self.logprobs not in (None, False):
-            raise APIError(400, "logprobs are not supported", param="logprobs")
-        if self.top_logprobs is not None:
-            raise APIError(400, "top_logprobs are not supported (nor logprobs)", param="top_logprobs")
+        if self.temperature is not None and self.temperature > MAX_TEMPERATURE:
+            raise APIError(
+                400,
+                f"temperature must be between 0 and {MAX_TEMPERATURE:g} (OpenAI's range), got {self.temperature!r}",
+                param="temperature",
+            )
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise APIError(400, f"{name} is not supported (leave it at 0)", param=name)
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
+
+    @property
+    def engine_logprobs(self) -> int | None:
+        """The engine's ``logprobs``: ``None`` (none), or the alternatives to report per token."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -175,6 +187,10 @@ class ChatCompletionRequest(_SamplingRequest):
 
     messages: list[dict[str, Any]]
     max_completion_tokens: int | None = None
+    #: ``true``: each content token's log-probability (``choices[i].logprobs.content``)
+    logprobs: bool | None = None
+    #: with ``logprobs``, the most likely alternatives per token (0 .. 20)
+    top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     #: any spelling :func:`selfspec.serving.requests.normalize_tool_choice` reads: ``"auto"``,
     #: ``"none"``, ``"required"``/``"any"``/``true``, ``false``, a tool's name or a named function
@@ -195,11 +211,29 @@ class ChatCompletionRequest(_SamplingRequest):
         """``max_completion_tokens`` (the newer name) or ``max_tokens``."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def check_supported(self) -> None:  # noqa: D102 - documented in the base class
+        super().check_supported()
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise APIError(
+                    400,
+                    f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.top_logprobs}",
+                    param="top_logprobs",
+                )
+            if not self.logprobs:
+                raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+
+    @property
+    def engine_logprobs(self) -> int | None:  # noqa: D102 - documented in the base class
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(_SamplingRequest):
     """The body of ``POST /v1/completions``."""
 
     prompt: str | list[str] | list[int]
+    #: each token's log-probability and this many most likely alternatives (0 .. 5)
+    logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -212,6 +246,16 @@ class CompletionRequest(_SamplingRequest):
             raise APIError(400, "suffix is not supported", param="suffix")
         if self.best_of not in (None, 1):
             raise APIError(400, "only best_of=1 is supported", param="best_of")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise APIError(
+                400,
+                f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}, got {self.logprobs}",
+                param="logprobs",
+            )
+
+    @property
+    def engine_logprobs(self) -> int | None:  # noqa: D102 - documented in the base class
+        return self.logprobs
 
     @property
     def token_limit(self) -> int | None:
