@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from .core.constraints import TokenConstraint
     from .decoding.engine import SpeculativeEngine
     from .decoding.generation import GenerationRequest, GenerationStream
+    from .decoding.options import EngineOptions, GenerateOptions
     from .decoding.outputs import GenerationOutput, GenerationStats
     from .drafting import (
         DecodeState,
@@ -83,6 +84,8 @@ _LAZY: dict[str, str] = {
     "UnsafeCheckpointError": ".errors",
     "UnsupportedArchitectureError": ".errors",
     "GenerationRequest": ".decoding.generation",
+    "EngineOptions": ".decoding.options",
+    "GenerateOptions": ".decoding.options",
     "GenerationStream": ".decoding.generation",
     "DEMO_MODEL": ".modeling.loading",
     "demo_model_path": ".modeling.loading",
@@ -104,6 +107,8 @@ __all__ = [
     "DraftModelDrafter",
     "Drafter",
     "EarlyExitDrafter",
+    "EngineOptions",
+    "GenerateOptions",
     "GenerationMemoryError",
     "GenerationOutput",
     "GenerationRequest",

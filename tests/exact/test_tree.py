@@ -291,7 +291,7 @@ def test_cache_after_a_tree_round_equals_a_chain_over_the_accepted_text() -> Non
     model = make_model("qwen2")
     engine = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=4, tree_nodes=10, drafter="early_exit")
     adapter = engine.runner
-    run = engine._start(GenerationRequest(GREEDY_PROMPT, 20, seed=0))
+    run = engine._start(GenerationRequest(prompt_ids=GREEDY_PROMPT, max_new_tokens=20, seed=0))
     rounds = engine._rounds(run)
     emitted = [*next(rounds), *next(rounds), *next(rounds)]  # the prefill, then two tree rounds
     text = [*GREEDY_PROMPT, *emitted[:-1]]  # the last emitted token is not in the cache yet
@@ -387,9 +387,9 @@ def test_tree_nodes_with_a_drafter_that_drafts_no_trees_is_refused(drafter: str)
 def test_auto_tree_nodes_reads_the_calibration() -> None:
     model = make_model("llama")
     assert SpeculativeEngine(model, tree_nodes="auto", calibration={}, drafter="early_exit").tree_nodes is None
-    assert SpeculativeEngine(
-        model, tree_nodes="auto", calibration={"tree_nodes": 9}, drafter="early_exit"
-    ).tree_nodes == 9
+    assert (
+        SpeculativeEngine(model, tree_nodes="auto", calibration={"tree_nodes": 9}, drafter="early_exit").tree_nodes == 9
+    )
     assert "tree_nodes=9" in repr(SpeculativeEngine(model, tree_nodes=9, drafter="early_exit"))
 
 
@@ -415,7 +415,7 @@ def test_cli_tree_nodes_option(capsys) -> None:
     from selfspec.cli.args import add_engine_arguments, engine_kwargs
 
     parser = argparse.ArgumentParser()
-    add_engine_arguments(parser, default_model="m")
+    add_engine_arguments(parser, "generate", default_model="m")
     assert engine_kwargs(parser.parse_args([]))["tree_nodes"] is None
     assert engine_kwargs(parser.parse_args(["--tree-nodes", "6"]))["tree_nodes"] == 6
     assert engine_kwargs(parser.parse_args(["--tree-nodes", "auto"]))["tree_nodes"] == "auto"

@@ -192,7 +192,24 @@ ARGUMENT_ERRORS = [
         id="max-new-tokens=lots",
     ),
     pytest.param(
-        ["generate", "--drafter", "magic", PROMPT], "argument --drafter: invalid choice: 'magic'", id="drafter=magic"
+        ["generate", "--drafter", "magic", PROMPT],
+        "argument --drafter: unknown drafter 'magic'; choose one of",
+        id="drafter=magic",
+    ),
+    pytest.param(
+        ["generate", "--drafter", "eagle3", PROMPT],
+        r"argument --drafter: unknown drafter 'eagle3' \(did you mean 'eagle'\?\); choose one of early_exit, ",
+        id="drafter=eagle3",
+    ),
+    pytest.param(
+        ["serve", "-m", "selfspec-demo", "--drafter", "prompt-lookup"],
+        r"unknown drafter 'prompt-lookup' \(did you mean 'prompt_lookup'\?\)",
+        id="serve-drafter=prompt-lookup",
+    ),
+    pytest.param(
+        ["chat", "--draft-confidence", "1.5"],
+        r"argument --draft-confidence: draft_confidence must be in \[0, 1\)",
+        id="draft-confidence=1.5",
     ),
     pytest.param(
         ["generate", "--temprature", "0.5", PROMPT], "unrecognized arguments: --temprature", id="misspelt-option"

@@ -7,13 +7,14 @@ from types import SimpleNamespace
 import pytest
 
 from selfspec.decoding.config import DEFAULT_NUM_DRAFT_TOKENS, EngineConfig, check_arguments, default_exit_layer
+from selfspec.decoding.options import EngineOptions
 from selfspec.errors import ConfigurationError
 
 RUNNER = SimpleNamespace(num_layers=12, fast_layers=None)  # all resolve reads of the model runner
 
 
 def resolve(calibration: dict | None = None, **arguments) -> EngineConfig:
-    return EngineConfig.resolve(RUNNER, "", calibration or {}, **arguments)
+    return EngineConfig.resolve(RUNNER, "", calibration or {}, EngineOptions(**arguments))
 
 
 def test_auto_values_without_a_calibration() -> None:

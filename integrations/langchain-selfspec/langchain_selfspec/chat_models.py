@@ -47,6 +47,7 @@ from langchain_core.utils import secret_from_env
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, model_validator
+from selfspec.decoding.options import check_drafter_name
 from selfspec.errors import ConfigurationError
 from selfspec.serving.endpoint import API_KEY_ENV_VARS, EndpointClient, EndpointResult, chat_body
 from selfspec.serving.requests import (
@@ -387,6 +388,17 @@ class ChatSpeculative(BaseChatModel):
     _endpoint: EndpointClient | None = PrivateAttr(default=None)
 
     model_config = ConfigDict(use_attribute_docstrings=True)
+
+    def __init__(self, **kwargs: Any) -> None:
+        """Check ``drafter`` before anything else, without importing torch (local mode: endpoint mode ignores it).
+
+        Raises:
+            ConfigurationError: an unknown drafter name (``"eagle3"``), with the valid names and the
+                closest one; a custom drafter is accepted once ``register_drafter`` registered it.
+        """
+        if kwargs.get("base_url") is None:
+            check_drafter_name(kwargs.get("drafter", "auto"))
+        super().__init__(**kwargs)
 
     @model_validator(mode="before")
     @classmethod

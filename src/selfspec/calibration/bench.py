@@ -199,7 +199,8 @@ class RowContext:
     draft_model: Any = None
 
     def engine(self, **arguments: Any) -> SpeculativeEngine:
-        """An engine on the loaded model and tokenizer."""
+        """An engine on the loaded model and tokenizer (batching as the loaded one: ``selfspec bench --batching``)."""
+        arguments = {"batching": self.loaded.batching, **arguments}
         return SpeculativeEngine(self.loaded.model, self.loaded.tokenizer, **arguments)
 
 
@@ -390,6 +391,7 @@ def run_benchmark(
             "auto_num_draft_tokens": engine.num_draft_tokens,
             "lookup_tokens": lookup_tokens,
             "tree_nodes": list(tree_nodes),
+            "batching": engine.batching,
             "categories": {c: len(v) for c, v in sets.items()},
             "methods": list(methods) if methods is not None else "all",
             "torch": torch.__version__,

@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..calibration.bench import DEFAULT_BENCH_TREE_NODES, method_families
-from ..decoding.config import DEFAULT_CALIBRATION_BUDGET
 from ..errors import SelfSpecError
 from ..modeling.loading import DEMO_MODEL
 from ..prompts import PROMPT_SETS, STOCK_PROMPT_SETS
@@ -21,7 +20,6 @@ from .args import (
     ArgumentParser,
     _sampling_args,
     add_engine_arguments,
-    calibration_budget,
     checked_type,
     engine_kwargs,
     positive_int,
@@ -130,10 +128,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     engine = SpeculativeEngine.from_pretrained(
         args.model,
-        quantization=args.quantization,
-        dtype=args.dtype,
-        device=args.device,
-        trust_remote_code=args.trust_remote_code,
+        **engine_kwargs(args),  # loading options only: calibrate measures with its own engine
         drafter="early_exit",  # a fixed engine to measure with; the plan it saves is for drafter="auto"
         exit_layer=1,
         num_draft_tokens=1,
@@ -196,9 +191,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         methods=args.methods,
         temperatures=args.temperatures,
         tree_nodes=args.tree_nodes,
-        quantization=args.quantization,
-        device=args.device,
-        calibration_budget=args.calibration_budget,
+        **engine_kwargs(args),
     )
     print(format_table(report))
     print()
@@ -218,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for one prompt")
-    add_engine_arguments(gen, default_model=DEMO_MODEL)
+    add_engine_arguments(gen, "generate", default_model=DEMO_MODEL)
     _sampling_args(gen)
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user chat message")
@@ -226,26 +219,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="interactive streaming chat")
-    add_engine_arguments(chat, default_model=DEMO_MODEL)
+    add_engine_arguments(chat, "chat", default_model=DEMO_MODEL)
     _sampling_args(chat)
     chat.add_argument("--system", default=None, help="system prompt")
     chat.set_defaults(func=cmd_chat)
 
     cal = sub.add_parser("calibrate", help="choose exit layer and draft length by measurement")
-    cal.add_argument("--model", "-m", required=True)
-    cal.add_argument("--quantization", choices=["4bit", "8bit"], default=None)
-    cal.add_argument("--dtype", default="auto")
-    cal.add_argument("--device", default="auto")
-    cal.add_argument("--trust-remote-code", action="store_true")
+    add_engine_arguments(cal, "calibrate")
     cal.add_argument("--max-new-tokens", type=int, default=48)
     cal.add_argument("--threads", type=checked_type(positive_int), default=None, help="torch CPU threads")
     cal.add_argument("--no-save", action="store_true", help="print the result without saving it")
-    cal.add_argument(
-        "--calibration-budget",
-        default=None,
-        type=checked_type(calibration_budget),
-        help="seconds calibration may take ('none', the default here: no limit); what does not fit is skipped",
-    )
     cal.add_argument(
         "--trees", action="store_true", help="also race early-exit token trees against the chain (tree_nodes='auto')"
     )
@@ -258,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal.set_defaults(func=cmd_calibrate)
 
     bench = sub.add_parser("bench", help="benchmark plain, transformers' speculative modes and selfspec")
-    bench.add_argument("--model", "-m", default=DEMO_MODEL)
+    add_engine_arguments(bench, "bench", default_model=DEMO_MODEL)
     bench.add_argument("--prompts", default=None, help='JSON file {"category": [prompt, ...]}')
     bench.add_argument("--max-new-tokens", type=int, default=96)
     bench.add_argument("--repeats", type=int, default=3)
@@ -289,20 +272,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=list(DEFAULT_BENCH_TREE_NODES),
         help="node budgets of early-exit token trees to compare with the chain (no value: no trees)",
     )
-    bench.add_argument("--quantization", choices=["4bit", "8bit"], default=None)
-    bench.add_argument("--device", default="auto")
-    bench.add_argument(
-        "--calibration-budget",
-        default=DEFAULT_CALIBRATION_BUDGET,
-        type=checked_type(calibration_budget),
-        help="seconds first-load calibration may take, or 'none' for no limit",
-    )
     bench.add_argument("--out", default=None, help="folder for JSON, markdown and PNG results")
     bench.add_argument("--name", default="bench", help="file name stem of the results")
     bench.set_defaults(func=cmd_bench)
 
     demo = sub.add_parser("demo", help="plain vs speculative decoding on the bundled demo model")
-    add_engine_arguments(demo, default_model=DEMO_MODEL)
+    add_engine_arguments(demo, "demo", default_model=DEMO_MODEL)
     demo.add_argument("--prompt", default=DEMO_PROMPT)
     demo.add_argument("--max-new-tokens", type=int, default=128)
     demo.add_argument("--threads", type=checked_type(positive_int), default=1, help="torch CPU threads")

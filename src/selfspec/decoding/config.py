@@ -2,7 +2,8 @@
 
 :class:`EngineConfig` is what the parts of an engine read (the drafter factories in
 particular: ``engine.config.exit_layer``, ``engine.config.tree_nodes``, ...). It is built from
-the constructor's arguments, the model and the saved calibration by :meth:`EngineConfig.resolve`.
+the engine's :class:`~selfspec.decoding.options.EngineOptions`, the model and the saved calibration
+by :meth:`EngineConfig.resolve`.
 """
 
 from __future__ import annotations
@@ -12,18 +13,32 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.validation import check_num_draft_tokens, check_tree_nodes
-from ..drafting import Drafter, drafter_spec, list_drafters
+from ..drafting import Drafter, drafter_spec
 from ..drafting.auto import plan_settings
 from ..drafting.exit_adapter.adapter import ExitAdapter, engine_exit_adapter
 from ..drafting.medusa.drafter import MedusaHeads
 from ..drafting.registry import drafters_using, drafters_with, names_in_words
 from ..errors import ConfigurationError
 from ..modeling.runner import ModelRunner
+from .options import (
+    DEFAULT_CALIBRATION_BUDGET,
+    DEFAULT_DRAFT_CONFIDENCE,
+    EngineOptions,
+    check_budget,
+    check_drafter_name,
+)
+
+__all__ = [
+    "DEFAULT_CALIBRATION_BUDGET",
+    "DEFAULT_DRAFT_CONFIDENCE",
+    "EngineConfig",
+    "check_arguments",
+    "check_budget",
+    "default_exit_layer",
+]
 
 #: Draft length used when ``num_draft_tokens="auto"`` finds no calibration.
 DEFAULT_NUM_DRAFT_TOKENS = 4
-#: With ``num_draft_tokens="auto"``, the early exit stops drafting below this top probability.
-DEFAULT_DRAFT_CONFIDENCE = 0.3
 #: Node budget used when ``tree_nodes="auto"`` finds no calibration (``None``: a chain).
 DEFAULT_TREE_NODES: int | None = None
 
@@ -33,30 +48,12 @@ def default_exit_layer(num_layers: int) -> int:
     return max(1, num_layers // 4)
 
 
-#: The default first-load calibration time budget in seconds: first load of a 0.5B model on a 2-core
-#: CPU stays well under 15 minutes (docs/calibration.md).
-DEFAULT_CALIBRATION_BUDGET = 300.0
-
-
-def check_budget(calibration_budget: Any) -> None:
-    """Reject a calibration budget that is not ``None`` or a positive number of seconds."""
-    if calibration_budget is None:
-        return
-    if isinstance(calibration_budget, bool) or not isinstance(calibration_budget, (int, float)):
-        raise ConfigurationError(f"calibration_budget must be seconds (a number) or None, got {calibration_budget!r}")
-    if not calibration_budget > 0:
-        raise ConfigurationError(f"calibration_budget must be positive seconds, got {calibration_budget!r}")
-
-
 def check_arguments(exit_layer: Any, num_draft_tokens: Any, drafter: Any, tree_nodes: Any = None) -> None:
     """Reject malformed engine arguments (before any weights are loaded)."""
     if exit_layer != "auto" and (isinstance(exit_layer, bool) or not isinstance(exit_layer, int)):
         raise ConfigurationError(f"exit_layer must be 'auto' or an int, got {exit_layer!r}")
     check_num_draft_tokens(num_draft_tokens)  # 'auto' or an int in [1, MAX_DRAFT_TOKENS]
-    if not isinstance(drafter, Drafter):
-        if not isinstance(drafter, str):
-            raise ConfigurationError(f"unknown drafter {drafter!r}; choose one of {', '.join(list_drafters())}")
-        drafter_spec(drafter)  # raises on an unknown name
+    check_drafter_name(drafter)  # a registered name (with the closest one when not) or a Drafter
     _check_auto_exit_layer(drafter, exit_layer)
     check_tree_nodes(tree_nodes)  # None, 'auto' or an int in [1, MAX_TREE_NODES]
 
@@ -126,40 +123,40 @@ class EngineConfig:
         runner: ModelRunner,
         name_or_path: str,
         calibration: dict[str, Any],
+        options: EngineOptions | None = None,
         *,
-        exit_layer: int | str = "auto",
-        num_draft_tokens: int | str = "auto",
-        drafter: str | Drafter = "auto",
-        draft_confidence: float | None = None,
-        draft_model: Any = None,
         draft_tokenizer: Any = None,
-        exit_adapter: str | os.PathLike[str] | ExitAdapter | None = None,
-        medusa_heads: str | os.PathLike[str] | MedusaHeads | None = None,
-        eagle_head: Any = None,
-        tree_nodes: int | str | None = None,
         drafter_options: dict[str, Any] | None = None,
-        batching: bool = False,
     ) -> EngineConfig:
-        """Validate the engine's arguments and resolve every ``"auto"`` against ``calibration``.
+        """Validate the engine's options and resolve every ``"auto"`` against ``calibration``.
+
+        Args:
+            runner: the target's runner (its number of layers bounds ``exit_layer``).
+            name_or_path: the model's name (where a saved exit adapter is looked for).
+            calibration: the measured settings the ``"auto"`` values come from (may be empty).
+            options: the engine's options (:class:`~selfspec.decoding.options.EngineOptions`; the
+                loading ones are not read here); ``None``: the defaults.
+            draft_tokenizer: the draft model's tokenizer (``drafter="draft_model"``).
+            drafter_options: keyword options for the drafter's factory.
 
         Raises:
-            ConfigurationError: an argument is malformed or does not fit the model or drafter.
+            ConfigurationError: an option is malformed or does not fit the model or drafter.
         """
+        options = options or EngineOptions()
+        exit_layer, num_draft_tokens, drafter = options.exit_layer, options.num_draft_tokens, options.drafter
+        tree_nodes, draft_model, eagle_head = options.tree_nodes, options.draft_model, options.eagle_head
+        medusa_heads, draft_confidence = options.medusa_heads, options.draft_confidence
         check_arguments(exit_layer, num_draft_tokens, "none", tree_nodes)
         _check_auto_exit_layer(drafter, exit_layer)
-        adapter_module = engine_exit_adapter(exit_adapter, runner, name_or_path, exit_layer, drafter)
+        adapter_module = engine_exit_adapter(options.exit_adapter, runner, name_or_path, exit_layer, drafter)
         if adapter_module is not None:
             exit_layer = adapter_module.exit_layer  # the layer the adapter was trained for
         adaptive = num_draft_tokens == "auto"
-        if draft_confidence is not None and not 0.0 <= draft_confidence < 1.0:
-            raise ConfigurationError(f"draft_confidence must be in [0, 1), got {draft_confidence!r}")
         confidence = DEFAULT_DRAFT_CONFIDENCE if draft_confidence is None else draft_confidence
         check_arguments("auto", "auto", drafter)
         _check_drafter_options(drafter, draft_model=draft_model, medusa_heads=medusa_heads, eagle_head=eagle_head)
         if drafter_options is not None and not isinstance(drafter_options, dict):
             raise ConfigurationError(f"drafter_options must be a dict or None, got {drafter_options!r}")
-        if not isinstance(batching, bool):
-            raise ConfigurationError(f"batching must be True or False, got {batching!r}")
         planned = plan_settings(calibration) if drafter == "auto" else calibration  # drafter="auto": the plan's E, k
         return cls(
             drafter=drafter,
@@ -175,7 +172,7 @@ class EngineConfig:
             medusa_heads=medusa_heads,
             eagle_head=eagle_head,
             drafter_options=dict(drafter_options or {}),
-            batching=batching,
+            batching=options.batching,
             fast_path=runner.fast_layers is not None,
         )
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Generator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..core.bounds import check_prompt_chars, check_tools_size, text_chars
-from ..core.constraints import TokenConstraint
 from ..drafting import Drafter, drafter_spec
 from ..drafting.auto import Plan, plan_of, sampled_drafts_pay, uncalibrated_plan
 from ..drafting.exit_adapter.adapter import ExitAdapter
@@ -25,18 +24,17 @@ from ..drafting.registry import drafters_using
 from ..errors import ConfigurationError
 from ..modeling.runner import ModelRunner
 from .batching import BatchScheduler
-from .config import (
-    DEFAULT_CALIBRATION_BUDGET,
-    EngineConfig,
-    check_arguments,
-    check_budget,
-    eos_token_ids,
-    wants_calibration,
-)
+from .config import EngineConfig, check_arguments, eos_token_ids, wants_calibration
 from .controller import DraftController
 from .generation import Generation, GenerationRequest, GenerationStream, Prompt, encode_prompt
 from .loop import decode
+from .options import DEFAULT_CALIBRATION_BUDGET, EngineOptions, GenerateOptions, engine_settings
 from .outputs import FinishReason, GenerationOutput
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from .options import GenerateKeywords
 
 #: The :class:`EngineConfig` fields an engine exposes as its own attributes.
 _SETTINGS = frozenset("exit_layer num_draft_tokens adaptive draft_confidence tree_nodes calibration".split())
@@ -105,6 +103,10 @@ class SpeculativeEngine:
             Default ``False``: such strings become control tokens, as in transformers'
             ``apply_chat_template`` and vLLM. Raw text prompts are encoded as given either way.
 
+    Attributes:
+        options: the engine's options as given (:class:`~selfspec.decoding.options.EngineOptions`;
+            with :meth:`from_pretrained`, the loading options too); :attr:`config` holds them resolved.
+
     Example:
         >>> from selfspec import SpeculativeEngine
         >>> engine = SpeculativeEngine.from_pretrained("selfspec-demo")
@@ -134,13 +136,21 @@ class SpeculativeEngine:
         fast_path: bool | None = None,
         escape_special_tokens: bool = False,
     ) -> None:
-        arguments = dict(locals())  # every argument but the model's own parts is a setting (see configure)
-        for name in ("self", "model", "tokenizer", "calibration", "fast_path", "escape_special_tokens"):
-            del arguments[name]
-        if not isinstance(escape_special_tokens, bool):
-            raise ConfigurationError(f"escape_special_tokens must be a bool, got {escape_special_tokens!r}")
+        self.options = EngineOptions(
+            exit_layer=exit_layer,
+            num_draft_tokens=num_draft_tokens,
+            drafter=drafter,
+            draft_confidence=draft_confidence,
+            draft_model=draft_model,
+            exit_adapter=exit_adapter,
+            medusa_heads=medusa_heads,
+            eagle_head=eagle_head,
+            tree_nodes=tree_nodes,
+            batching=batching,
+            escape_special_tokens=escape_special_tokens,
+        )  # checked once; from_pretrained sets the loading options it used
         self.escape_special_tokens = escape_special_tokens
-        self._arguments: dict[str, Any] = arguments
+        self._draft_tokenizer, self._drafter_options = draft_tokenizer, drafter_options
         self.model = model
         self.tokenizer = tokenizer
         self.runner = ModelRunner(model, fast_path=fast_path)
@@ -167,7 +177,14 @@ class SpeculativeEngine:
 
     def configure(self, calibration: dict[str, Any]) -> None:
         """(Re)build the settings, the drafter, the controller and the scheduler from ``calibration``."""
-        self.config = EngineConfig.resolve(self.runner, self.name_or_path, calibration, **self._arguments)
+        self.config = EngineConfig.resolve(
+            self.runner,
+            self.name_or_path,
+            calibration,
+            self.options,
+            draft_tokenizer=self._draft_tokenizer,
+            drafter_options=self._drafter_options,
+        )
         self.drafter = self._make_drafter()
         self.controller = DraftController(
             self.config.num_draft_tokens,
@@ -233,6 +250,10 @@ class SpeculativeEngine:
     ) -> SpeculativeEngine:
         """Load a model from the hub, a local folder, or ``"selfspec-demo"``.
 
+        Every keyword is an option of :class:`~selfspec.decoding.options.EngineOptions` (declared
+        there once, with its flag on the ``selfspec`` command line); the engine keeps them as
+        :attr:`options`.
+
         Args:
             name_or_path: a hub id, a local folder with ``config.json`` and safetensors
                 weights, a ``.gguf`` file, ``"selfspec-demo"`` (the small model bundled with the
@@ -272,46 +293,45 @@ class SpeculativeEngine:
             UnsupportedArchitectureError: the architecture has no adapter.
             QuantizationError: the requested quantization cannot run here.
         """
+        given = locals()  # exactly the options: a test pins this signature to EngineOptions
+        options = EngineOptions(**{name: given[name] for name in EngineOptions.names()})
+        check_arguments(exit_layer, num_draft_tokens, drafter, tree_nodes)  # before any weight is read
+        return cls._load(name_or_path, options)
+
+    @classmethod
+    def _load(cls, name_or_path: str | os.PathLike[str], options: EngineOptions) -> SpeculativeEngine:
+        """:meth:`from_pretrained` with its options as one value."""
         from ..modeling.loading import load_model_and_tokenizer
 
-        check_arguments(exit_layer, num_draft_tokens, drafter, tree_nodes)
-        check_budget(calibration_budget)
         loading: dict[str, Any] = {
-            "quantization": quantization,
-            "dtype": dtype,
-            "device": device,
-            "trust_remote_code": trust_remote_code,
-            "allow_pickle": allow_pickle,
+            "quantization": options.quantization,
+            "dtype": options.dtype,
+            "device": options.device,
+            "trust_remote_code": options.trust_remote_code,
+            "allow_pickle": options.allow_pickle,
         }
-        model, tokenizer, path = load_model_and_tokenizer(name_or_path, gguf_file=gguf_file, **loading)
+        model, tokenizer, path = load_model_and_tokenizer(name_or_path, gguf_file=options.gguf_file, **loading)
         model.config._name_or_path = path
+        settings = engine_settings(options)
         draft_tokenizer = None
-        if isinstance(draft_model, (str, os.PathLike)):
-            draft_model, draft_tokenizer, _ = load_model_and_tokenizer(draft_model, **loading)
-        if allow_pickle and isinstance(medusa_heads, (str, os.PathLike)) and drafter in drafters_using("medusa_heads"):
-            medusa_heads = load_medusa_heads(medusa_heads, allow_pickle=True)
-        engine = cls(
-            model,
-            tokenizer,
-            exit_layer=exit_layer,
-            num_draft_tokens=num_draft_tokens,
-            drafter=drafter,
-            draft_confidence=draft_confidence,
-            draft_model=draft_model,
-            draft_tokenizer=draft_tokenizer,
-            exit_adapter=exit_adapter,
-            medusa_heads=medusa_heads,
-            eagle_head=eagle_head,
-            tree_nodes=tree_nodes,
-            batching=batching,
-            escape_special_tokens=escape_special_tokens,
-        )
-        auto = wants_calibration(exit_layer, num_draft_tokens, drafter, tree_nodes)
-        if calibrate and auto:
+        if isinstance(options.draft_model, (str, os.PathLike)):
+            settings["draft_model"], draft_tokenizer, _ = load_model_and_tokenizer(options.draft_model, **loading)
+        medusa_heads = options.medusa_heads
+        if (
+            options.allow_pickle
+            and isinstance(medusa_heads, (str, os.PathLike))
+            and options.drafter in drafters_using("medusa_heads")
+        ):
+            settings["medusa_heads"] = load_medusa_heads(medusa_heads, allow_pickle=True)
+        engine = cls(model, tokenizer, draft_tokenizer=draft_tokenizer, **settings)
+        engine.options = options  # with the loading options it was loaded with
+        tree_nodes = options.tree_nodes
+        auto = wants_calibration(options.exit_layer, options.num_draft_tokens, options.drafter, tree_nodes)
+        if options.calibrate and auto:
             from ..calibration.measure import calibrate_on_first_load, head_found_since  # the lazy edge up
 
             if not engine.calibration or head_found_since(engine):
-                calibrate_on_first_load(engine, trees=tree_nodes == "auto", budget=calibration_budget)
+                calibrate_on_first_load(engine, trees=tree_nodes == "auto", budget=options.calibration_budget)
         return engine
 
     def __repr__(self) -> str:
@@ -366,76 +386,65 @@ class SpeculativeEngine:
 
     # ----------------------------------------------------------------- public API
     def generate(
-        self, prompt: Prompt, *, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int | None = None,
-        top_p: float | None = None, stop: str | list[str] | None = None, seed: int | None = None,
-        constraint: TokenConstraint | None = None, truncate_prompt: bool = False, logprobs: int | None = None,
-    ) -> GenerationOutput:  # fmt: skip
+        self, prompt: Prompt, *, options: GenerateOptions | None = None, **keywords: Unpack[GenerateKeywords]
+    ) -> GenerationOutput:
         """Generate text for a prompt.
 
         Args:
             prompt: text, or a list of chat messages (rendered by the chat template).
-            max_new_tokens: the most new tokens to generate (``>= 1``).
-            temperature: 0 for greedy decoding; > 0 samples.
-            top_k: sample only among the ``top_k`` most likely tokens.
-            top_p: nucleus sampling threshold in ``(0, 1]``.
-            stop: strings that end the generation; they are not part of the returned text.
-            seed: seed of the random generator, for reproducible sampling.
-            constraint: restrict the allowed tokens (grammar-constrained decoding).
-            truncate_prompt: when the prompt plus ``max_new_tokens`` exceeds the context
-                window, keep only the prompt's last tokens instead of raising
-                :class:`~selfspec.errors.InvalidPromptError`.
-            logprobs: report each new token's log-probability under the model and the
-                ``logprobs`` most likely alternatives (``0 .. 20``;
-                :attr:`GenerationOutput.logprobs`). The values are the target's
-                ``log_softmax`` in the verify forward that emitted the token (no extra forward),
-                before temperature, top-k, top-p and a constraint's mask. ``None``: none.
+            options: the call's options as one value (:class:`~selfspec.decoding.options.GenerateOptions`);
+                keywords given too replace its fields.
+            **keywords: the fields of :class:`~selfspec.decoding.options.GenerateOptions`:
+                ``max_new_tokens`` (default 256), ``temperature`` (0: greedy), ``top_k``, ``top_p``,
+                ``stop``, ``seed``, ``constraint``, ``truncate_prompt`` and ``logprobs`` (each new
+                token's log-probability and that many alternatives, :attr:`GenerationOutput.logprobs`).
 
         Returns:
             The text, new token ids, finish reason and speculation statistics.
+
+        Raises:
+            TypeError: an unknown keyword (the closest option is named).
         """
-        ids = self._encode_checked(prompt, truncate_prompt)
-        return self.generate_ids(ids, **_options(max_new_tokens, temperature, top_k, top_p, stop, seed, constraint,
-                                                 truncate_prompt, logprobs))  # fmt: skip
+        chosen = GenerateOptions.of(options, keywords, "generate")
+        return self.generate_ids(self._encode_checked(prompt, chosen.truncate_prompt), options=chosen)
 
     def generate_ids(
-        self, prompt_ids: Sequence[int] | torch.Tensor, *, max_new_tokens: int = 256, temperature: float = 0.0,
-        top_k: int | None = None, top_p: float | None = None, stop: str | list[str] | None = None,
-        seed: int | None = None, constraint: TokenConstraint | None = None, truncate_prompt: bool = False,
-        logprobs: int | None = None,
-    ) -> GenerationOutput:  # fmt: skip
+        self,
+        prompt_ids: Sequence[int] | torch.Tensor,
+        *,
+        options: GenerateOptions | None = None,
+        **keywords: Unpack[GenerateKeywords],
+    ) -> GenerationOutput:
         """Like :meth:`generate`, from token ids (no tokenizer needed unless ``stop`` is given)."""
-        run = self._start(GenerationRequest(prompt_ids, max_new_tokens, temperature, top_k, top_p, stop, seed,
-                                            constraint, truncate_prompt, logprobs))  # fmt: skip
+        chosen = GenerateOptions.of(options, keywords, "generate_ids")
+        run = self._start(GenerationRequest.for_prompt(prompt_ids, chosen))
         for _ in run.deltas():
             pass
         return run.output()
 
     def stream(
-        self, prompt: Prompt, *, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int | None = None,
-        top_p: float | None = None, stop: str | list[str] | None = None, seed: int | None = None,
-        constraint: TokenConstraint | None = None, truncate_prompt: bool = False, logprobs: int | None = None,
-    ) -> GenerationStream:  # fmt: skip
+        self, prompt: Prompt, *, options: GenerateOptions | None = None, **keywords: Unpack[GenerateKeywords]
+    ) -> GenerationStream:
         """Stream the text of :meth:`generate` as ``str`` deltas (same arguments).
 
         The deltas join to exactly ``generate(...).text``. Call ``.close()`` to abandon the
         stream early; ``.stats`` and ``.output`` are set once it is exhausted or closed; with
         ``logprobs``, ``.logprobs`` holds the entries of the tokens generated so far.
         """
-        ids = self._encode_checked(prompt, truncate_prompt)
-        return self.stream_ids(ids, **_options(max_new_tokens, temperature, top_k, top_p, stop, seed, constraint,
-                                               truncate_prompt, logprobs))  # fmt: skip
+        chosen = GenerateOptions.of(options, keywords, "stream")
+        return self.stream_ids(self._encode_checked(prompt, chosen.truncate_prompt), options=chosen)
 
     def stream_ids(
-        self, prompt_ids: Sequence[int] | torch.Tensor, *, max_new_tokens: int = 256, temperature: float = 0.0,
-        top_k: int | None = None, top_p: float | None = None, stop: str | list[str] | None = None,
-        seed: int | None = None, constraint: TokenConstraint | None = None, truncate_prompt: bool = False,
-        logprobs: int | None = None,
-    ) -> GenerationStream:  # fmt: skip
+        self,
+        prompt_ids: Sequence[int] | torch.Tensor,
+        *,
+        options: GenerateOptions | None = None,
+        **keywords: Unpack[GenerateKeywords],
+    ) -> GenerationStream:
         """Like :meth:`stream`, from token ids (a tokenizer is needed to produce text)."""
+        chosen = GenerateOptions.of(options, keywords, "stream_ids")
         self._require_tokenizer("streams")
-        return GenerationStream(self._start(GenerationRequest(prompt_ids, max_new_tokens, temperature, top_k, top_p,
-                                                              stop, seed, constraint, truncate_prompt,
-                                                              logprobs)))  # fmt: skip
+        return GenerationStream(self._start(GenerationRequest.for_prompt(prompt_ids, chosen)))
 
     # ----------------------------------------------------------------- the loop
     def _start(self, request: GenerationRequest) -> Generation:
@@ -456,12 +465,3 @@ class SpeculativeEngine:
         tree_slots = self.tree_nodes or getattr(self.drafter, "tree_nodes", None) or 0
         cache = self.runner.new_cache(len(run.prompt_ids) + run.max_new_tokens + tree_slots)
         return (yield from decode(self.runner, self.drafter, run, cache, self._lock, self.eos_token_ids))
-
-
-def _options(
-    max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None, stop: str | list[str] | None,
-    seed: int | None, constraint: TokenConstraint | None, truncate_prompt: bool, logprobs: int | None,
-) -> dict[str, Any]:  # fmt: skip
-    """A call's keyword options, passed on from a text entry point to its token-id twin."""
-    return dict(zip(GenerationRequest.OPTIONS, (max_new_tokens, temperature, top_k, top_p, stop, seed, constraint,
-                                                truncate_prompt, logprobs), strict=True))  # fmt: skip

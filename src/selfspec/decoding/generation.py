@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ from ..core.sampling import SamplingParams
 from ..core.validation import check_logprobs, check_max_new_tokens, check_prompt, check_prompt_ids, check_seed
 from ..errors import ConfigurationError, GenerationMemoryError, InvalidPromptError
 from .controller import DraftController
+from .options import GenerateOptions
 from .outputs import FinishReason, GenerationOutput, GenerationStats, TokenLogprob
 from .stopping import IncrementalDetokenizer, StopStringMatcher, normalize_stop
 
@@ -31,38 +32,23 @@ Rounds = Callable[["Generation"], Generator[list[int], None, FinishReason]]
 
 
 @dataclass
-class GenerationRequest:
-    """What one call of ``generate`` / ``stream`` asks for (see :meth:`SpeculativeEngine.generate`).
+class GenerationRequest(GenerateOptions):
+    """What one call of ``generate`` / ``stream`` asks for: its prompt ids and its options.
+
+    The options are :class:`~selfspec.decoding.options.GenerateOptions`' fields (``max_new_tokens``,
+    ``temperature``, ``top_k``, ``top_p``, ``stop``, ``seed``, ``constraint``, ``truncate_prompt``,
+    ``logprobs``).
 
     Attributes:
-        prompt_ids: the prompt's token ids (a list, a 1-D tensor or a ``[1, n]`` tensor).
-        max_new_tokens: the most new tokens (``>= 1``).
-        temperature: 0 for greedy decoding; > 0 samples.
-        top_k: sample only among the ``top_k`` most likely tokens.
-        top_p: nucleus sampling threshold in ``(0, 1]``.
-        stop: strings that end the generation.
-        seed: seed of the random generator.
-        constraint: restrict the allowed tokens (grammar-constrained decoding).
-        truncate_prompt: keep only the prompt's end when it does not fit the context window.
-        logprobs: ``None``, or report each new token's log-probability and this many most
-            likely alternatives (``0 .. 20``; :class:`~selfspec.decoding.outputs.TokenLogprob`).
+        prompt_ids: the prompt's token ids (a list, a 1-D tensor or a ``[1, n]`` tensor); a keyword.
     """
 
-    prompt_ids: Sequence[int] | torch.Tensor
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    constraint: TokenConstraint | None = None
-    truncate_prompt: bool = False
-    logprobs: int | None = None
+    prompt_ids: Sequence[int] | torch.Tensor = field(kw_only=True)
 
-    #: The keyword options of ``generate`` and its siblings, in their order.
-    OPTIONS = (
-        "max_new_tokens", "temperature", "top_k", "top_p", "stop", "seed", "constraint", "truncate_prompt", "logprobs",
-    )  # fmt: skip
+    @classmethod
+    def for_prompt(cls, prompt_ids: Sequence[int] | torch.Tensor, options: GenerateOptions) -> GenerationRequest:
+        """The request for ``prompt_ids`` with ``options``."""
+        return cls(prompt_ids=prompt_ids, **options.as_dict())
 
     def checked_prompt(self, vocab_size: int) -> list[int]:
         """The prompt ids, validated (and ``max_new_tokens`` with them).

@@ -12,6 +12,7 @@ import threading
 from typing import Any
 
 from ..decoding.engine import SpeculativeEngine
+from ..decoding.options import EngineOptions
 
 _ENGINES: dict[tuple[tuple[str, Any], ...], SpeculativeEngine] = {}
 _LOCK = threading.Lock()
@@ -32,11 +33,11 @@ def _key(model: str, engine_args: dict[str, Any]) -> tuple[tuple[str, Any], ...]
 def engine_args(source: Any) -> dict[str, Any]:
     """The ``from_pretrained`` arguments (all but the model name) read from ``source``'s attributes.
 
-    Adapters keep one field per engine argument; this collects them under the engine's own
-    names, so a new engine argument needs only a new field, not new plumbing.
+    Adapters keep one field per engine option (:class:`~selfspec.decoding.options.EngineOptions`,
+    pinned by tests); this collects them under the engine's own names, so a new option needs only
+    a new field, not new plumbing.
     """
-    names = list(inspect.signature(SpeculativeEngine.from_pretrained).parameters)[1:]  # after the model
-    return {name: getattr(source, name) for name in names if hasattr(source, name)}
+    return {name: getattr(source, name) for name in EngineOptions.names() if hasattr(source, name)}
 
 
 def get_engine(model: str, **engine_args: Any) -> SpeculativeEngine:

@@ -1,9 +1,78 @@
-"""The server's limits as one value (no web framework imported, so ``selfspec --help`` works without them)."""
+"""The server's limits as one value (no web framework imported, so ``selfspec --help`` works without them).
+
+Each limit that is a ``selfspec serve`` flag declares it here once (its field's :class:`LimitFlag`);
+:mod:`selfspec.cli.serve` builds the flags from these declarations. The engine that ``selfspec serve``
+loads takes :class:`~selfspec.decoding.options.EngineOptions`, declared the same way.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from ...decoding.options import bounded_int, number
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 10**6, "mb": 10**6, "mib": 2**20, "g": 10**9}
+_UNITS.update({"gb": 10**9, "gib": 2**30})
+
+
+def byte_size(value: str) -> int:
+    """A size in bytes: ``2097152``, ``2MiB``, ``500kB``, ``1.5MB`` (at least 1 byte)."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"expected a size such as 2097152, 2MiB or 500kB, got {value!r}")
+    size = int(float(match.group(1)) * _UNITS[unit])
+    if size < 1:
+        raise ValueError(f"must be at least 1 byte, got {value!r}")
+    return size
+
+
+def seconds(value: str) -> float:
+    """A finite number of seconds > 0."""
+    amount = number(value, "seconds")
+    if not 0 < amount < math.inf:
+        raise ValueError(f"must be a finite number of seconds > 0, got {value!r}")
+    return amount
+
+
+def count(value: str) -> int:
+    """An int >= 0."""
+    return bounded_int(value, 0)
+
+
+def positive_count(value: str) -> int:
+    """An int >= 1."""
+    return bounded_int(value, 1)
+
+
+@dataclass(frozen=True)
+class LimitFlag:
+    """How a :class:`ServerLimits` field shows on the ``selfspec serve`` command line.
+
+    Attributes:
+        flag: the flag (``--max-queue``).
+        help: one line for ``--help``; ``{default}`` is replaced by the default.
+        parse: reads the flag's text (``None``: a repeatable name, collected into a tuple).
+        metavar: the value's name in ``--help`` (repeatable flags).
+    """
+
+    flag: str
+    help: str
+    parse: Callable[[str], Any] | None = None
+    metavar: str | None = None
+
+
+def _meta(flag: str, help: str, parse: Callable[[str], Any] | None = None, **more: Any) -> dict[str, LimitFlag]:
+    return {"flag": LimitFlag(flag, help, parse, **more)}
+
+
+def limit_flags() -> list[tuple[str, Any, LimitFlag]]:
+    """``(field name, default, flag)`` of every :class:`ServerLimits` field that is a flag."""
+    return [(f.name, f.default, f.metadata["flag"]) for f in fields(ServerLimits) if "flag" in f.metadata]
 
 
 @dataclass(frozen=True)
@@ -27,17 +96,62 @@ class ServerLimits:
             by default, so no CORS headers are sent.
     """
 
-    max_body_bytes: int = 2 * 1024 * 1024
-    max_concurrent: int = 32
-    max_queue: int = 128
-    header_timeout: float = 10.0
-    body_timeout: float = 30.0
-    keep_alive_timeout: float = 5.0
+    max_body_bytes: int = field(
+        default=2 * 1024 * 1024,
+        metadata=_meta(
+            "--max-body-size",
+            "largest request body, e.g. 2MiB; larger ones get 413 (default: {default} bytes)",
+            byte_size,
+        ),
+    )
+    max_concurrent: int = field(
+        default=32,
+        metadata=_meta("--max-concurrent", "generation requests served at once (default: {default})", positive_count),
+    )
+    max_queue: int = field(
+        default=128,
+        metadata=_meta(
+            "--max-queue", "requests waiting for a slot; more get 429 with Retry-After (default: {default})", count
+        ),
+    )
+    header_timeout: float = field(
+        default=10.0,
+        metadata=_meta(
+            "--header-timeout",
+            "seconds to send a request's headers before the connection is closed (default: {default})",
+            seconds,
+        ),
+    )
+    body_timeout: float = field(
+        default=30.0,
+        metadata=_meta("--body-timeout", "seconds to send a request body; 408 otherwise (default: {default})", seconds),
+    )
+    keep_alive_timeout: float = field(
+        default=5.0,
+        metadata=_meta(
+            "--keep-alive-timeout", "seconds an idle keep-alive connection stays open (default: {default})", seconds
+        ),
+    )
     max_header_bytes: int = 16 * 1024
     max_json_depth: int = 64
     retry_after: int = 1
-    allowed_hosts: tuple[str, ...] = ()
-    cors_origins: tuple[str, ...] = ()
+    allowed_hosts: tuple[str, ...] = field(
+        default=(),
+        metadata=_meta(
+            "--allowed-host",
+            "accept this Host header besides localhost, 127.0.0.1, [::1] and --host (repeatable; '*': any)",
+            metavar="NAME",
+        ),
+    )
+    cors_origins: tuple[str, ...] = field(
+        default=(),
+        metadata=_meta(
+            "--cors-origin",
+            "let browser pages from this origin call the API, e.g. http://localhost:3000 (repeatable; "
+            "default: none, no CORS headers)",
+            metavar="ORIGIN",
+        ),
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_concurrent", "max_header_bytes", "max_json_depth", "retry_after"):

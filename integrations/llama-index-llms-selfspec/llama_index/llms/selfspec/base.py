@@ -54,6 +54,7 @@ from llama_index.core.llms.utils import parse_partial_json
 from llama_index.core.program.utils import FlexibleModel, create_flexible_model
 from llama_index.core.types import PydanticProgramMode
 
+from selfspec.decoding.options import check_drafter_name
 from selfspec.errors import ConfigurationError
 from selfspec.serving.endpoint import EndpointClient, EndpointResult, chat_body, text_body
 from selfspec.serving.requests import (
@@ -278,6 +279,17 @@ class SpeculativeLLM(FunctionCallingLLM):
     max_retries: int = Field(default=2, ge=0, description="Endpoint mode: retries of failed connections.")
 
     _endpoint: EndpointClient | None = PrivateAttr(default=None)
+
+    def __init__(self, **kwargs: Any) -> None:
+        """Check ``drafter`` before anything else, without importing torch (local mode: endpoint mode ignores it).
+
+        Raises:
+            ConfigurationError: an unknown drafter name (``"eagle3"``), with the valid names and the
+                closest one; a custom drafter is accepted once ``register_drafter`` registered it.
+        """
+        if kwargs.get("base_url") is None:
+            check_drafter_name(kwargs.get("drafter", "auto"))
+        super().__init__(**kwargs)
 
     @model_validator(mode="before")
     @classmethod

@@ -1,0 +1,535 @@
+"""The engine's options and a call's options, each declared once (no torch imported here).
+
+:class:`EngineOptions` declares every option of :meth:`SpeculativeEngine.from_pretrained
+<selfspec.SpeculativeEngine.from_pretrained>`: its name, type and default (the dataclass field),
+one line of help, the command-line flag, how a flag's text is parsed and which ``selfspec`` verbs
+take it (the field's :class:`OptionSpec`). From it come ``from_pretrained``'s parameters (pinned by a
+test), :meth:`EngineConfig.resolve <selfspec.decoding.config.EngineConfig.resolve>`'s input, the
+flags of every verb, the arguments ``selfspec serve`` loads its engine with, and the fields of
+both framework adapters (``ChatSpeculative``, ``SpeculativeLLM``; pinned by tests). An option
+added here and not there fails a test.
+
+:class:`GenerateOptions` declares the keyword options of ``generate``, ``generate_ids``,
+``stream`` and ``stream_ids`` once.
+
+:func:`check_drafter_name` refuses an unknown ``drafter=`` name with the valid names and the
+closest one, without importing torch (the adapters check at construction).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any, TypedDict
+
+from ..errors import ConfigurationError
+
+if TYPE_CHECKING:
+    import os
+
+    import torch
+
+    from ..core.constraints import TokenConstraint
+    from ..drafting import Drafter
+
+#: The ``selfspec`` verbs that load an engine and run it as the user configures it.
+RUN_VERBS = frozenset({"generate", "chat", "demo", "serve"})
+#: Verbs that load a model themselves but configure the engine their own way (their own flags).
+LOAD_VERBS = RUN_VERBS | {"calibrate", "bench"}
+
+#: The default first-load calibration time budget in seconds: first load of a 0.5B model on a 2-core
+#: CPU stays well under 15 minutes (docs/calibration.md).
+DEFAULT_CALIBRATION_BUDGET = 300.0
+#: With ``num_draft_tokens="auto"``, the early exit stops drafting below this top probability.
+DEFAULT_DRAFT_CONFIDENCE = 0.3
+
+#: The drafters that come with selfspec, in the registry's order (:func:`selfspec.list_drafters`; a
+#: test pins this to the registry). Only :func:`check_drafter_name` reads it, while
+#: :mod:`selfspec.drafting` (which imports torch) is not imported yet.
+BUILTIN_DRAFTERS = (
+    "early_exit",
+    "prompt_lookup",
+    "hybrid",
+    "layer_skip",
+    "draft_model",
+    "medusa",
+    "eagle",
+    "eagle_hybrid",
+    "none",
+    "auto",
+)
+
+
+# ----------------------------------------------------------------------------- parsing flags
+def bounded_int(value: str, minimum: int, what: str = "", maximum: int | None = None) -> int:
+    """An int in ``[minimum, maximum]`` read from a flag's text (the ``ValueError`` names ``what``, if given)."""
+    expected = f"{what} must be an int " if what else "must be an int "
+    expected += f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+    try:
+        parsed = int(value)
+    except ValueError:
+        raise ValueError(f"{expected}, got {value!r}") from None
+    if parsed < minimum or (maximum is not None and parsed > maximum):
+        raise ValueError(f"{expected}, got {parsed}")
+    return parsed
+
+
+def number(value: str, what: str = "value") -> float:
+    """A float read from a flag's text (``ValueError`` names ``what``)."""
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{what}: expected a number, got {value!r}") from None
+
+
+def parse_exit_layer(value: str) -> int | str:
+    """``auto`` or an int >= 1."""
+    if value == "auto":
+        return value
+    try:
+        return bounded_int(value, 1, "exit_layer")
+    except ValueError:
+        raise ValueError(f"exit_layer must be 'auto' or an int >= 1, got {value!r}") from None
+
+
+def parse_num_draft_tokens(value: str) -> int | str:
+    """``auto`` or an int in ``[1, MAX_DRAFT_TOKENS]``."""
+    from ..core.validation import check_num_draft_tokens
+
+    if value == "auto":
+        return value
+    try:
+        given: Any = int(value)
+    except ValueError:
+        given = value
+    return check_num_draft_tokens(given)
+
+
+def parse_tree_nodes(value: str) -> int | str | None:
+    """An int, ``auto`` or ``none`` (a chain)."""
+    from ..core.validation import check_tree_nodes
+
+    if value.lower() == "none":
+        return None
+    if value == "auto":
+        return value
+    try:
+        return check_tree_nodes(int(value))
+    except ValueError as error:
+        if "tree_nodes" in str(error):
+            raise
+        raise ValueError(f"tree_nodes must be an int, 'auto' or 'none', got {value!r}") from None
+
+
+def parse_draft_confidence(value: str) -> float:
+    """A probability in ``[0, 1)``."""
+    confidence = number(value, "draft_confidence")
+    check_draft_confidence(confidence)
+    return confidence
+
+
+def parse_calibration_budget(value: str) -> float | None:
+    """Seconds (a positive number) or ``none`` (no limit)."""
+    if value.strip().lower() in ("none", "inf", "unlimited"):
+        return None
+    seconds = number(value, "calibration_budget")
+    check_budget(seconds)
+    return seconds
+
+
+def parse_drafter(value: str) -> str:
+    """A registered drafter's name (the closest one is named when not)."""
+    check_drafter_name(value)
+    return value
+
+
+def parse_device(value: str) -> str:
+    """``auto``, ``cpu``, or a device this torch build has (checked before any model loads)."""
+    kind = value.split(":", 1)[0].lower()
+    if kind in ("auto", "cpu"):
+        return value
+    import torch
+
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device {value!r}: this torch ({torch.__version__}) sees no CUDA GPU; use --device cpu or auto"
+            )
+        index = value.split(":", 1)[1] if ":" in value else "0"
+        if not index.isdigit() or int(index) >= torch.cuda.device_count():
+            raise ValueError(f"device {value!r}: there are {torch.cuda.device_count()} CUDA devices")
+    elif kind == "mps":
+        if not torch.backends.mps.is_available():
+            raise ValueError(f"device {value!r}: MPS is not available here; use --device cpu or auto")
+    else:
+        try:
+            torch.device(value)
+        except (RuntimeError, ValueError):
+            raise ValueError(f"unknown device {value!r}: use auto, cpu, cuda, cuda:N or mps") from None
+    return value
+
+
+# ----------------------------------------------------------------------------- checks
+def check_budget(calibration_budget: Any) -> None:
+    """Reject a calibration budget that is not ``None`` or a positive number of seconds."""
+    if calibration_budget is None:
+        return
+    if isinstance(calibration_budget, bool) or not isinstance(calibration_budget, (int, float)):
+        raise ConfigurationError(f"calibration_budget must be seconds (a number) or None, got {calibration_budget!r}")
+    if not calibration_budget > 0:
+        raise ConfigurationError(f"calibration_budget must be positive seconds, got {calibration_budget!r}")
+
+
+def check_draft_confidence(draft_confidence: Any) -> None:
+    """Reject a draft confidence that is not ``None`` or a probability in ``[0, 1)``."""
+    if draft_confidence is None:
+        return
+    if isinstance(draft_confidence, bool) or not isinstance(draft_confidence, (int, float)):
+        raise ConfigurationError(f"draft_confidence must be a number in [0, 1) or None, got {draft_confidence!r}")
+    if not 0.0 <= draft_confidence < 1.0 or math.isnan(draft_confidence):
+        raise ConfigurationError(f"draft_confidence must be in [0, 1), got {draft_confidence!r}")
+
+
+def known_drafters() -> list[str]:
+    """The names ``drafter=`` takes, without importing torch.
+
+    The built-in ones, and once :mod:`selfspec.drafting` is imported (it must be, to register
+    one) every registered one.
+    """
+    drafting = sys.modules.get("selfspec.drafting")
+    registered = list(drafting.list_drafters()) if drafting is not None and hasattr(drafting, "list_drafters") else []
+    return list(dict.fromkeys([*BUILTIN_DRAFTERS, *registered]))
+
+
+def check_drafter_name(drafter: Any) -> None:
+    """Refuse a ``drafter=`` that is neither a registered name nor a :class:`~selfspec.drafting.Drafter`.
+
+    Raises:
+        ConfigurationError: e.g. ``unknown drafter 'eagle3' (did you mean 'eagle'?); choose one
+            of early_exit, prompt_lookup, ...``.
+    """
+    if not isinstance(drafter, str):
+        drafting = sys.modules.get("selfspec.drafting")
+        if drafting is not None and isinstance(drafter, drafting.Drafter):
+            return
+    names = known_drafters()
+    if isinstance(drafter, str) and drafter in names:
+        return
+    close = (
+        difflib.get_close_matches(drafter.replace("-", "_"), names, n=1, cutoff=0.6) if isinstance(drafter, str) else []
+    )
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ConfigurationError(
+        f"unknown drafter {drafter!r}{hint}; choose one of {', '.join(names)} "
+        "(a custom drafter: register_drafter() it first)"
+    )
+
+
+# ----------------------------------------------------------------------------- the declaration
+@dataclass(frozen=True)
+class OptionSpec:
+    """How an engine option shows on the command line and in help.
+
+    Attributes:
+        help: one line for ``--help``, the docs and the adapters' field descriptions.
+        flag: the command-line flag (``--exit-layer``).
+        verbs: the ``selfspec`` verbs that take the flag.
+        parse: reads the flag's text (``None``: a switch, or plain text).
+        choices: the values the flag accepts (``None``: any that ``parse`` accepts).
+        verb_defaults: a verb whose default differs from the option's (``calibrate``'s budget).
+        listed: the accepted values listed in ``--help``, read when the parser is built (drafters
+            register at run time).
+    """
+
+    help: str
+    flag: str
+    verbs: frozenset[str] = RUN_VERBS
+    parse: Callable[[str], Any] | None = None
+    choices: tuple[str, ...] | None = None
+    verb_defaults: Mapping[str, Any] = field(default_factory=dict)
+    listed: Callable[[], list[str]] | None = None
+
+
+def cli(help: str, flag: str, **spec: Any) -> dict[str, OptionSpec]:
+    """The metadata of an :class:`EngineOptions` field: its :class:`OptionSpec`."""
+    return {"option": OptionSpec(help, flag, **spec)}
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Every option of :meth:`SpeculativeEngine.from_pretrained <selfspec.SpeculativeEngine.from_pretrained>`.
+
+    Each field is one option, declared once: its type and default here, its help, flag and verbs
+    in the field's :class:`OptionSpec` (:func:`option_spec`). See
+    :class:`~selfspec.SpeculativeEngine` for what each one does.
+    """
+
+    # ---- loading the model
+    quantization: str | None = field(
+        default=None,
+        metadata=cli(
+            "bitsandbytes quantization: 4bit (NF4) or 8bit (default: none)",
+            "--quantization",
+            verbs=LOAD_VERBS,
+            choices=("4bit", "8bit"),
+        ),
+    )
+    dtype: str | torch.dtype = field(
+        default="auto",
+        metadata=cli(
+            "weights dtype: auto (float32 on CPU, half precision on GPU) or a name such as bfloat16",
+            "--dtype",
+            verbs=LOAD_VERBS,
+        ),
+    )
+    device: str | torch.device = field(
+        default="auto",
+        metadata=cli(
+            "auto (CUDA when available), cpu, cuda, cuda:N or mps", "--device", verbs=LOAD_VERBS, parse=parse_device
+        ),
+    )
+    gguf_file: str | None = field(
+        default=None,
+        metadata=cli(
+            "the .gguf file inside the model's folder (a .gguf path needs none)", "--gguf-file", verbs=LOAD_VERBS
+        ),
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata=cli("allow checkpoints that ship their own Python code", "--trust-remote-code", verbs=LOAD_VERBS),
+    )
+    allow_pickle: bool = field(
+        default=False,
+        metadata=cli("allow .bin (pickle) weights when no safetensors exist", "--allow-pickle", verbs=LOAD_VERBS),
+    )
+    # ---- the drafter and its settings
+    drafter: str | Drafter = field(
+        default="auto",
+        metadata=cli(
+            "how drafts are made (default 'auto': the plan calibration measured fastest, plain decoding "
+            "when nothing pays; 'early_exit' for models trained for it)",
+            "--drafter",
+            parse=parse_drafter,
+            listed=known_drafters,
+        ),
+    )
+    exit_layer: int | str = field(
+        default="auto",
+        metadata=cli(
+            "the early exit's layer, or 'auto' (with --drafter early_exit or hybrid)",
+            "--exit-layer",
+            parse=parse_exit_layer,
+        ),
+    )
+    num_draft_tokens: int | str = field(
+        default="auto",
+        metadata=cli(
+            "tokens drafted per round, or 'auto' (calibrated, adapting)",
+            "--num-draft-tokens",
+            parse=parse_num_draft_tokens,
+        ),
+    )
+    draft_confidence: float | None = field(
+        default=None,
+        metadata=cli(
+            f"with --num-draft-tokens auto: stop drafting below this top probability (default "
+            f"{DEFAULT_DRAFT_CONFIDENCE})",
+            "--draft-confidence",
+            parse=parse_draft_confidence,
+        ),
+    )
+    tree_nodes: int | str | None = field(
+        default=None,
+        metadata=cli(
+            "draft a token tree of at most N nodes (an int), 'auto' (calibrated choice), or 'none' (a chain)",
+            "--tree-nodes",
+            parse=parse_tree_nodes,
+        ),
+    )
+    draft_model: Any = field(
+        default=None, metadata=cli("with --drafter draft_model: the draft model (name or folder)", "--draft-model")
+    )
+    exit_adapter: str | os.PathLike[str] | Any = field(
+        default=None, metadata=cli("a trained exit adapter folder for early_exit/hybrid, or 'auto'", "--exit-adapter")
+    )
+    medusa_heads: str | os.PathLike[str] | Any = field(
+        default=None,
+        metadata=cli("with --drafter medusa: a folder of Medusa heads (default: the model's)", "--medusa-heads"),
+    )
+    eagle_head: str | os.PathLike[str] | Any = field(
+        default=None,
+        metadata=cli(
+            "with --drafter eagle or eagle_hybrid: an EAGLE head folder, or 'auto' (the model's)", "--eagle-head"
+        ),
+    )
+    # ---- running
+    batching: bool = field(
+        default=False,
+        metadata=cli(
+            "decode concurrent calls together in batched rounds (same text per call)",
+            "--batching",
+            verbs=RUN_VERBS | {"bench"},
+        ),
+    )
+    escape_special_tokens: bool = field(
+        default=False,
+        metadata=cli(
+            "encode special-token strings in messages, tools and history as plain text (default: off, "
+            "as transformers and vLLM)",
+            "--escape-special-tokens",
+        ),
+    )
+    # ---- first-load calibration
+    calibrate: bool = field(
+        default=True,
+        metadata=cli(
+            "do not measure a calibration on first load when none is saved ('auto' settings use defaults)",
+            "--no-calibrate",
+            verbs=RUN_VERBS | {"bench"},
+        ),
+    )
+    calibration_budget: float | None = field(
+        default=DEFAULT_CALIBRATION_BUDGET,
+        metadata=cli(
+            f"seconds (first-load) calibration may take, or 'none': no limit (default "
+            f"{DEFAULT_CALIBRATION_BUDGET:.0f}; selfspec calibrate: none)",
+            "--calibration-budget",
+            verbs=LOAD_VERBS,
+            parse=parse_calibration_budget,
+            verb_defaults={"calibrate": None},
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        check_drafter_name(self.drafter)
+        check_draft_confidence(self.draft_confidence)
+        check_budget(self.calibration_budget)
+        for name in ("trust_remote_code", "allow_pickle", "batching", "escape_special_tokens", "calibrate"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigurationError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+    @classmethod
+    def names(cls) -> list[str]:
+        """Every option's name, in declaration order."""
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        """Every option's default."""
+        return {f.name: f.default for f in fields(cls)}
+
+    @classmethod
+    def for_verb(cls, verb: str) -> list[str]:
+        """The options the ``selfspec`` verb ``verb`` takes as flags."""
+        return [name for name in cls.names() if verb in option_spec(name).verbs]
+
+    def as_dict(self) -> dict[str, Any]:
+        """The options as ``from_pretrained`` keyword arguments (values as given, not copied)."""
+        return {name: getattr(self, name) for name in self.names()}
+
+
+#: Options used only while loading (:func:`selfspec.modeling.loading.load_model_and_tokenizer` and
+#: first-load calibration); the rest configure the engine (:class:`~selfspec.SpeculativeEngine`).
+LOADING_OPTIONS = frozenset(
+    {
+        "quantization",
+        "dtype",
+        "device",
+        "gguf_file",
+        "trust_remote_code",
+        "allow_pickle",
+        "calibrate",
+        "calibration_budget",
+    }
+)
+
+
+def option_spec(name: str) -> OptionSpec:
+    """The :class:`OptionSpec` of the engine option ``name``."""
+    for declared in fields(EngineOptions):
+        if declared.name == name:
+            spec: OptionSpec = declared.metadata["option"]
+            return spec
+    raise KeyError(name)
+
+
+def engine_settings(options: EngineOptions) -> dict[str, Any]:
+    """The options that configure the engine itself (:class:`~selfspec.SpeculativeEngine`'s arguments)."""
+    return {name: value for name, value in options.as_dict().items() if name not in LOADING_OPTIONS}
+
+
+# ----------------------------------------------------------------------------- a call's options
+@dataclass
+class GenerateOptions:
+    """The keyword options of ``generate``, ``generate_ids``, ``stream`` and ``stream_ids``.
+
+    Pass them as keywords (``engine.generate(prompt, max_new_tokens=32)``) or as one value
+    (``engine.generate(prompt, options=GenerateOptions(max_new_tokens=32))``; keywords given too
+    replace its fields).
+
+    Attributes:
+        max_new_tokens: the most new tokens to generate (``>= 1``).
+        temperature: 0 for greedy decoding; > 0 samples.
+        top_k: sample only among the ``top_k`` most likely tokens.
+        top_p: nucleus sampling threshold in ``(0, 1]``.
+        stop: strings that end the generation; they are not part of the returned text.
+        seed: seed of the random generator, for reproducible sampling.
+        constraint: restrict the allowed tokens (grammar-constrained decoding).
+        truncate_prompt: when the prompt plus ``max_new_tokens`` exceeds the context window, keep
+            only the prompt's last tokens instead of raising
+            :class:`~selfspec.errors.InvalidPromptError`.
+        logprobs: report each new token's log-probability under the model and the ``logprobs``
+            most likely alternatives (``0 .. 20``; :attr:`GenerationOutput.logprobs
+            <selfspec.GenerationOutput.logprobs>`). The values are the target's ``log_softmax`` in
+            the verify forward that emitted the token (no extra forward), before temperature,
+            top-k, top-p and a constraint's mask. ``None``: none.
+    """
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    constraint: TokenConstraint | None = None
+    truncate_prompt: bool = False
+    logprobs: int | None = None
+
+    @classmethod
+    def of(cls, options: GenerateOptions | None, keywords: Mapping[str, Any], method: str) -> GenerateOptions:
+        """``options`` (default: the defaults) with ``keywords`` replacing its fields.
+
+        Raises:
+            TypeError: an unknown keyword, naming the closest option (as Python does for a bad keyword).
+        """
+        base = cls() if options is None else options
+        if not isinstance(base, cls):
+            raise TypeError(f"{method}() options must be a GenerateOptions, got {type(base).__name__}")
+        known = [f.name for f in fields(cls)]
+        for name in keywords:
+            if name not in known:
+                close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise TypeError(f"{method}() got an unexpected keyword argument {name!r}{hint}")
+        return replace(base, **keywords) if keywords else base
+
+    def as_dict(self) -> dict[str, Any]:
+        """The options as keyword arguments."""
+        return {f.name: getattr(self, f.name) for f in fields(GenerateOptions)}
+
+
+class GenerateKeywords(TypedDict, total=False):
+    """:class:`GenerateOptions` as keyword arguments, for type checkers and IDEs (PEP 692; a test pins the two)."""
+
+    max_new_tokens: int
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    stop: str | list[str] | None
+    seed: int | None
+    constraint: TokenConstraint | None
+    truncate_prompt: bool
+    logprobs: int | None
