@@ -16,7 +16,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-for _tier in ("unit", "exact", "system", "meta"):  # tests import helpers from each other's modules (test_grammar, ...)
+for _tier in ("unit", "exact", "system", "meta"):  # tests import helpers from each other's modules
     sys.path.insert(0, str(Path(__file__).parent / _tier))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # demo_model: how the demo model was built
 torch.set_num_threads(1)

@@ -4,7 +4,7 @@ The engine and the server against the inputs of issue 29: huge schemas and tools
 any rendering, tokenizing or compiling, quickly and without memory growth, sixteen at once too),
 schemas that admit no value or cannot be decoded, unbounded stop lists, tiny temperatures, grammar
 errors as one clean line, and a non-streamed client that leaves. The HTTP bad-input table in
-``test_serve.py`` holds one row per case; the adapters' rows are in their own packages.
+``test_serving_server.py`` holds one row per case; the adapters' rows are in their own packages.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_serve import BIG_ENUM, BIG_TOOL, MUTUAL, RECURSIVE, RECURSIVE_TOOL
+from test_serving_server import BIG_ENUM, BIG_TOOL, MUTUAL, RECURSIVE, RECURSIVE_TOOL
 
 from selfspec import InvalidPromptError, InvalidSchemaError, SamplingError
 

@@ -9,7 +9,7 @@ The 2,000 bodies go through the whole ASGI app in-process (Starlette's ``TestCli
 request guard, routes and error handlers a network client meets, with the bytes and headers
 given here), which keeps the test to about a minute. What only a socket can show (body limits
 before reading, header and body timeouts, disconnects) is tested against uvicorn on loopback
-in ``test_serve.py`` and ``test_load.py``.
+in ``test_serving_server.py`` and ``test_load.py``.
 """
 
 from __future__ import annotations

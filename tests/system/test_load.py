@@ -184,7 +184,7 @@ def test_sixteen_huge_schemas_and_tools_at_once(server: tuple[str, int], solo: d
     """Issue 29: eight 1.6 MB schemas (an enum of 20,000 strings) and eight 2 MB tools (19,000 property
     names of 96 characters) at once: each refused (400 ``invalid_schema``) in under a second, before
     rendering, tokenizing or compiling, and the server's memory stays flat."""
-    from test_serve import BIG_ENUM, BIG_TOOL
+    from test_serving_server import BIG_ENUM, BIG_TOOL
 
     root, pid = server
     schema_body = {

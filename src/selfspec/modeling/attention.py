@@ -21,7 +21,7 @@ takes a different matmul path for one query than for a block of queries, and the
 keys into vectorised and scalar ``exp`` lanes depends on the number of keys of the call, so
 neither a multi-row call nor a masked tail reproduces a one-token decode (measured: rows of a
 multi-query call differed in ~15-70% of the cases in bf16/fp16, a masked tail in ~0.5%; see
-``tests/exact/test_row_invariance.py``). The one call that gives a row the decode's bits is the
+``tests/exact/test_modeling_row_invariance.py``). The one call that gives a row the decode's bits is the
 decode's call itself: that query alone over exactly the keys it sees, in position order, without
 a mask. :class:`RowCalls` plans that, for chains (row ``i`` over the first ``L_i`` keys) and for
 trees (row ``j`` over the committed keys followed by its ancestors: the path is written into

@@ -20,8 +20,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
-from test_distribution import PROMPT, chi_square_pvalue, exact_distribution, sampled_counts
-from test_distribution import model as distribution_model  # noqa: F401  (a fixture)
+from test_core_acceptance import PROMPT, chi_square_pvalue, exact_distribution, sampled_counts
+from test_core_acceptance import model as distribution_model  # noqa: F401  (a fixture)
 from tiny_models import ARCHITECTURES, make_model, reference_greedy
 
 import selfspec.decoding.loop

@@ -2,7 +2,7 @@
 
 Exactness is checked against transformers' own greedy ``generate`` in float64 with random
 heads (drafts mostly rejected) and heads that agree often (drafts accepted); the sampled
-distribution with the chi-square machinery of ``test_distribution``.
+distribution with the chi-square machinery of ``test_core_acceptance``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from test_distribution import (
+from test_core_acceptance import (
     PROMPT,
     VOCAB,
     chi_square_pvalue,

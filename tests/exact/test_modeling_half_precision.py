@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_eagle import shipped_smollm2_head
+from test_drafting_eagle import shipped_smollm2_head
 from tiny_models import VOCAB, make_model, reference_greedy
 
 from selfspec import SpeculativeEngine

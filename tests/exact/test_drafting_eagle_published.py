@@ -41,7 +41,7 @@ HEAD_ROPE_THETA = 2000.0
 
 @pytest.fixture(scope="module")
 def tiny() -> Any:
-    """The float64 tiny Llama of test_eagle (hidden 32, 4 heads / 2 KV heads, vocab 96)."""
+    """The float64 tiny Llama of test_drafting_eagle (hidden 32, 4 heads / 2 KV heads, vocab 96)."""
     return make_model("llama", agreeing=True)
 
 
@@ -296,7 +296,7 @@ def broken_folders(tmp_path: Path, tiny: Any) -> dict[str, tuple[Path, type[Exce
         "vocabulary": (write_folder(tmp_path / "v128", weights, published_config(vocab_size=128)),
                        ConfigurationError, "vocab size 128 vs the model's 96"),
         "no fc": (write_folder(tmp_path / "nofc", no_fc, published_config()), ConfigurationError, "no fc.weight"),
-        # EAGLE-3 heads load (tests/exact/test_eagle3.py); this one's d2t was written as floats
+        # EAGLE-3 heads load (tests/exact/test_drafting_eagle_eagle3.py); this one's d2t was written as floats
         "EAGLE-3, float d2t": (eagle3_folder(tmp_path / "eagle3"), ConfigurationError, "d2t must be a 1-D integer"),
         "two layers": (write_folder(tmp_path / "two", two_layers, published_config()), ConfigurationError,
                        "one-layer EAGLE heads"),

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 import torch
-from test_distribution import PROMPT as DIST_PROMPT
-from test_distribution import chi_square_pvalue, exact_distribution, make_distribution_model, sampled_counts
+from test_core_acceptance import PROMPT as DIST_PROMPT
+from test_core_acceptance import chi_square_pvalue, exact_distribution, make_distribution_model, sampled_counts
 from tiny_models import make_model, reference_greedy
 
 from selfspec import SpeculativeEngine

@@ -1,7 +1,7 @@
 """Exit adapters: trained drafting help for stock models that never changes the target's text.
 
 Exactness is checked against transformers' greedy ``generate`` in float64, and sampling against
-the exact distribution (the chi-square machinery of ``test_distribution``). The adapters used
+the exact distribution (the chi-square machinery of ``test_core_acceptance``). The adapters used
 for exactness are deliberately far from the identity, so a drafter or verifier that let the
 adapter touch the target's path would change the text.
 """
@@ -88,7 +88,7 @@ def test_the_adapter_changes_the_drafts_only() -> None:
 
 @pytest.mark.slow
 def test_sampling_with_an_exit_adapter_follows_the_target() -> None:
-    import test_distribution as dist
+    import test_core_acceptance as dist
 
     # the distribution test's model: an 8-token vocabulary, partly agreeing early exits
     model = dist.make_distribution_model()

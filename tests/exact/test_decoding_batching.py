@@ -3,7 +3,7 @@
 Greedy exactness is checked in float64 (batched float32 kernels are not batch-invariant)
 against the same call on an unbatched engine and against transformers' ``generate``;
 sampling is checked per row with the chi-square exact-distribution test of
-``test_distribution.py``, and seeded sampling gives the text it gives alone.
+``test_core_acceptance.py``, and seeded sampling gives the text it gives alone.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from collections import Counter
 from typing import Any
 
 import pytest
-import test_stream_and_stop as text_tests
+import test_decoding_stopping as text_tests
 import torch
-from test_distribution import (
+from test_core_acceptance import (
     NEW_TOKENS,
     PROMPT,
     SAMPLES,
@@ -104,7 +104,7 @@ def test_other_drafters_batched_equal_alone(drafter: str) -> None:
 def test_seeded_sampling_gives_the_solo_text(drafter: str) -> None:
     """The batched round drafts what the solo round drafts (the hybrid's per-generation choice
     and an exit adapter included), so a seed gives the solo text."""
-    from test_exit_adapter import random_adapter
+    from test_drafting_exit_adapter import random_adapter
 
     model = make_model("llama", agreeing=False)
     scale_deep_layers(model, start=1, factor=0.5)  # drafts accepted and rejected
@@ -135,7 +135,7 @@ def test_trees_run_unbatched_and_exact() -> None:
 
 @pytest.fixture(scope="module")
 def sampling_model() -> Any:
-    """The model of ``test_distribution.py``: 8 tokens, partly agreeing early exits."""
+    """The model of ``test_core_acceptance.py``: 8 tokens, partly agreeing early exits."""
     return make_distribution_model()
 
 
@@ -384,7 +384,7 @@ def test_serve_command_passes_batching_to_the_engine(monkeypatch: pytest.MonkeyP
 
 
 # ----------------------------------------------------------------------------------------------
-# The text-output tests of test_stream_and_stop.py, run again on a batching engine: streaming,
+# The text-output tests of test_decoding_stopping.py, run again on a batching engine: streaming,
 # stop strings, multi-byte characters, cancellation, abandoned streams and concurrent callers.
 test_batched_abandoned_stream_does_not_block_others = text_tests.test_abandoned_stream_does_not_block_others
 test_batched_close_cancels_and_next_call_is_unaffected = text_tests.test_close_cancels_and_next_call_is_unaffected
@@ -403,7 +403,7 @@ def tokenizer() -> Any:
 
 @pytest.fixture(scope="module")
 def engine(tokenizer: Any) -> SpeculativeEngine:
-    """The engine of test_stream_and_stop.py, with batching on."""
+    """The engine of test_decoding_stopping.py, with batching on."""
     model = make_model("llama", vocab_size=len(tokenizer), max_position_embeddings=512)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return SpeculativeEngine(model, tokenizer, exit_layer=2, num_draft_tokens=3, batching=True, drafter="early_exit")

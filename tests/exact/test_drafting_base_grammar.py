@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_grammar import (
+from test_serving_grammar import (
     EXTRA_VOCAB,
     SCHEMA,
     build_tokenizer,

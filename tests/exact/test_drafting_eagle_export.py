@@ -19,7 +19,15 @@ import pytest
 import torch
 import transformers
 from safetensors import safe_open
-from test_eagle3 import LAYERS, PROMPT, draft_vocab, random_eagle3, safeailab_config, speculators_config, write
+from test_drafting_eagle_eagle3 import (
+    LAYERS,
+    PROMPT,
+    draft_vocab,
+    random_eagle3,
+    safeailab_config,
+    speculators_config,
+    write,
+)
 from tiny_models import make_model, reference_greedy
 
 from selfspec import SpeculativeEngine
