@@ -99,12 +99,8 @@ def score_chain(state: DecodeState, draft: Draft, keep_hidden: bool = False) -> 
         ids = device_ids([[state.last_token, *draft.tokens]], device)
         capture = feature_capture(state.feature_layers if keep_hidden else None)
         hidden = runner.run_layers(runner.embed(ids), 0, runner.num_layers, positions, cache, capture=capture)
-        if capture is not None:
-            state.last_hidden = drafter_states(hidden, state.feature_layers, capture)
-            return runner.logits(hidden)
-    if keep_hidden:
-        state.last_hidden = hidden
-    return runner.logits(hidden)
+        return _scored(state, hidden, keep_hidden, capture)
+    return _scored(state, hidden, keep_hidden)
 
 
 def score_tree(state: DecodeState, draft: Draft, keep_hidden: bool = False) -> torch.Tensor:
@@ -141,12 +137,23 @@ def score_tree(state: DecodeState, draft: Draft, keep_hidden: bool = False) -> t
         hidden = runner.run_layers(
             runner.embed(ids), 0, runner.num_layers, positions, cache, tree=full, capture=capture
         )
-        if capture is not None:
-            state.last_hidden = drafter_states(hidden, state.feature_layers, capture)
-            return runner.logits(hidden)
-    if keep_hidden:
+        return _scored(state, hidden, keep_hidden, capture)
+    return _scored(state, hidden, keep_hidden)
+
+
+def _scored(
+    state: DecodeState, hidden: torch.Tensor, keep_hidden: bool, capture: dict[int, torch.Tensor | None] | None = None
+) -> torch.Tensor:
+    """The logits of a verify forward's output ``hidden``.
+
+    With ``keep_hidden`` its states are kept for the drafter: the captured feature layers' for
+    EAGLE-3 (``capture``), else the output states.
+    """
+    if capture is not None:
+        state.last_hidden = drafter_states(hidden, state.feature_layers, capture)
+    elif keep_hidden:
         state.last_hidden = hidden
-    return runner.logits(hidden)
+    return state.runner.logits(hidden)
 
 
 def score_rows(states: list[DecodeState], drafts: list[Draft]) -> torch.Tensor:
