@@ -51,6 +51,8 @@ register_drafter(
     ),
 )
 
+from . import auto  # noqa: E402, F401  (registers "auto" last, whatever was imported first)
+
 __all__ = [
     "DecodeState",
     "Draft",
