@@ -74,10 +74,11 @@ def measure(dtype: str, target_tokens: int, repeats: int) -> dict[str, Any]:
     with torch.inference_mode():
         for name, run in methods.items():  # warm up each path once
             first[name] = run()
-        for _ in range(repeats):
-            for name, run in methods.items():
+        names = list(methods)
+        for turn in range(repeats):  # the order rotates: whoever runs first pays the allocator's first touches
+            for name in names[turn % len(names) :] + names[: turn % len(names)]:
                 started = time.perf_counter()
-                run()
+                methods[name]()
                 times[name].append(time.perf_counter() - started)
     medians = {name: statistics.median(values) for name, values in times.items()}
     return {
@@ -98,7 +99,8 @@ def write(report: dict[str, Any]) -> None:
         "# Time to first token on a long RAG prompt (CPU)",
         "",
         f"SmolLM2-135M-Instruct, {report['threads']} thread, greedy, `max_new_tokens=1`, medians of "
-        f"{report['repeats']} interleaved runs after one warm-up; {report['started']} - {report['finished']} UTC, "
+        f"{report['repeats']} interleaved runs (the order rotating) after one warm-up; "
+        f"{report['started']} - {report['finished']} UTC, "
         f"load average {report['load_before']} before, {report['load_after']} after "
         "(2 cores shared with other jobs: read ratios, not absolute times).",
         "",
