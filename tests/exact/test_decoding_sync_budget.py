@@ -40,7 +40,9 @@ class Counter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count(engine: SpeculativeEngine, prompt: list[int], monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Counter]:
+def count(
+    engine: SpeculativeEngine, prompt: list[int], monkeypatch: pytest.MonkeyPatch, **keywords: Any
+) -> tuple[Any, Counter]:
     counter = Counter()
     tolist, tensor = torch.Tensor.tolist, torch.tensor
 
@@ -55,7 +57,7 @@ def count(engine: SpeculativeEngine, prompt: list[int], monkeypatch: pytest.Monk
     monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
     monkeypatch.setattr(torch, "tensor", counted_tensor)
     with counter:
-        out = engine.generate_ids(prompt, max_new_tokens=40)
+        out = engine.generate_ids(prompt, max_new_tokens=40, **keywords)
     monkeypatch.undo()
     return out, counter
 

@@ -54,6 +54,7 @@ GIVEN: dict[str, tuple[str | None, Any]] = {
     "eagle_head": ("head/", "head/"),
     "batching": (None, True),
     "escape_special_tokens": (None, True),
+    "compile": ("on", True),
     "calibrate": (None, False),
     "calibration_budget": ("none", None),
 }

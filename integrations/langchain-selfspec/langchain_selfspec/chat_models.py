@@ -141,7 +141,8 @@ class ChatSpeculative(BaseChatModel):
             ``"auto"`` (the default: the plan calibration measured fastest), a name from
             ``selfspec.list_drafters()`` (``"early_exit"``, ``"prompt_lookup"``, ...), or
             ``"none"`` (plain decoding).
-        draft_model, medusa_heads, draft_confidence, exit_adapter, tree_nodes, batching, calibrate, calibration_budget,
+        draft_model, medusa_heads, draft_confidence, exit_adapter, tree_nodes, batching, compile, calibrate,
+        calibration_budget,
         dtype, device, trust_remote_code, allow_pickle:
             As in ``SpeculativeEngine.from_pretrained``.
 
@@ -303,6 +304,10 @@ class ChatSpeculative(BaseChatModel):
     batching: bool = False
     """Decode concurrent calls on the shared engine together (``selfspec.decoding.batching``): each call
     keeps the text it gets alone; more throughput when many threads or tasks share the model."""
+
+    compile: bool | str = "auto"
+    """Run single calls in the static round (fixed shapes, one host read per round) compiled with
+    ``torch.compile``: ``"auto"`` (on CUDA), ``True``, ``False`` or a backend name; same text either way."""
 
     trust_remote_code: bool = False
     """Allow checkpoints that ship their own Python code."""

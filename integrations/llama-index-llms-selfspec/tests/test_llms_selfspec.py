@@ -81,6 +81,7 @@ def test_engine_arguments_follow_the_fields(monkeypatch):
                 "eagle_head": None,
                 "tree_nodes": None,
                 "batching": False,
+                "compile": "auto",
                 "escape_special_tokens": False,
                 "calibration_budget": 300.0,
             },

@@ -30,6 +30,7 @@ from .generation import Generation, GenerationRequest, GenerationStream, Prompt,
 from .loop import decode
 from .options import DEFAULT_CALIBRATION_BUDGET, EngineOptions, GenerateOptions, engine_settings
 from .outputs import FinishReason, GenerationOutput
+from .static_round import StaticRounds, static_rounds
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -97,6 +98,11 @@ class SpeculativeEngine:
         drafter_options: keyword options for the drafter's factory (``factory(engine, **options)``).
         fast_path: use the lean layer path where it applies (``None``: on, unless the
             environment sets ``SELFSPEC_FAST_PATH=0``).
+        compile: run single calls in the static round (:mod:`selfspec.decoding.static_round`: a
+            fixed-width verify, acceptance on the device, one host read per round) compiled with
+            ``torch.compile``: ``"auto"`` (the default) on CUDA and not on a CPU, ``True``
+            (inductor), ``False``, or a backend name (``"aot_eager"``). Calls it cannot serve
+            (trees, grammars, early exit, batching) run the eager loop with the same text.
         escape_special_tokens: encode special-token strings written in chat messages, tools
             and assistant history as plain text, so that only the chat template's own markup
             becomes control tokens (``<|im_start|>`` in a user's message cannot open a turn).
@@ -135,6 +141,7 @@ class SpeculativeEngine:
         drafter_options: dict[str, Any] | None = None,
         fast_path: bool | None = None,
         escape_special_tokens: bool = False,
+        compile: bool | str = "auto",
     ) -> None:
         self.options = EngineOptions(
             exit_layer=exit_layer,
@@ -148,6 +155,7 @@ class SpeculativeEngine:
             tree_nodes=tree_nodes,
             batching=batching,
             escape_special_tokens=escape_special_tokens,
+            compile=compile,
         )  # checked once; from_pretrained sets the loading options it used
         self.escape_special_tokens = escape_special_tokens
         self._draft_tokenizer, self._drafter_options = draft_tokenizer, drafter_options
@@ -193,6 +201,7 @@ class SpeculativeEngine:
             sampling_drafts=self.config.drafter_name != "auto" or sampled_drafts_pay(self.config.calibration),
         )
         self._batcher = BatchScheduler(self) if self.config.batching else None
+        self._static = static_rounds(self.runner, self.options.compile)
 
     def _make_drafter(self) -> Drafter:
         """The configured drafter: a user's instance, or the registered factory's product."""
@@ -203,6 +212,11 @@ class SpeculativeEngine:
         if not isinstance(drafter, Drafter):
             raise ConfigurationError(f"the factory of drafter {chosen!r} returned {drafter!r}, not a Drafter")
         return drafter
+
+    @property
+    def static_round(self) -> StaticRounds | None:
+        """The static round single calls run in (``compile=``), or ``None``: the eager loop."""
+        return self._static
 
     @property
     def plan(self) -> Plan | None:
@@ -246,6 +260,7 @@ class SpeculativeEngine:
         tree_nodes: int | str | None = None,
         batching: bool = False,
         escape_special_tokens: bool = False,
+        compile: bool | str = "auto",
         calibration_budget: float | None = DEFAULT_CALIBRATION_BUDGET,
     ) -> SpeculativeEngine:
         """Load a model from the hub, a local folder, or ``"selfspec-demo"``.
@@ -272,6 +287,7 @@ class SpeculativeEngine:
             tree_nodes: see :class:`SpeculativeEngine`.
             batching: see :class:`SpeculativeEngine`.
             escape_special_tokens: see :class:`SpeculativeEngine`.
+            compile: see :class:`SpeculativeEngine`.
             trust_remote_code: allow checkpoints that ship their own Python code.
             allow_pickle: allow ``.bin`` (pickle) weights when no safetensors exist.
             gguf_file: the name of a ``.gguf`` file inside the folder ``name_or_path`` (a
@@ -461,6 +477,9 @@ class SpeculativeEngine:
         """
         if self._batcher is not None and self._batcher.accepts(run):
             return (yield from self._batcher.rounds(run))
+        static = self._static.try_decode(self.drafter, run, self._lock, self.eos_token_ids) if self._static else None
+        if static is not None:  # the static round (compile=...): fixed shapes, one host read per round
+            return (yield from static)
         # a tree drafter's nodes need slots beyond the text (a drafter may say how many)
         tree_slots = self.tree_nodes or getattr(self.drafter, "tree_nodes", None) or 0
         cache = self.runner.new_cache(len(run.prompt_ids) + run.max_new_tokens + tree_slots)

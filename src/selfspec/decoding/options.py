@@ -108,6 +108,29 @@ def parse_num_draft_tokens(value: str) -> int | str:
     return check_num_draft_tokens(given)
 
 
+#: ``compile=`` values besides a ``torch.compile`` backend name.
+COMPILE_CHOICES = ("auto", "on", "off")
+
+
+def parse_compile(value: str) -> bool | str:
+    """``on``/``off``/``auto``, or a ``torch.compile`` backend name (``inductor``, ``aot_eager``)."""
+    lowered = value.lower()
+    if lowered in ("on", "true", "1"):
+        return True
+    if lowered in ("off", "false", "0"):
+        return False
+    return value
+
+
+def check_compile(value: Any) -> None:
+    """Refuse a ``compile=`` that is not a bool, ``"auto"`` or a backend name (checked when the engine resolves it)."""
+    if isinstance(value, bool) or (isinstance(value, str) and value.strip() and value.replace("_", "").isalnum()):
+        return
+    raise ConfigurationError(
+        f"compile must be True, False, 'auto' or a torch.compile backend name such as 'inductor', got {value!r}"
+    )
+
+
 def parse_tree_nodes(value: str) -> int | str | None:
     """An int, ``auto`` or ``none`` (a chain)."""
     from ..core.validation import check_tree_nodes
@@ -374,6 +397,16 @@ class EngineOptions:
             verbs=RUN_VERBS | {"bench"},
         ),
     )
+    compile: bool | str = field(
+        default="auto",
+        metadata=cli(
+            "run single calls in the static round (fixed shapes, one host read per round) compiled with "
+            "torch.compile: 'auto' (on CUDA), 'on', 'off', or a torch.compile backend name",
+            "--compile",
+            verbs=RUN_VERBS | {"bench"},
+            parse=parse_compile,
+        ),
+    )
     escape_special_tokens: bool = field(
         default=False,
         metadata=cli(
@@ -407,6 +440,7 @@ class EngineOptions:
         check_drafter_name(self.drafter)
         check_draft_confidence(self.draft_confidence)
         check_budget(self.calibration_budget)
+        check_compile(self.compile)
         for name in ("trust_remote_code", "allow_pickle", "batching", "escape_special_tokens", "calibrate"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigurationError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -190,6 +190,11 @@ class SpeculativeLLM(FunctionCallingLLM):
         description="Decode concurrent calls on the shared engine together (selfspec.decoding.batching): each call "
         "keeps the text it gets alone; more throughput when many threads or tasks share the model.",
     )
+    compile: bool | str = Field(
+        default="auto",
+        description="Run single calls in the static round (fixed shapes, one host read per round) compiled with "
+        "torch.compile: 'auto' (on CUDA), True, False or a backend name; same text either way.",
+    )
     device: str = Field(default="auto", description="'auto' (CUDA when available), 'cpu' or 'cuda[:N]'.")
     dtype: str = Field(
         default="auto",

@@ -1,0 +1,209 @@
+"""The static round: the decoding loop with fixed shapes and one host read per round (issue 26).
+
+The same four steps as :mod:`selfspec.decoding.loop` (draft, score, accept, commit), over the
+engine's :class:`~selfspec.modeling.static_step.StaticStep`:
+
+1. **draft**: the drafter proposes a chain as in the eager loop; the round pads it to the next
+   fixed width (:data:`~selfspec.modeling.static_step.WIDTHS`) and sends the tokens and the real
+   draft length to the device in one non-blocking copy;
+2. **score** and 3. **accept**: one forward of that width over the call's bucket of slots, then
+   acceptance on the device (greedy inside the compiled step; sampled right after it, on the
+   device too), which also moves the cache length past the accepted text;
+4. **commit**: the round's **one** device-to-host read (the accepted count and the next token)
+   feeds end-of-sequence, streaming, the statistics and the controller, exactly as in the eager loop.
+
+Which calls run here (:func:`static_round_reason`): an engine built with ``compile=True`` (or a
+backend name; ``compile="auto"`` means on CUDA), a model on the lean layer path without sliding
+windows, a chain drafter (plain decoding, prompt lookup, EAGLE chains), no grammar constraint,
+and one generation at a time (the engine's cache is shared by its calls: a call that finds it busy
+runs the eager loop). Everything else runs the eager loop, with the same text.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Generator
+
+import torch
+
+from ..core.acceptance import Acceptance
+from ..core.sampling import logits_to_probs
+from ..drafting.base import DecodeState, Draft, Drafter, NoDrafter, choose_token
+from ..drafting.fitting import truncate_chain
+from ..drafting.prompt_lookup import PromptLookupDrafter
+from ..errors import ConfigurationError
+from ..modeling.runner import ModelRunner
+from ..modeling.static_step import (
+    WIDTHS,
+    StaticStep,
+    accept_sampled_step,
+    bucket_for,
+    static_prefill,
+    static_round_supported,
+    width_for,
+)
+from ..modeling.transfer import device_ids
+from .generation import Generation
+from .loop import RoundTimes, Row, commit, emitted_rows, token_logprobs
+from .outputs import FinishReason
+
+logger = logging.getLogger(__name__)
+
+
+def compile_backend(compile: bool | str, device: torch.device) -> str | None:
+    """The ``torch.compile`` backend ``compile=`` asks for on ``device`` (``None``: the eager loop)."""
+    if compile == "auto":
+        return "inductor" if device.type == "cuda" else None
+    if compile is True or compile == "on":
+        return "inductor"
+    if compile is False or compile == "off":
+        return None
+    return str(compile)
+
+
+def static_rounds(runner: ModelRunner, compile: bool | str) -> StaticRounds | None:
+    """The engine's static round for ``compile=``, or ``None`` when its calls take the eager loop.
+
+    Raises:
+        ConfigurationError: ``compile`` was asked for explicitly and the model cannot run the static round.
+    """
+    backend = compile_backend(compile, runner.device)
+    if backend is None:
+        return None
+    reason = static_round_supported(runner)
+    if reason is not None:
+        if compile == "auto":
+            logger.info("compile='auto': %s; decoding eagerly", reason)
+            return None
+        raise ConfigurationError(f"compile={compile!r}: {reason}; use compile=False")
+    return StaticRounds(StaticStep(runner, backend))
+
+
+def chain_drafter(drafter: Drafter) -> bool:
+    """Whether ``drafter`` proposes only plain chains the static round verifies (no trees, no exit states)."""
+    if isinstance(drafter, NoDrafter | PromptLookupDrafter):
+        return True
+    from ..drafting.eagle.drafter import EagleDrafter  # the EAGLE package loads only with its drafter
+
+    return isinstance(drafter, EagleDrafter) and not drafter.tree_nodes and drafter.feature_layers is None
+
+
+def static_round_reason(drafter: Drafter, run: Generation) -> str | None:
+    """Why ``run`` takes the eager loop with this drafter, or ``None`` when the static round serves it."""
+    if not chain_drafter(drafter):
+        return f"drafter {drafter.name!r} drafts trees or runs the target's layers itself"
+    if run.constraint is not None:
+        return "grammar-constrained calls run the eager loop"
+    return None
+
+
+class StaticRounds:
+    """The engine's static round: one :class:`StaticStep`, used by one generation at a time.
+
+    Args:
+        step: the engine's step (its cache and compiled forwards).
+    """
+
+    def __init__(self, step: StaticStep) -> None:
+        self.step = step
+        self._busy = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"StaticRounds({self.step!r})"
+
+    def prepare(self, prompt_tokens: int, max_new_tokens: int, sampled: bool = False) -> None:
+        """Compile every width's step for calls of this size now, so that no round waits for it."""
+        kinds = ("greedy", "forward") if sampled else ("greedy",)
+        self.step.prepare(prompt_tokens + max_new_tokens + WIDTHS[-1], kinds=kinds)
+
+    def try_decode(
+        self, drafter: Drafter, run: Generation, lock: threading.RLock, eos_token_ids: frozenset[int]
+    ) -> Generator[list[int], None, FinishReason] | None:
+        """The call's rounds here, or ``None`` when it must take the eager loop (see the module docstring)."""
+        if static_round_reason(drafter, run) is not None or not self._busy.acquire(blocking=False):
+            return None
+        return self._decode(drafter, run, lock, eos_token_ids)
+
+    def _decode(
+        self, drafter: Drafter, run: Generation, lock: threading.RLock, eos_token_ids: frozenset[int]
+    ) -> Generator[list[int], None, FinishReason]:
+        try:
+            slots = len(run.prompt_ids) + run.max_new_tokens + WIDTHS[-1]
+            with lock, torch.inference_mode():
+                row = self._start(drafter, run, slots, eos_token_ids)
+            yield [row.state.last_token]
+            if row.state.last_token in eos_token_ids:
+                return "stop"
+            bucket = bucket_for(slots)
+            while row.emitted < run.max_new_tokens:
+                with lock, torch.inference_mode():
+                    tokens = self._round(drafter, row, bucket)
+                yield tokens
+                if tokens[-1] in eos_token_ids:
+                    return "stop"
+            return "length"
+        finally:
+            self._busy.release()
+
+    def _start(self, drafter: Drafter, run: Generation, slots: int, eos_token_ids: frozenset[int]) -> Row:
+        """Prefill the prompt into the engine's cache and choose the first token."""
+        started = time.perf_counter()
+        runner = self.step.runner
+        cache = self.step.reserve(slots)
+        hidden, logits = static_prefill(runner, cache, device_ids([run.prompt_ids], runner.device))
+        first, _ = choose_token(logits, run.params, run.generator)
+        if run.top_logprobs is not None:
+            run.computed_logprobs.extend(token_logprobs(logits[None], [first], run.top_logprobs))
+        run.stats.target_forwards += 1
+        run.stats.verify_seconds += time.perf_counter() - started
+        state = DecodeState(
+            runner=runner,
+            cache=cache,
+            position=len(run.prompt_ids),
+            last_token=first,
+            token_ids=[*run.prompt_ids, first],
+            params=run.params,
+            generator=run.generator,
+            eos_token_ids=eos_token_ids,
+            last_hidden=hidden[:, -1:] if drafter.needs_hidden else None,
+            pending_hidden=hidden if drafter.needs_committed_hidden else None,
+        )
+        return Row(state, run)
+
+    def _round(self, drafter: Drafter, row: Row, bucket: int) -> list[int]:
+        """One round: draft, one fixed-width forward, acceptance on the device, one read, commit."""
+        state, run = row.state, row.run
+        started = time.perf_counter()
+        budget = min(run.controller.budget(), run.max_new_tokens - row.emitted - 1, WIDTHS[-1] - 1)
+        draft = truncate_chain(drafter.propose(state, budget), budget) if budget > 0 else Draft()
+        drafted = time.perf_counter()
+        num_draft, width = len(draft), width_for(len(draft))
+        padding = [state.last_token] * (width - 1 - num_draft)
+        sent = device_ids([state.last_token, *draft.tokens, *padding, num_draft], state.runner.device)
+        tokens, real = sent[:width].view(1, width), sent[width]  # the strides of a fresh [1, w] (no recompile)
+        if state.params.greedy:
+            decided, hidden, logits = self.step.greedy(tokens, real, bucket)
+        else:
+            hidden, logits = self.step.forward(tokens, bucket)
+            draft_probs = _padded(draft.draft_probs, width - 1)
+            target_probs = logits_to_probs(logits, state.params)
+            decided = accept_sampled_step(tokens, real, draft_probs, target_probs, run.generator)
+            self.step.cache.length.add_(decided[0] + 1)  # type: ignore[union-attr]
+        if drafter.needs_hidden:
+            state.last_hidden = hidden
+        accepted, next_token = decided.tolist()  # the round's one read
+        acceptance = Acceptance(accepted, next_token)
+        tokens_out = commit(drafter, row, draft, acceptance, RoundTimes(started, drafted, time.perf_counter()))
+        if run.top_logprobs is not None:
+            used = emitted_rows(acceptance)[: len(tokens_out)]
+            run.computed_logprobs.extend(token_logprobs(logits[used], tokens_out, run.top_logprobs))
+        return tokens_out
+
+
+def _padded(draft_probs: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """``[k, vocab]`` draft distributions padded with zero rows to ``[rows, vocab]`` (never read past ``k``)."""
+    if draft_probs is None or draft_probs.shape[0] == rows:
+        return draft_probs
+    return torch.cat([draft_probs, draft_probs.new_zeros(rows - draft_probs.shape[0], draft_probs.shape[1])])

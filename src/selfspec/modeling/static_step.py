@@ -1,0 +1,339 @@
+"""The static round's target forward: fixed shapes, the cache length on the device (issue 26).
+
+The eager loop (:mod:`selfspec.decoding.loop`) keeps the cache length in Python and hands each
+forward exactly the keys it sees: right for a CPU, where every host read is free, but a GPU then
+waits on the host between kernels and no graph can be captured (the shapes change every round).
+Here everything a round's forward depends on is either a tensor on the device or one of a few
+fixed sizes:
+
+- :class:`DeviceKVCache`: one key and one value buffer per layer, allocated once per engine and
+  reused by every call (grown, rarely, when a call needs more room); the text's length is a
+  0-d tensor on the device. A forward writes its positions with ``index_copy_`` and attends over
+  a fixed number of slots (the *bucket*: the call's room rounded up to a power of two), with a
+  causal mask built on the device from the length. Rolling back is the acceptance setting the
+  length (:func:`accept_greedy_step`); a rejected token's slots are overwritten next round.
+- :class:`StaticStep`: the verify forward of a fixed *width* (the last token and ``width - 1``
+  draft tokens, a shorter draft padded: padded rows are never accepted), followed by greedy
+  acceptance on the device, compiled once per ``(width, bucket)`` with
+  ``torch.compile(fullgraph=True, dynamic=False)`` when asked (``mode="reduce-overhead"``, CUDA
+  graphs, on CUDA). Varying accepted lengths never recompile: they only change tensor values.
+
+Exactness: the prefill is ``is_causal`` attention over the prompt, as transformers' ``generate``;
+the rounds attend through a mask over the bucket, so in float32 a row's bits may differ from a
+one-token decode's in the last place (argmax ties aside, the text is ``generate``'s, and the tests
+check it); in half precision this path is not batch-invariant (the eager loop's row calls are),
+which is why it runs only where asked or on CUDA (see ``docs/static_round.md``).
+
+Only the lean layer path (:mod:`selfspec.modeling.fastpath`) runs here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .attention import PREFILL, AttentionPlan
+from .fastpath import layer_forward
+from .runner import SLIDING_ATTENTION, ModelRunner
+
+#: the draft widths a round may verify (the last token plus ``width - 1`` drafts).
+WIDTHS = (1, 2, 3, 5, 9, 17, 33)
+#: the fewest slots a bucket holds.
+MIN_BUCKET = 256
+
+
+def static_round_supported(runner: ModelRunner) -> str | None:
+    """Why ``runner``'s model cannot run the static round, or ``None`` when it can."""
+    if runner.fast_layers is None:
+        return "the static round needs the lean layer path (Llama, Mistral, Qwen2/3, Phi-3 with SDPA, no quantization)"
+    return None
+
+
+def width_for(num_draft: int) -> int:
+    """The smallest fixed width that holds the last token and ``num_draft`` drafts."""
+    for width in WIDTHS:
+        if width >= num_draft + 1:
+            return width
+    raise ValueError(f"a static round drafts at most {WIDTHS[-1] - 1} tokens, got {num_draft}")
+
+
+def bucket_for(slots: int) -> int:
+    """The slots a forward attends over: ``slots`` rounded up to a power of two (at least :data:`MIN_BUCKET`)."""
+    bucket = MIN_BUCKET
+    while bucket < slots:
+        bucket *= 2
+    return bucket
+
+
+class DeviceKVCache:
+    """One engine's KV cache whose length lives on the device.
+
+    Args:
+        runner: the target's runner (its lean layers give the buffers' shapes).
+        max_length: slots per layer (every call's prompt, new tokens and widest draft must fit).
+
+    Attributes:
+        length: 0-d ``long`` tensor on the device: positions holding the text.
+    """
+
+    is_compileable = True
+
+    def __init__(self, runner: ModelRunner, max_length: int) -> None:
+        assert runner.fast_layers is not None, static_round_supported(runner)
+        self.max_length = max_length
+        self.num_layers = runner.num_layers
+        device, dtype = runner.device, runner.dtype
+        self.keys = [
+            torch.zeros(1, w.num_kv_heads, max_length, w.head_dim, dtype=dtype, device=device)
+            for w in runner.fast_layers
+        ]
+        self.values = [torch.zeros_like(k) for k in self.keys]
+        self.length = torch.zeros((), dtype=torch.long, device=device)
+        if device.type == "cuda":  # graph-captured steps read and write these in place
+            for buffer in (*self.keys, *self.values):
+                torch._dynamo.mark_static_address(buffer)
+
+    def __repr__(self) -> str:
+        return f"DeviceKVCache(num_layers={self.num_layers}, max_length={self.max_length})"
+
+    def crop_to(self, length: int, layers: range | None = None) -> None:
+        """Nothing to do: the acceptance set :attr:`length` on the device (the loop's rollback)."""
+
+
+@dataclass
+class _Writes:
+    """One forward's view of a :class:`DeviceKVCache`: where its states go and how many slots it sees."""
+
+    cache: DeviceKVCache
+    slots: torch.Tensor  # [q] the positions written
+    visible: int  # the slots attended over (the bucket, or the prompt for a prefill)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.cache.keys[layer_idx], self.cache.values[layer_idx]
+        keys.index_copy_(2, self.slots, key_states)
+        values.index_copy_(2, self.slots, value_states)
+        return keys[:, :, : self.visible], values[:, :, : self.visible]
+
+
+def _layers(
+    runner: ModelRunner, hidden: torch.Tensor, positions: torch.Tensor, plans: dict[str, AttentionPlan], cache: Any
+) -> Any:
+    """Every lean layer over ``[1, q, hidden]`` at ``[q]`` positions; the last layer's output."""
+    assert runner.fast_layers is not None
+    cos, sin = runner.rotary(hidden, positions[None])
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [1, 1, q, head_dim]: broadcast over heads
+    for i, weights in enumerate(runner.fast_layers):
+        hidden = layer_forward(weights, hidden, cos, sin, plans[runner.layer_types[i]], cache, i)
+    return hidden
+
+
+def _masked_plans(runner: ModelRunner, positions: torch.Tensor, visible: int) -> dict[str, AttentionPlan]:
+    """A ``[1, 1, q, visible]`` mask per layer type: slot ``j`` (position ``j``) seen from ``positions``, causally.
+
+    Sliding-window layers also hide slots at or before ``position - window``.
+    """
+    slots = torch.arange(visible, device=positions.device)[None, :]
+    query = positions[:, None]
+    causal = slots <= query  # [q, visible]
+    plans = {}
+    for layer_type in set(runner.layer_types):
+        allowed = causal
+        if layer_type == SLIDING_ATTENTION and runner.sliding_window is not None:
+            allowed = causal & (slots > query - runner.sliding_window)
+        plans[layer_type] = AttentionPlan(mask=allowed[None, None])
+    return plans
+
+
+def _logits(runner: ModelRunner, hidden: torch.Tensor) -> torch.Tensor:
+    """``[1, q, hidden]`` -> ``[q, vocab]`` float32 logits (final norm, LM head, softcap)."""
+    return runner.softcap(runner.lm_head(runner.norm(hidden))).float()[0]
+
+
+def static_prefill(runner: ModelRunner, cache: DeviceKVCache, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompt ``[1, n]`` into slots ``0 .. n - 1`` (``is_causal``, as ``generate``); sets the length to ``n``.
+
+    Returns:
+        Every position's ``[1, n, hidden]`` last-layer output and the last position's ``[vocab]`` logits.
+    """
+    num = ids.shape[1]
+    positions = torch.arange(num, device=ids.device)
+    plans = _masked_plans(runner, positions, num)  # windowed layers over a longer prompt keep their mask
+    windowed = runner.sliding_window is not None and num > runner.sliding_window
+    plans.update({t: PREFILL for t in set(runner.layer_types) if t != SLIDING_ATTENTION or not windowed})
+    hidden = _layers(runner, runner.embed(ids), positions, plans, _Writes(cache, positions, num))
+    cache.length.fill_(num)
+    return hidden, _logits(runner, hidden[:, -1:])[0]
+
+
+def verify_step(
+    runner: ModelRunner, cache: DeviceKVCache, tokens: torch.Tensor, bucket: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One fixed-width forward: ``[1, w]`` tokens at positions ``length ..`` over ``bucket`` slots.
+
+    Returns:
+        The ``[1, w, hidden]`` last-layer outputs and ``[w, vocab]`` float32 logits.
+    """
+    width = tokens.shape[1]
+    positions = cache.length + torch.arange(width, device=tokens.device)  # [w]
+    plans = _masked_plans(runner, positions, bucket)  # slot j holds position j
+    hidden = _layers(runner, runner.embed(tokens), positions, plans, _Writes(cache, positions, bucket))
+    return hidden, _logits(runner, hidden)
+
+
+def accept_greedy_step(
+    cache: DeviceKVCache, tokens: torch.Tensor, num_draft: torch.Tensor, logits: torch.Tensor
+) -> torch.Tensor:
+    """Greedy acceptance on the device; moves the cache length past the accepted text.
+
+    Args:
+        cache: the cache the forward wrote (its length becomes ``length + accepted + 1``).
+        tokens: ``[1, w]`` the last token, then the drafts (padded).
+        num_draft: 0-d: how many drafts are real (rows after them are never accepted).
+        logits: ``[w, vocab]`` the forward's logits.
+
+    Returns:
+        ``[2]``: the accepted count and the next (recovered or bonus) token.
+    """
+    width = tokens.shape[1]
+    predicted = logits.argmax(dim=-1)  # [w]
+    real = torch.arange(width - 1, device=tokens.device) < num_draft
+    matches = ((tokens[0, 1:] == predicted[:-1]) & real).long()
+    accepted = matches.cumprod(dim=0).sum().view(1)
+    cache.length.add_(accepted[0] + 1)
+    return torch.cat([accepted, predicted.gather(0, accepted)])
+
+
+def accept_sampled_step(
+    tokens: torch.Tensor,
+    num_draft: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """:func:`~selfspec.core.acceptance.accept_sampled` on the device, over a padded draft (no host read).
+
+    The same rule (accept ``d_i`` when ``u * q(d_i) < p(d_i)``; on rejection sample the normalised
+    residual, after a full acceptance the bonus row), so the emitted tokens follow the target's
+    distribution exactly. It always draws ``w - 1`` uniforms, whatever the draft's real length:
+    a seeded call's text differs from the eager loop's (same distribution).
+
+    Returns:
+        ``[2]``: the accepted count and the recovered or bonus token.
+    """
+    width = tokens.shape[1]
+    drafts = tokens[0, 1:]  # [w - 1]
+    rows = torch.arange(width - 1, device=tokens.device)
+    target_of_draft = target_probs[rows, drafts]
+    draft_of_draft = torch.ones_like(target_of_draft) if draft_probs is None else draft_probs[rows, drafts]
+    uniform = torch.rand(width - 1, generator=generator, device=tokens.device, dtype=target_probs.dtype)
+    kept = (uniform * draft_of_draft < target_of_draft) & (rows < num_draft)
+    accepted = kept.long().cumprod(dim=0).sum().view(1)
+    target_row = target_probs.index_select(0, accepted)[0]  # [vocab]
+    if draft_probs is None:
+        rejected = tokens[0].index_select(0, (accepted + 1).clamp(max=width - 1))  # the first rejected draft
+        draft_row = torch.zeros_like(target_row).scatter_(0, rejected, 1.0)
+    else:
+        padded = torch.cat([draft_probs, torch.zeros_like(draft_probs[:1])])  # a full acceptance: no draft row
+        draft_row = padded.index_select(0, accepted)[0]
+    bonus = accepted == num_draft  # every real draft kept: the target's own row, unchanged
+    residual = torch.clamp(target_row - torch.where(bonus, torch.zeros_like(draft_row), draft_row), min=0)
+    total = residual.sum()
+    recovered = torch.where(total > 0, residual / total.clamp_min(torch.finfo(residual.dtype).tiny), target_row)
+    token = torch.multinomial(recovered[None], num_samples=1, generator=generator)[0]
+    return torch.cat([accepted, token])
+
+
+@dataclass
+class StaticStep:
+    """The static round's forwards for one engine: its :class:`DeviceKVCache` and compiled steps.
+
+    Args:
+        runner: the target's runner (:func:`static_round_supported` must hold).
+        backend: ``None`` runs the steps eagerly; else a ``torch.compile`` backend
+            (``"inductor"``, or ``"aot_eager"`` / ``"eager"`` to test tracing without code generation).
+
+    Attributes:
+        cache: the engine's cache (``None`` until the first call).
+        compiled: the compiled greedy step of each ``(width, bucket)`` (``"sampled"`` steps: the forward only).
+    """
+
+    runner: ModelRunner
+    backend: str | None = None
+    cache: DeviceKVCache | None = None
+    compiled: dict[tuple[str, int, int], Callable[..., Any]] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        return f"StaticStep(backend={self.backend!r}, cache={self.cache!r}, steps={sorted(self.compiled)})"
+
+    def reserve(self, slots: int) -> DeviceKVCache:
+        """The engine's cache, (re)made with room for ``slots`` when it has less."""
+        if self.cache is None or self.cache.max_length < slots:
+            self.cache = DeviceKVCache(self.runner, bucket_for(slots))
+            self.compiled.clear()  # new buffers: new graphs
+        return self.cache
+
+    def prepare(self, slots: int, widths: tuple[int, ...] = WIDTHS, kinds: tuple[str, ...] = ("greedy",)) -> None:
+        """Compile (or trace) the steps a call of ``slots`` slots may use, ahead of its first round.
+
+        Each step runs once on padding at the cache's current length, which is restored after:
+        the cache's text is untouched.
+        """
+        cache = self.reserve(slots)
+        bucket = bucket_for(slots)
+        saved = cache.length.clone()
+        with torch.inference_mode():
+            for width in widths:
+                tokens = torch.zeros(1, width, dtype=torch.long, device=self.runner.device)
+                for kind in kinds:
+                    if kind == "greedy":
+                        self.greedy(tokens, torch.zeros((), dtype=torch.long, device=tokens.device), bucket)
+                    else:
+                        self.forward(tokens, bucket)
+                    cache.length.copy_(saved)
+
+    def greedy(self, tokens: torch.Tensor, num_draft: torch.Tensor, bucket: int) -> tuple[torch.Tensor, ...]:
+        """Verify ``[1, w]`` tokens and accept greedily: ``([accepted, next], hidden, logits)``."""
+        return self._step("greedy", tokens.shape[1], bucket)(tokens, num_draft)
+
+    def forward(self, tokens: torch.Tensor, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Verify ``[1, w]`` tokens: ``(hidden, logits)`` (a sampled round accepts outside the graph)."""
+        return self._step("forward", tokens.shape[1], bucket)(tokens)
+
+    def _step(self, kind: str, width: int, bucket: int) -> Callable[..., Any]:
+        key = (kind, width, bucket)
+        if key not in self.compiled:
+            runner, cache = self.runner, self.cache
+            assert cache is not None, "reserve() before a step"
+
+            def forward(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                return verify_step(runner, cache, tokens, bucket)
+
+            def greedy(tokens: torch.Tensor, num_draft: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                hidden, logits = verify_step(runner, cache, tokens, bucket)
+                return accept_greedy_step(cache, tokens, num_draft, logits), hidden, logits
+
+            step: Callable[..., Any] = greedy if kind == "greedy" else forward
+            if self.backend is not None:
+                step = _compiled(step, self.backend, runner.device)
+            self.compiled[key] = step
+        return self.compiled[key]
+
+
+def _compiled(step: Callable[..., Any], backend: str, device: torch.device) -> Callable[..., Any]:
+    """``torch.compile`` of one step: whole graph, static shapes; CUDA graphs with inductor on CUDA.
+
+    Each ``(kind, width, bucket)`` gets its own compiled function; dynamo keys its cache on the
+    step's code, so the limit on cached graphs per code object is raised to hold them all.
+    """
+    limit = len(WIDTHS) * 2 * 8
+    if torch._dynamo.config.recompile_limit < limit:
+        torch._dynamo.config.recompile_limit = limit
+    if torch._dynamo.config.accumulated_recompile_limit < limit * 4:
+        torch._dynamo.config.accumulated_recompile_limit = limit * 4
+    mode = "reduce-overhead" if backend == "inductor" and device.type == "cuda" else None
+    return torch.compile(step, backend=backend, fullgraph=True, dynamic=False, mode=mode)

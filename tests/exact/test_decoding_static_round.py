@@ -1,0 +1,164 @@
+"""The static round (issue 26): fixed widths, acceptance on the device, one host read per round, compiled.
+
+Greedy text equals transformers' ``generate`` through the traced steps (dynamo, ``fullgraph=True``,
+``backend="eager"``: every graph break or recompile shows, without code generation) and through
+inductor's compiled code; 50 rounds of varying accepted lengths run with
+``torch._dynamo.config.error_on_recompile``; sampling follows the target's distribution
+(chi-square over every continuation of an 8-token model, and a lossy acceptance fails it); a round
+reads the device once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from test_core_acceptance import PROMPT as DIST_PROMPT
+from test_core_acceptance import chi_square_pvalue, exact_distribution, make_distribution_model, sampled_counts
+from test_decoding_sync_budget import PER_CALL, count
+from tiny_models import make_model, reference_greedy
+
+import selfspec.decoding.static_round as static_round
+from selfspec import SpeculativeEngine
+from selfspec.core.sampling import SamplingParams
+from selfspec.drafting.eagle.head import EagleHead
+from selfspec.errors import ConfigurationError
+from selfspec.modeling.static_step import WIDTHS, bucket_for, width_for
+
+REPEATED = list(range(10, 30)) * 2  # prompt lookup drafts land
+RANDOM = [5, 9, 3, 17, 4, 8, 40, 2, 77, 31]
+
+
+def static_engine(model: Any, drafter: Any = "prompt_lookup", **kwargs: Any) -> SpeculativeEngine:
+    kwargs = {"num_draft_tokens": 6, "calibration": {}, "compile": "eager", **kwargs}
+    return SpeculativeEngine(model, None, drafter=drafter, **kwargs)
+
+
+def test_widths_and_buckets() -> None:
+    assert [width_for(k) for k in (0, 1, 2, 3, 4, 8, 16, 32)] == [1, 2, 3, 5, 5, 9, 17, 33]
+    with pytest.raises(ValueError, match="at most 32"):
+        width_for(33)
+    assert [bucket_for(n) for n in (1, 256, 257, 3000)] == [256, 256, 512, 4096]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("drafter", ["none", "prompt_lookup"])
+def test_greedy_equals_generate(arch: str, drafter: str) -> None:
+    model = make_model(arch, agreeing=True)
+    engine = static_engine(model, drafter)
+    for prompt in (REPEATED, RANDOM):
+        out = engine.generate_ids(prompt, max_new_tokens=40)
+        assert out.token_ids == reference_greedy(model, prompt, 40)
+    assert engine.static_round is not None and engine.static_round.step.compiled  # the calls ran there
+    if drafter == "prompt_lookup":
+        assert engine.generate_ids(REPEATED, max_new_tokens=40).stats.num_accepted > 10
+
+
+def test_eagle_chain_greedy_equals_generate() -> None:
+    model = make_model("llama", agreeing=True)
+    torch.manual_seed(0)
+    engine = static_engine(model, "eagle", eagle_head=EagleHead(model), num_draft_tokens=4)
+    for prompt in (REPEATED, RANDOM):
+        assert engine.generate_ids(prompt, max_new_tokens=30).token_ids == reference_greedy(model, prompt, 30)
+    assert engine.static_round is not None and engine.static_round.step.compiled
+
+
+def test_calls_it_cannot_serve_take_the_eager_loop_with_the_same_text() -> None:
+    model = make_model("llama", agreeing=True)
+    reference = reference_greedy(model, REPEATED, 30)
+    early_exit = static_engine(model, "early_exit", exit_layer=1)
+    assert early_exit.generate_ids(REPEATED, max_new_tokens=30).token_ids == reference
+    assert early_exit.static_round is not None and not early_exit.static_round.step.compiled
+    # one generation at a time: a call while a stream holds the engine's cache runs eagerly, same text
+    demo = SpeculativeEngine.from_pretrained("selfspec-demo", drafter="prompt_lookup", compile="eager")
+    prompt = "It is a truth universally acknowledged, that a single man"
+    alone = demo.generate(prompt, max_new_tokens=24).text
+    stream = demo.stream(prompt, max_new_tokens=24)
+    pieces = [next(stream)]
+    assert demo.generate(prompt, max_new_tokens=24).text == alone
+    pieces.extend(stream)
+    assert "".join(pieces) == alone
+    assert demo.generate(prompt, max_new_tokens=24).text == alone  # the cache is free again
+
+
+def test_compile_option() -> None:
+    model = make_model("llama", agreeing=True)
+    assert SpeculativeEngine(model, None, drafter="none", calibration={}).static_round is None  # auto: CPU -> eager
+    assert SpeculativeEngine(model, None, drafter="none", calibration={}, compile=False).static_round is None
+    gemma = make_model("gemma2", agreeing=True)  # eager attention: no lean layer path
+    with pytest.raises(ConfigurationError, match="lean layer path"):
+        SpeculativeEngine(gemma, None, drafter="none", calibration={}, compile=True)
+    with pytest.raises(ConfigurationError, match="compile must be"):
+        SpeculativeEngine(model, None, drafter="none", calibration={}, compile="in ductor")
+    assert "backend='eager'" in repr(static_engine(model).static_round)
+
+
+@pytest.mark.parametrize("drafter", ["none", "prompt_lookup"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_one_host_read_per_round(drafter: str, temperature: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = make_model("llama", agreeing=True, dtype=torch.float32)
+    engine = static_engine(model, drafter, num_draft_tokens=4)
+    assert engine.static_round is not None
+    # the counter is a dispatch mode, which dynamo refuses: count the same round with its steps run eagerly
+    # (a compiled step cannot read the device: fullgraph=True turns any read into an error)
+    engine.static_round.step.backend = None
+    keywords: dict[str, Any] = {"temperature": temperature, "seed": 3} if temperature else {}
+    engine.generate_ids(REPEATED, max_new_tokens=40, **keywords)  # trace every width first
+    out, counter = count(engine, REPEATED, monkeypatch, **keywords)
+    if not temperature:
+        assert out.token_ids == reference_greedy(model, REPEATED, 40)
+    rounds = out.stats.target_forwards - 1
+    assert drafter == "none" or (out.stats.num_drafted if temperature else out.stats.num_accepted) > 0
+    assert counter.reads <= rounds + PER_CALL, (counter.reads, rounds)
+
+
+@pytest.mark.slow
+def test_inductor_compiled_rounds_equal_generate_and_never_recompile() -> None:
+    """inductor's code for a 2-layer float32 Llama: the text of ``generate``; 50+ rounds, no recompile."""
+    model = make_model("llama", agreeing=True, dtype=torch.float32, num_hidden_layers=2)
+    engine = static_engine(model, num_draft_tokens=4, compile="inductor")
+    assert engine.static_round is not None
+    prompt = [*REPEATED, *RANDOM, *REPEATED[:7], 3, 3, 3]  # copies that run out: accepted lengths vary
+    new_tokens = 190
+    engine.static_round.step.prepare(len(prompt) + new_tokens + WIDTHS[-1], widths=(1, 2, 3, 5))  # 0..4 drafts
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        out = engine.generate_ids(prompt, max_new_tokens=new_tokens)
+    assert out.token_ids == reference_greedy(model, prompt, new_tokens)
+    assert out.stats.target_forwards - 1 >= 50
+    histogram = out.stats.accepted_length_histogram
+    assert sum(1 for n in histogram if n) >= 3, histogram  # several accepted lengths, one graph per width
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["none", "eagle"])
+@pytest.mark.parametrize(
+    "params", [SamplingParams(1.0), SamplingParams(0.7, top_k=4, top_p=0.9)], ids=["t1", "t0.7-topk4-topp0.9"]
+)
+def test_sampling_follows_the_target_distribution(drafter: str, params: SamplingParams) -> None:
+    """Chi-square over every 3-token continuation; the EAGLE head (random) drafts sampled tokens with their q."""
+    model = make_distribution_model()
+    torch.manual_seed(1)
+    extra = {"eagle_head": EagleHead(model)} if drafter == "eagle" else {}
+    engine = static_engine(model, drafter, num_draft_tokens=2, **extra)
+    counts = sampled_counts(engine, params)
+    assert chi_square_pvalue(counts, exact_distribution(model, params)) > 1e-3
+    if drafter == "eagle":
+        stats = [engine.generate_ids(DIST_PROMPT, max_new_tokens=3, temperature=1.0, seed=s).stats for s in range(30)]
+        assert sum(s.num_accepted for s in stats) > 0 and sum(s.num_drafted - s.num_accepted for s in stats) > 0
+
+
+@pytest.mark.slow
+def test_the_test_rejects_a_lossy_acceptance(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keeping every real draft gives the draft's distribution: the chi-square test must fail."""
+
+    def keep_everything(tokens, num_draft, draft_probs, target_probs, generator):  # type: ignore[no-untyped-def]
+        bonus = torch.multinomial(target_probs.index_select(0, num_draft.view(1)), 1, generator=generator)[0]
+        return torch.cat([num_draft.view(1), bonus])
+
+    monkeypatch.setattr(static_round, "accept_sampled_step", keep_everything)
+    model = make_distribution_model()
+    torch.manual_seed(1)
+    engine = static_engine(model, "eagle", num_draft_tokens=2, eagle_head=EagleHead(model))
+    params = SamplingParams(1.0)
+    assert chi_square_pvalue(sampled_counts(engine, params), exact_distribution(model, params)) < 1e-6
