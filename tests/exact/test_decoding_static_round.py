@@ -22,6 +22,7 @@ from tiny_models import make_model, reference_greedy
 import selfspec.decoding.static_round as static_round
 from selfspec import SpeculativeEngine
 from selfspec.core.sampling import SamplingParams
+from selfspec.drafting import DecodeState, Draft, Drafter
 from selfspec.drafting.eagle.head import EagleHead
 from selfspec.errors import ConfigurationError
 from selfspec.modeling.static_step import WIDTHS, bucket_for, width_for
@@ -80,6 +81,31 @@ def test_calls_it_cannot_serve_take_the_eager_loop_with_the_same_text() -> None:
     pieces.extend(stream)
     assert "".join(pieces) == alone
     assert demo.generate(prompt, max_new_tokens=24).text == alone  # the cache is free again
+
+
+class Constant(Drafter):
+    """A user's drafter: always proposes token 5 (a chain)."""
+
+    name = "constant"
+    chain_only = True
+    tree = False
+
+    def propose(self, state: DecodeState, max_tokens: int) -> Draft:
+        parents = [-1, *range(max_tokens - 1)] if self.tree else None
+        return Draft(tokens=[5] * max_tokens, parents=parents)
+
+
+def test_a_users_chain_drafter_runs_there_and_one_that_is_not_is_refused() -> None:
+    model = make_model("llama", agreeing=True)
+    drafter = Constant()
+    engine = static_engine(model, drafter, num_draft_tokens=3)
+    assert engine.generate_ids(RANDOM, max_new_tokens=20).token_ids == reference_greedy(model, RANDOM, 20)
+    assert engine.static_round is not None and engine.static_round.step.compiled
+    drafter.tree = True  # says chain_only, drafts a tree
+    with pytest.raises(ConfigurationError, match="chain_only but drafted a tree"):
+        engine.generate_ids(RANDOM, max_new_tokens=20)
+    drafter.tree = False
+    assert engine.generate_ids(RANDOM, max_new_tokens=20).token_ids == reference_greedy(model, RANDOM, 20)
 
 
 def test_compile_option() -> None:

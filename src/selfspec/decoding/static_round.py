@@ -13,8 +13,9 @@ engine's :class:`~selfspec.modeling.static_step.StaticStep`:
    feeds end-of-sequence, streaming, the statistics and the controller, exactly as in the eager loop.
 
 Which calls run here (:func:`static_round_reason`): an engine built with ``compile=True`` (or a
-backend name; ``compile="auto"`` means on CUDA), a model on the lean layer path without sliding
-windows, a chain drafter (plain decoding, prompt lookup, EAGLE chains), no grammar constraint,
+backend name; ``compile="auto"`` means on CUDA), a model on the lean layer path, a drafter that
+proposes plain chains (:attr:`~selfspec.drafting.Drafter.chain_only`: plain decoding, prompt lookup,
+EAGLE chains), no grammar constraint,
 and one generation at a time (the engine's cache is shared by its calls: a call that finds it busy
 runs the eager loop). Everything else runs the eager loop, with the same text.
 """
@@ -30,9 +31,8 @@ import torch
 
 from ..core.acceptance import Acceptance
 from ..core.sampling import logits_to_probs
-from ..drafting.base import DecodeState, Draft, Drafter, NoDrafter, choose_token
+from ..drafting.base import DecodeState, Draft, Drafter, choose_token
 from ..drafting.fitting import truncate_chain
-from ..drafting.prompt_lookup import PromptLookupDrafter
 from ..errors import ConfigurationError
 from ..modeling.runner import ModelRunner
 from ..modeling.static_step import (
@@ -81,19 +81,10 @@ def static_rounds(runner: ModelRunner, compile: bool | str) -> StaticRounds | No
     return StaticRounds(StaticStep(runner, backend))
 
 
-def chain_drafter(drafter: Drafter) -> bool:
-    """Whether ``drafter`` proposes only plain chains the static round verifies (no trees, no exit states)."""
-    if isinstance(drafter, NoDrafter | PromptLookupDrafter):
-        return True
-    from ..drafting.eagle.drafter import EagleDrafter  # the EAGLE package loads only with its drafter
-
-    return isinstance(drafter, EagleDrafter) and not drafter.tree_nodes and drafter.feature_layers is None
-
-
 def static_round_reason(drafter: Drafter, run: Generation) -> str | None:
     """Why ``run`` takes the eager loop with this drafter, or ``None`` when the static round serves it."""
-    if not chain_drafter(drafter):
-        return f"drafter {drafter.name!r} drafts trees or runs the target's layers itself"
+    if not drafter.chain_only:
+        return f"drafter {drafter.name!r} drafts trees or runs the target's layers itself (not chain_only)"
     if run.constraint is not None:
         return "grammar-constrained calls run the eager loop"
     return None
@@ -178,6 +169,8 @@ class StaticRounds:
         started = time.perf_counter()
         budget = min(run.controller.budget(), run.max_new_tokens - row.emitted - 1, WIDTHS[-1] - 1)
         draft = truncate_chain(drafter.propose(state, budget), budget) if budget > 0 else Draft()
+        if draft.parents is not None or draft.exit_states is not None:
+            raise ConfigurationError(f"drafter {drafter.name!r} says chain_only but drafted a tree or exit states")
         drafted = time.perf_counter()
         num_draft, width = len(draft), width_for(len(draft))
         padding = [state.last_token] * (width - 1 - num_draft)

@@ -169,6 +169,9 @@ class Drafter(ABC):
     feature_layers: tuple[int, ...] | None = None
     #: whether this drafter's generations may share batched rounds (see :meth:`propose_batch`)
     can_batch: bool = False
+    #: whether it proposes only chains (no ``parents``, no ``exit_states``) and never writes the target's
+    #: cache: the static round (``compile=``, :mod:`selfspec.decoding.static_round`) then verifies its drafts
+    chain_only: bool = False
 
     @abstractmethod
     def propose(self, state: DecodeState, max_tokens: int) -> Draft:
@@ -199,6 +202,7 @@ class NoDrafter(Drafter):
 
     name = "none"
     can_batch = True
+    chain_only = True
 
     def propose(self, state: DecodeState, max_tokens: int) -> Draft:
         """Return an empty draft."""

@@ -64,6 +64,7 @@ class PromptLookupDrafter(Drafter):
     """
 
     name = "prompt_lookup"
+    chain_only = True
     can_batch = True
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:

@@ -97,6 +97,7 @@ class EagleDrafter(Drafter):
         self.costs = costs
         self.lookup = PromptLookupDrafter(max_ngram=3, min_ngram=2) if lookup else None
         self.feature_layers = head.capture_layers  # EAGLE-3: the target layers whose inputs the verifier keeps
+        self.chain_only = not tree_nodes and self.feature_layers is None  # the static round verifies its chains
         if lookup:
             self.name = "eagle_hybrid"
 

@@ -1,0 +1,179 @@
+"""Eager vs compiled on this CPU: the static round against the eager loop, SmolLM2, float32 and bfloat16 (issue 26).
+
+For each dtype, one model object and four engines on it, run side by side in one process,
+interleaved (the order rotates each pass), one thread:
+
+- ``eager plain`` / ``eager lookup``: the eager loop (``compile=False``), plain decoding and prompt
+  lookup (8 drafts a round, fixed);
+- ``compiled plain`` / ``compiled lookup``: the static round compiled by inductor (``compile=True``),
+  every width's step compiled before timing (the compile time is reported apart).
+
+Each method's tokens/s over the stock prompts (RAG, summarization, chat, code; 64 new tokens,
+greedy), whether every output equals the eager plain loop's, and the verify-cost curve of a step of
+``w`` positions at ~300 cached positions (median of 7, relative to ``w = 1``) for the static round's
+step eagerly and compiled. Results: ``benchmarks/results/compile_cpu.{json,md}`` (written after each
+dtype), with the load average before and after.
+
+    PYTHONPATH=src python benchmarks/compile_bench.py [--repeats 3] [--dtypes float32 bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+MODEL = "smollm2-135m-instruct"
+WIDTHS = (1, 2, 3, 5, 9)
+NEW_TOKENS = 64
+
+
+def load_per_core() -> float:
+    return os.getloadavg()[0] / (os.cpu_count() or 1)
+
+
+def step_curve(engine: Any, backend: str | None) -> dict[int, float]:
+    """Seconds of one static step of each width at ~300 cached positions, relative to width 1."""
+    from selfspec.modeling.static_step import StaticStep
+
+    step = engine.static_round.step if backend is not None else StaticStep(engine.runner)
+    cache = step.reserve(300 + NEW_TOKENS + 33)
+    bucket = 512
+    times = {}
+    with torch.inference_mode():
+        for width in WIDTHS:
+            tokens = torch.full((1, width), 17, dtype=torch.long)
+            zero = torch.zeros((), dtype=torch.long)
+            samples = []
+            for _ in range(8):
+                cache.length.fill_(300)
+                started = time.perf_counter()
+                step.greedy(tokens, zero, bucket)
+                samples.append(time.perf_counter() - started)
+            times[width] = statistics.median(samples[1:])
+    return {w: t / times[1] for w, t in times.items()} | {"one_step_ms": times[1] * 1e3}  # type: ignore[dict-item]
+
+
+def run(dtype: str, repeats: int) -> dict[str, Any]:
+    from selfspec import SpeculativeEngine
+    from selfspec.calibration.bench import _encode
+    from selfspec.prompts import STOCK_PROMPT_SETS
+
+    torch.set_num_threads(1)
+    load_before = load_per_core()
+    base = SpeculativeEngine.from_pretrained(MODEL, dtype=dtype, drafter="none", calibrate=False, compile=False)
+    model, tokenizer = base.model, base.tokenizer
+    prompts = [(cat, _encode(base, p)) for cat, items in STOCK_PROMPT_SETS.items() for p in items]
+    engines = {}
+    compile_seconds = {}
+    for mode in ("eager", "compiled"):
+        for drafter, label in (("none", "plain"), ("prompt_lookup", "lookup")):
+            engine = SpeculativeEngine(
+                model, tokenizer, drafter=drafter, num_draft_tokens=8, calibration={}, compile=mode == "compiled"
+            )
+            if mode == "compiled":
+                started = time.perf_counter()
+                widths = (1,) if drafter == "none" else WIDTHS
+                for slots in sorted({len(ids) + NEW_TOKENS + 33 for _, ids in prompts}, reverse=True):  # largest first
+                    engine.static_round.step.prepare(slots, widths=widths)
+                compile_seconds[f"{mode} {label}"] = time.perf_counter() - started
+            engines[f"{mode} {label}"] = engine
+    names = list(engines)
+    seconds = {name: 0.0 for name in names}
+    tokens = {name: 0 for name in names}
+    per_category: dict[str, dict[str, float]] = {name: {} for name in names}
+    outputs: dict[str, dict[int, list[int]]] = {name: {} for name in names}
+    for name in names:  # warm up (first-call allocations)
+        engines[name].generate_ids(prompts[0][1], max_new_tokens=8)
+    for rep in range(repeats):
+        order = names[rep % len(names) :] + names[: rep % len(names)]
+        for index, (category, ids) in enumerate(prompts):
+            for name in order:
+                started = time.perf_counter()
+                out = engines[name].generate_ids(ids, max_new_tokens=NEW_TOKENS)
+                elapsed = time.perf_counter() - started
+                seconds[name] += elapsed
+                tokens[name] += len(out.token_ids)
+                per_category[name][category] = per_category[name].get(category, 0.0) + elapsed
+                outputs[name][index] = out.token_ids
+    reference = outputs["eager plain"]
+    result = {
+        "dtype": dtype,
+        "threads": 1,
+        "repeats": repeats,
+        "prompts": len(prompts),
+        "max_new_tokens": NEW_TOKENS,
+        "load_per_core_before": round(load_before, 2),
+        "load_per_core_after": round(load_per_core(), 2),
+        "compile_seconds": {k: round(v, 1) for k, v in compile_seconds.items()},
+        "methods": {
+            name: {
+                "tokens_per_second": round(tokens[name] / seconds[name], 2),
+                "vs_eager_plain": round(seconds["eager plain"] / seconds[name], 3),
+                "per_category_vs_eager_plain": {
+                    c: round(per_category["eager plain"][c] / t, 3) for c, t in per_category[name].items()
+                },
+                "identical_to_eager_plain": outputs[name] == reference,
+            }
+            for name in names
+        },
+        "step_curve_eager": step_curve(engines["compiled lookup"], None),
+        "step_curve_compiled": step_curve(engines["compiled lookup"], "inductor"),
+    }
+    return result
+
+
+def markdown(results: list[dict[str, Any]]) -> str:
+    lines = [
+        "# Eager loop vs compiled static round, SmolLM2-135M-Instruct, this CPU (issue 26)",
+        "",
+        "`PYTHONPATH=src python benchmarks/compile_bench.py`: one process, one thread, interleaved; 64 new tokens,",
+        "greedy, the stock prompts (RAG, summarization, chat, code); lookup drafts 8 tokens a round.",
+        "",
+        "| dtype | method | tok/s | vs eager plain | per category | identical to eager plain |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        for name, m in r["methods"].items():
+            cats = " / ".join(f"{c} {v:.2f}x" for c, v in m["per_category_vs_eager_plain"].items())
+            same = "yes" if m["identical_to_eager_plain"] else "NO"
+            speed = f"{m['tokens_per_second']:.1f} | {m['vs_eager_plain']:.2f}x"
+            lines.append(f"| {r['dtype']} | {name} | {speed} | {cats} | {same} |")
+    lines += ["", "Step cost of `w` positions at 300 cached (relative to `w = 1`; one step in ms):", ""]
+    lines += ["| dtype | step | " + " | ".join(f"w={w}" for w in WIDTHS) + " | w=1 ms |"]
+    lines += ["|---|---|" + "---|" * (len(WIDTHS) + 1)]
+    for r in results:
+        for kind in ("eager", "compiled"):
+            curve = r[f"step_curve_{kind}"]
+            cells = " | ".join(f"{curve[w]:.2f}" for w in WIDTHS)
+            lines.append(f"| {r['dtype']} | {kind} | {cells} | {curve['one_step_ms']:.1f} |")
+    lines += [""]
+    for r in results:
+        lines.append(
+            f"- {r['dtype']}: load per core {r['load_per_core_before']} before, {r['load_per_core_after']} after; "
+            f"compile (inductor, every width and bucket, before timing): {r['compile_seconds']}"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    args = parser.parse_args()
+    results = []
+    for dtype in args.dtypes:
+        results.append(run(dtype, args.repeats))
+        (RESULTS / "compile_cpu.json").write_text(json.dumps(results, indent=2) + "\n")
+        (RESULTS / "compile_cpu.md").write_text(markdown(results))
+
+
+if __name__ == "__main__":
+    main()
