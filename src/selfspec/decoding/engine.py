@@ -22,6 +22,7 @@ from ..drafting.exit_adapter.adapter import ExitAdapter
 from ..drafting.medusa.drafter import MedusaHeads, load_medusa_heads
 from ..drafting.registry import drafters_using
 from ..errors import ConfigurationError
+from ..modeling.cache import CachePool
 from ..modeling.runner import ModelRunner
 from .batching import BatchScheduler
 from .config import EngineConfig, check_arguments, eos_token_ids, wants_calibration
@@ -162,6 +163,7 @@ class SpeculativeEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.runner = ModelRunner(model, fast_path=fast_path)
+        self._caches = CachePool(self.runner.num_layers)  # one KV cache reused by the calls (no fresh pages)
         model.eval()
         self.name_or_path: str = str(getattr(model.config, "_name_or_path", "") or "")
         self.eos_token_ids = eos_token_ids(model, tokenizer)
@@ -482,5 +484,9 @@ class SpeculativeEngine:
             return (yield from static)
         # a tree drafter's nodes need slots beyond the text (a drafter may say how many)
         tree_slots = self.tree_nodes or getattr(self.drafter, "tree_nodes", None) or 0
-        cache = self.runner.new_cache(len(run.prompt_ids) + run.max_new_tokens + tree_slots)
-        return (yield from decode(self.runner, self.drafter, run, cache, self._lock, self.eos_token_ids))
+        cache, pooled = self._caches.take(len(run.prompt_ids) + run.max_new_tokens + tree_slots)
+        try:
+            return (yield from decode(self.runner, self.drafter, run, cache, self._lock, self.eos_token_ids))
+        finally:
+            if pooled:
+                self._caches.give_back()

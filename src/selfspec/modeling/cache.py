@@ -19,6 +19,7 @@ overwritten by the next write.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Protocol
 
 import torch
@@ -125,6 +126,41 @@ class StaticKVCache(_LayerBuffers):
         """Roll layers back so that each holds at most ``length`` positions."""
         for i in layers if layers is not None else range(self.num_layers):
             self.lengths[i] = min(self.lengths[i], length)
+
+
+class CachePool:
+    """One :class:`StaticKVCache` an engine's calls reuse, one call at a time.
+
+    A fresh cache's buffers are new memory, and the first write to each page costs the
+    operating system a page fault: measured ~4% of a 1,470-token prefill of SmolLM2 in bf16 on
+    this CPU (3.11 s with a reused cache against 3.24 s with a fresh one). A call takes the pooled
+    cache when no other call holds it (grown when it needs more room); a concurrent call gets a
+    fresh one. The pool keeps the largest cache a call needed.
+
+    Args:
+        num_layers: the model's decoder layers.
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self._cache: StaticKVCache | None = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"CachePool({self._cache!r}, in_use={self._lock.locked()})"
+
+    def take(self, max_length: int) -> tuple[StaticKVCache, bool]:
+        """A cache of at least ``max_length`` positions, emptied, and whether it is the pool's (give it back then)."""
+        if not self._lock.acquire(blocking=False):
+            return StaticKVCache(self.num_layers, max_length), False
+        if self._cache is None or self._cache.max_length < max_length:
+            self._cache = StaticKVCache(self.num_layers, max_length)
+        self._cache.crop_to(0)
+        return self._cache, True
+
+    def give_back(self) -> None:
+        """Release the pool's cache (after :meth:`take` returned it)."""
+        self._lock.release()
 
 
 class BatchedKVCache(_LayerBuffers):
