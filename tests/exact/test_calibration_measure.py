@@ -10,7 +10,7 @@ from tiny_models import make_model, reference_greedy
 
 from selfspec import SpeculativeEngine
 from selfspec.calibration import CALIBRATION_VERSION, CostModel, DraftController, load_calibration, save_calibration
-from selfspec.calibration.measure import Continuations, choose_plan, replay
+from selfspec.calibration.measure import Continuations, calibrate, choose_plan, replay
 
 
 def test_plan_is_plain_when_no_draft_is_ever_accepted() -> None:
@@ -321,3 +321,22 @@ def test_plans_saved_flat_by_older_versions_are_read_as_method_and_settings() ->
     assert set(plan_methods()) >= {"none", "prompt_lookup", "early_exit", "hybrid", "layer_skip", "eagle"}
     assert plan_of({"plan": {"method": "hybrid", "settings": {}}}) is None  # an early exit needs its layer
     assert plan_of({"plan": {"method": "no_such_drafter", "settings": {}}}) is None
+
+
+def test_first_load_compares_half_precision_with_float32() -> None:
+    """A bf16 engine on the CPU: calibration times a prefill and a decode step in bf16 and in float32 and says so."""
+    from selfspec.calibration.precision import describe_precision, measure_precision
+
+    model = make_model("llama", agreeing=True, dtype=torch.bfloat16)
+    engine = SpeculativeEngine(model, None, drafter="none", calibration={})
+    measured = measure_precision(engine, list(range(10, 40)), repeats=1)
+    assert measured["dtype"] == "bfloat16" and measured["prefill_tokens"] == 256
+    assert measured["prefill_speedup"] > 0 and measured["step_speedup"] > 0
+    assert all(v > 0 for v in (*measured["prefill_seconds"].values(), *measured["step_seconds"].values()))
+    assert "256-token prefill" in describe_precision(measured)
+    assert next(model.parameters()).dtype == torch.bfloat16  # the engine's model is untouched (a copy was timed)
+    fp32 = SpeculativeEngine(make_model("llama", agreeing=True, dtype=torch.float32), None, drafter="none", calibration={})
+    assert measure_precision(fp32, [1, 2, 3]) == {"skipped": "the model runs in float32 already"}
+    assert describe_precision({"skipped": "x"}) == ""
+    result = calibrate(engine, [list(range(10, 30))], max_new_tokens=4, max_draft_tokens=2, save=False, progress=False)
+    assert result.precision["dtype"] == "bfloat16" and result.to_json()["precision"]["step_speedup"] > 0

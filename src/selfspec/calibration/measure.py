@@ -40,6 +40,7 @@ from ..drafting.auto import PLAIN_MARGIN, Plan
 from ..drafting.planning import PLAIN, Candidate, DrafterCalibration
 from ..drafting.registry import registered
 from ..errors import ConfigurationError
+from .precision import describe_precision, measure_precision
 from .store import load_per_core, machine_fingerprint, save_calibration
 
 logger = logging.getLogger(__name__)
@@ -153,6 +154,7 @@ class CalibrationResult:
     calibration_budget: float | None = None
     seconds: float = 0.0
     skipped: list[str] = field(default_factory=list)
+    precision: dict[str, Any] = field(default_factory=dict)
 
     @property
     def predicted_tokens_per_second(self) -> dict[str, float]:
@@ -879,7 +881,7 @@ def calibrate(
     exit_adapter = engine.config.exit_adapter
     deadline = Deadline(budget)
 
-    bar = tqdm(total=6, desc="calibrating", disable=not progress, leave=False)
+    bar = tqdm(total=7, desc="calibrating", disable=not progress, leave=False)
     bar.set_postfix_str("the model's own continuations")
     data = generate_continuations(engine, prompt_ids, max_new_tokens)
     bar.update()
@@ -921,6 +923,9 @@ def calibrate(
     else:  # (free for plain decoding)
         sampled_plan = measure_sampled_plan(engine, plan, chosen, context, saved)
     bar.update()
+    bar.set_postfix_str("half precision against float32")
+    precision = {"skipped": "time budget"} if deadline.passed() else measure_precision(engine, prompt_ids[0])
+    bar.update()
     bar.close()
     exit_layer, num_draft_tokens, exit_speed = context.best_exit
     tree_speed: dict[str, float] = {}
@@ -950,6 +955,7 @@ def calibrate(
         calibration_budget=budget,
         seconds=time.perf_counter() - deadline.started,
         skipped=list(deadline.skipped),
+        precision=precision,
     )
     logger.info("calibrated %s: %s", engine.name_or_path or "the model", plan.summary())
     if sampled_plan is not None:
@@ -1028,4 +1034,8 @@ def calibrate_on_first_load(
     )
     engine.configure(measured.to_json())
     skipped = f" (skipped for the {budget:.0f} s budget: {', '.join(measured.skipped)})" if measured.skipped else ""
-    logger.warning("calibrated %s in %.0f s: %s%s", name, time.perf_counter() - start, measured.plan.summary(), skipped)
+    speed = describe_precision(measured.precision)
+    logger.warning(
+        "calibrated %s in %.0f s: %s%s%s",
+        name, time.perf_counter() - start, measured.plan.summary(), skipped, f"; {speed}" if speed else "",
+    )  # fmt: skip
