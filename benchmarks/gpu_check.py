@@ -3,41 +3,48 @@
 Prepared for one device call of at most 10 minutes on a lent GPU (one H200, torch 2.11,
 transformers 5.17, no bitsandbytes, nothing installable, no network): ``bash
 benchmarks/gpu_check.sh --out "$OUT"``. Sections, most valuable first; each is guarded (an error is
-recorded and the next one runs), every section stops starting new measurements once the global
-deadline (``--deadline``, 270 s) has passed, and the JSON is rewritten after every measurement, so
-a timeout still leaves what was measured:
+recorded and the next one runs), no new measurement starts once the global deadline
+(``--deadline``, 270 s) has passed, and the JSON and the markdown are rewritten after every
+measurement, so a timeout still leaves what was measured:
 
-1. ``env``: torch, CUDA, transformers, the GPU; the decoder layer's cache keyword; SDPA backends enabled.
-2. ``demo``: exactness on the bundled demo model in fp16 and bf16: transformers' greedy ``generate``
-   against selfspec's plain loop (eager and compiled: the static round), prompt lookup (eager and
-   compiled) and the early exit (eager only: it is not ``chain_only``); per prompt the first
-   position where the text differs (``None``: identical), tokens/s, tokens per round, host syncs
-   per round (CUDA: ``torch.cuda.set_sync_debug_mode("warn")``, one warning per sync; CPU: the
-   dispatch-mode counter of ``tests/exact/test_decoding_sync_budget.py``, eager variants only: a
-   dispatch mode cannot wrap a compiled call).
+1. ``env``: torch, CUDA, transformers, the GPU; the decoder layer's cache keyword (and the one
+   selfspec reads from it); the SDPA backends enabled; bitsandbytes' version (never imported).
+2. ``demo``: exactness on the bundled demo model in fp16 and bf16: transformers' greedy
+   ``generate`` against selfspec's plain loop and prompt lookup (8 drafts a round), eager and
+   compiled (the static round: ``compile=True``, CUDA graphs on CUDA), and the early exit (eager
+   only: it is not ``chain_only``); per prompt the first position where the text differs
+   (``None``: identical), tokens/s, tokens per round, host syncs per round (CUDA:
+   ``torch.cuda.set_sync_debug_mode("warn")``, one warning per sync; CPU: the dispatch-mode
+   counter of ``tests/exact/test_decoding_sync_budget.py``, eager variants only: a dispatch mode
+   cannot wrap a compiled call). The compiled variants run here for ``--demo-compiled-dtypes``
+   (bf16) and for the other dtype in ``demo_late``, after everything else.
 3. ``llama8b``: a Llama-3-8B-shaped model with random weights (bf16 on CUDA, SDPA, no EOS), an
    oracle drafter (:class:`OracleDrafter`: the known greedy continuation, each token kept with
    probability ``alpha``, the first miss ends the run) at forced acceptance 0.6 / 0.8 / 1.0 with 8
-   drafts a round: tokens/s for plain eager (``drafter="none", compile=False``), plain graphed
-   (``compile=True``: the static round, CUDA graphs), speculative eager and speculative graphed,
-   and transformers' eager ``generate``; compile times apart; kernels and device time per forward
-   (``torch.profiler``) for widths 1 and 9, the static step eager and compiled.
+   drafts a round: tokens/s for plain eager (``drafter="none", compile=False``), speculative eager,
+   transformers' eager ``generate``, then plain graphed (``compile=True``) and speculative graphed,
+   with their compile times apart; kernels and device time per forward (``torch.profiler``) of
+   the static step of widths 1 and 9, eager and compiled.
 4. ``sdpa``: the SDPA backends (flash, mem-efficient, cuDNN, math) with GQA at 4k context: an
    ``is_causal`` prefill and a 9-query ``causal_lower_right`` chain verify, against the boolean
-   mask selfspec passed before issue 26 and the repeated-K/V form: time and peak memory.
-5. ``hf_compiled``: transformers' ``generate`` with a static cache and its own compilation of the
-   decoding step (``cache_implementation="static"`` with ``compile_config=CompileConfig(fullgraph=True,
-   mode="reduce-overhead")``: transformers 5.x compiles the decode step itself when the cache is
-   static); last because its compile time is the least predictable.
-6. ``quantized`` (only with ``--quantized``; imports bitsandbytes): the verify-cost curve of the
+   mask and the repeated-K/V forms: time, peak memory, largest deviation.
+5. ``hf_compiled``: transformers' ``generate`` with a static cache, the decode step compiled by
+   transformers itself (``cache_implementation="static"`` with
+   ``compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead")``: in transformers 5.x
+   ``generate`` compiles the decode step when the cache is static; with a graph break, its default
+   ``CompileConfig()``). Late because its compile time is the least predictable.
+6. ``demo_late``: the compiled demo variants of the dtypes ``demo`` left out (fp16).
+7. ``quantized`` (only with ``--quantized``; imports bitsandbytes): the verify-cost curve of the
    same shape in NF4 through selfspec's module path.
 
 Why the speculative runs stop short: a round near the end of a call drafts fewer than 8 tokens,
-i.e. a narrower width whose graph would have to be compiled too. The oracle ends the call (it
+i.e. a narrower width whose step would have to be compiled too. The oracle ends the call (it
 raises :class:`EnoughTokens`) at the first round whose budget is under 8, so the graphed
-speculative engine needs width 9 only and the plain one width 1 only: two compiles.
+speculative engine needs width 9 only and the plain one width 1 only: two compiles of the 8B
+shape. Its tokens/s counts the tokens emitted up to that round over the time since the call
+started (prefill included, as for the plain runs).
 
-Results: ``gpu_check.json`` and ``gpu_check.md`` in ``--out`` (``benchmarks/results``).
+Results: ``gpu_check.json`` and ``gpu_check.md`` in ``--out`` (default ``benchmarks/results``).
 
     PYTHONPATH=src python benchmarks/gpu_check.py --out "$OUT"                       # the GPU
     PYTHONPATH=src python benchmarks/gpu_check.py --device cpu --shape tiny --quick  # smoke test
@@ -153,7 +160,7 @@ class Check:
         """Run one section into ``results[name]`` (filled in place, so partial results are saved)."""
         out: dict[str, Any] = {}
         self.results[name] = out
-        if self.left() < NEEDS[name]:
+        if NEEDS[name] > 0 and self.left() < NEEDS[name]:  # env always runs
             out["skipped"] = f"deadline: {self.left():.0f} s left, the section needs {NEEDS[name]:.0f}"
         else:
             started = time.perf_counter()
@@ -653,13 +660,13 @@ def llama8b_section(check: Check, out: dict[str, Any]) -> None:
         result |= compile_record(engine)
         return result
 
+    # the eager runs first (seconds each), then the two compiles (the least predictable part)
     guarded(check, out, "plain_eager", lambda: plain(False))
+    guarded(check, out, "speculative_eager", lambda: speculative(False))
+    guarded(check, out, "hf_eager", lambda: hf_eager(check, model, prompt, new_tokens, references.get("eager")))
     if check.compiles:
         guarded(check, out, "plain_graphed", lambda: plain(True), needs=COMPILE_NEEDS)
-    guarded(check, out, "speculative_eager", lambda: speculative(False))
-    if check.compiles:
         guarded(check, out, "speculative_graphed", lambda: speculative(True), needs=COMPILE_NEEDS)
-    guarded(check, out, "hf_eager", lambda: hf_eager(check, model, prompt, new_tokens, references.get("eager")))
     guarded(check, out, "profile", lambda: profile_steps(check, model, len(prompt) + oracle_new))
     summarize_llama(out)
 
