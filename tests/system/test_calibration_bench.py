@@ -205,18 +205,29 @@ def _run_gpu_check(tmp_path, *arguments: str) -> dict:
 def test_gpu_check_script_runs_on_cpu_with_a_tiny_shape(tmp_path) -> None:
     """The one-call GPU check (issue 26) on CPU: every section runs, compiled paths traced by dynamo's eager backend."""
     result = _run_gpu_check(
-        tmp_path, "--quick", "--cpu-compile", "--compile-backend", "eager", "--demo-dtypes", "bfloat16"
+        tmp_path,
+        "--quick",
+        "--cpu-compile",
+        "--compile-backend",
+        "eager",
+        "--demo-dtypes",
+        "bfloat16",
+        "--demo-compiled-dtypes",
+        "bfloat16",
     )
     assert not _errors(result), _errors(result)
-    assert {"env", "demo", "llama8b", "sdpa", "hf_compiled", "demo_late"} <= set(result)
+    assert {"env", "demo", "llama8b", "sdpa", "demo_compiled", "hf_compiled"} <= set(result)
     assert "quantized" not in result  # bitsandbytes only with --quantized
     assert result["env"]["selfspec_cache_keyword"] in result["env"]["decoder_layer_cache_keyword"]
     demo = result["demo"]["bfloat16"]
     for name in ("plain_eager", "lookup_eager", "early_exit_eager"):  # the eager loop: generate's text
         assert demo[name]["identical"], (name, demo[name])
         assert demo[name]["syncs_per_round"] >= 1  # the counter counts (the budget is tests/exact's)
-    assert demo["lookup_compiled"]["static_round"] and ["greedy", 1, 256] in demo["lookup_compiled"]["compiled_steps"]
-    assert len(demo["plain_compiled"]["first_divergence"]) == 3
+    compiled = result["demo_compiled"]["bfloat16"]  # the static round (its bf16 text is not asserted here)
+    assert compiled["plain_compiled"]["compiled_steps"] == [["greedy", 1, 256]]
+    lookup = compiled["lookup_compiled"]
+    assert lookup["static_round"] and ["greedy", 9, 256] in lookup["compiled_steps"]
+    assert len(compiled["plain_compiled"]["first_divergence"]) == 3
     llama = result["llama8b"]
     assert llama["plain_graphed"]["first_divergence_vs_eager"] is None  # float32
     assert llama["plain_graphed"]["compiled_steps"] == [["greedy", 1, 256]]
