@@ -279,6 +279,8 @@ def env_section(check: Check, out: dict[str, Any]) -> None:
         "cuda": torch.version.cuda,
         "transformers": transformers.__version__,
         "device": str(check.device),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "cpu_count": os.cpu_count(),
         "decoder_layer_cache_keyword": [k for k in ("cache", "past_key_values") if k in parameters],
         "sdpa_enabled": {
             "flash": torch.backends.cuda.flash_sdp_enabled(),
