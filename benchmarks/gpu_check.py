@@ -914,12 +914,11 @@ def hf_compiled_section(check: Check, out: dict[str, Any]) -> None:
         0, model.config.vocab_size, (check.args.prompt_len,), generator=torch.Generator().manual_seed(1)
     )
     ids = prompt[None].to(check.device)
-    config = CompileConfig(fullgraph=True, mode="reduce-overhead", backend=check.args.compile_backend)
-    if not check.cuda:
-        if not check.args.cpu_compile:
-            config = None
-        else:
-            config._compile_all_devices = True  # transformers compiles only on accelerators unless told
+    config: CompileConfig | None = None  # on CPU without --cpu-compile: the static cache, eagerly
+    if check.compiles:
+        config = CompileConfig(fullgraph=True, mode="reduce-overhead", backend=check.args.compile_backend)
+        if not check.cuda:
+            config._compile_all_devices = True  # type: ignore[assignment]  # transformers compiles on CPU if told
     new_tokens = check.args.new_tokens
     options = {"do_sample": False, "pad_token_id": 0, "cache_implementation": "static", "compile_config": config}
     started = time.perf_counter()
