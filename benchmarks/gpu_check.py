@@ -22,7 +22,7 @@ measurement, so a timeout still leaves what was measured:
    drafts a round: tokens/s for plain eager (``drafter="none", compile=False``), speculative eager,
    transformers' eager ``generate``, then plain graphed (``compile=True``) and speculative graphed,
    with their compile times apart; kernels and device time per forward (``torch.profiler``) of
-   the static step of widths 1 and 9, eager and compiled.
+   the eager static step of widths 1 and 9 (the compiled ones in ``profile_compiled``).
 4. ``sdpa``: the SDPA backends (flash, mem-efficient, cuDNN, math) with GQA at 4k context: an
    ``is_causal`` prefill and a 9-query ``causal_lower_right`` chain verify, against the boolean
    mask and the repeated-K/V forms: time, peak memory, largest deviation.
@@ -34,7 +34,10 @@ measurement, so a timeout still leaves what was measured:
    ``compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead")``: in transformers 5.x
    ``generate`` compiles the decode step when the cache is static; with a graph break, its default
    ``CompileConfig()``). Last because its compile time is the least predictable.
-7. ``quantized`` (only with ``--quantized``; imports bitsandbytes): the verify-cost curve of the
+7. ``profile_compiled``: the graphed 8B steps (widths 1 and 9) under ``torch.profiler``: kernels,
+   device time and graph launches per step; last, since profiling CUDA graph replays is the one
+   call here that has been known to crash a process.
+8. ``quantized`` (only with ``--quantized``; imports bitsandbytes): the verify-cost curve of the
    same shape in NF4 through selfspec's module path.
 
 Why the speculative runs stop short: a round near the end of a call drafts fewer than 8 tokens,
@@ -96,7 +99,7 @@ SHAPES: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 4096,
     },
 }
-SECTIONS = ("env", "demo", "llama8b", "sdpa", "demo_compiled", "hf_compiled", "quantized")
+SECTIONS = ("env", "demo", "llama8b", "sdpa", "demo_compiled", "hf_compiled", "profile_compiled", "quantized")
 DEMO_PROMPTS = (
     "It is a truth universally acknowledged, that a single man",
     "Mr. Darcy said to Elizabeth that",
@@ -112,6 +115,7 @@ NEEDS = {
     "sdpa": 5.0,
     "hf_compiled": 60.0,
     "demo_compiled": 40.0,
+    "profile_compiled": 0.0,  # about a second: it runs past the deadline too
     "quantized": 30.0,
 }
 COMPILE_NEEDS = 40.0
@@ -160,7 +164,7 @@ class Check:
         """Run one section into ``results[name]`` (filled in place, so partial results are saved)."""
         out: dict[str, Any] = {}
         self.results[name] = out
-        if NEEDS[name] > 0 and self.left() < NEEDS[name]:  # env always runs
+        if NEEDS[name] > 0 and self.left() < NEEDS[name]:  # env and profile_compiled always run
             out["skipped"] = f"deadline: {self.left():.0f} s left, the section needs {NEEDS[name]:.0f}"
         else:
             started = time.perf_counter()
@@ -676,7 +680,8 @@ def llama8b_section(check: Check, out: dict[str, Any]) -> None:
                 fallback = f"{name}_cudagraphs_backend"  # CUDA graphs of the eager kernels, no code generation
                 run_fallback = functools.partial(run, True, "cudagraphs", fallback)
                 guarded(check, out, fallback, run_fallback, needs=COMPILE_NEEDS / 2)
-    guarded(check, out, "profile", lambda: profile_steps(check, model, len(prompt) + oracle_new))
+    check.kept["profile_tokens_for"] = len(prompt) + oracle_new
+    guarded(check, out, "profile", lambda: profile_steps(check, len(prompt) + oracle_new, compiled=False))
     summarize_llama(out)
 
 
@@ -723,25 +728,39 @@ def hf_eager(
     }
 
 
-def profile_steps(check: Check, model: Any, tokens_for: int) -> dict[str, Any]:
-    """Kernels and device time of one static step of width 1 and 9, eager and compiled."""
+def profile_steps(check: Check, tokens_for: int, compiled: bool) -> dict[str, Any]:
+    """Kernels and device time of one static step of width 1 and 9, eager or compiled.
+
+    Eager: a fresh :class:`StaticStep` without ``torch.compile`` (the same layer code, every
+    kernel launched from Python). Compiled: the graphed engines' own steps (width 1 from the plain
+    engine, width 9 from the speculative one), replayed at the bucket their calls used.
+    """
     from selfspec.modeling.static_step import WIDTHS, StaticStep, bucket_for
 
     slots = tokens_for + WIDTHS[-1]
-    bucket = bucket_for(slots)
     context = check.args.prompt_len
-    eager_step = StaticStep(check.kept["plain_eager"].runner)
-    eager_step.reserve(slots)
-    steps = {"eager": {1: eager_step, DRAFTS + 1: eager_step}}
-    graphed = {1: check.kept.get("plain_graphed"), DRAFTS + 1: check.kept.get("speculative_graphed")}
-    if all(engine is not None and engine.static_round is not None for engine in graphed.values()):
-        steps["compiled"] = {w: e.static_round.step for w, e in graphed.items()}  # type: ignore[union-attr]
-    result: dict[str, Any] = {"context": context, "bucket": bucket}
-    for mode, by_width in steps.items():
-        for width, step in by_width.items():
-            result[f"{mode}_w{width}"] = profile_one(check, step, width, context)
-            check.save()
+    result: dict[str, Any] = {"context": context, "bucket": bucket_for(slots)}
+    if compiled:
+        engines = {1: check.kept.get("plain_graphed"), DRAFTS + 1: check.kept.get("speculative_graphed")}
+        if any(engine is None or engine.static_round is None for engine in engines.values()):
+            return result | {"skipped": "no graphed engines to profile (the llama8b section did not build them)"}
+        steps = {w: e.static_round.step for w, e in engines.items()}  # type: ignore[union-attr]
+    else:
+        eager_step = StaticStep(check.kept["plain_eager"].runner)
+        eager_step.reserve(slots)
+        steps = {1: eager_step, DRAFTS + 1: eager_step}
+    for width, step in steps.items():
+        result[f"{'compiled' if compiled else 'eager'}_w{width}"] = profile_one(check, step, width, context)
+        check.save()
     return result
+
+
+def profile_compiled_section(check: Check, out: dict[str, Any]) -> None:
+    """The graphed steps under the profiler, last: profiling CUDA graph replays is the riskiest call here."""
+    if "profile_tokens_for" not in check.kept:
+        out["skipped"] = "the llama8b section did not run"
+        return
+    out |= profile_steps(check, check.kept["profile_tokens_for"], compiled=True)
 
 
 def profile_one(check: Check, step: Any, width: int, context: int) -> dict[str, Any]:
@@ -927,7 +946,6 @@ def hf_compiled_section(check: Check, out: dict[str, Any]) -> None:
     except Exception as exc:  # noqa: BLE001 - a graph break under fullgraph=True: transformers' default then
         out["fullgraph_error"] = f"{type(exc).__name__}: {exc}"[:400]
         options["compile_config"] = CompileConfig(backend=check.args.compile_backend) if config else None
-        torch._dynamo.reset()
         model.generate(ids, max_new_tokens=new_tokens, **options)
     synchronize(check.device)
     out["first_call_s"] = round(time.perf_counter() - started, 1)
@@ -1092,8 +1110,8 @@ def markdown(results: dict[str, Any]) -> str:
             lines.append(f"| HF static cache + compile | {_why(hf)} | | | | | |")
         if llama.get("summary"):
             lines += ["", "Ratios: " + ", ".join(f"{k} {v}x" for k, v in llama["summary"].items())]
-        profile = llama.get("profile")
-        if isinstance(profile, dict) and "context" in profile:
+        profile = dict(llama.get("profile") or {}) | dict(results.get("profile_compiled") or {})
+        if "context" in profile:
             lines += [
                 "",
                 f"One static step at {profile['context']} cached positions (bucket {profile['bucket']}):",
@@ -1149,6 +1167,7 @@ BODIES: dict[str, Callable[[Check, dict[str, Any]], None]] = {
     "sdpa": sdpa_section,
     "hf_compiled": hf_compiled_section,
     "demo_compiled": demo_compiled_section,
+    "profile_compiled": profile_compiled_section,
     "quantized": quantized_section,
 }
 

@@ -4,7 +4,8 @@
 # Sections, most valuable first: env; demo-model exactness against transformers' generate in
 # fp16/bf16 (eager loop); a Llama-3-8B-shaped random model with an oracle drafter at forced
 # acceptance 0.6/0.8/1.0 (plain and speculative, eager and graphed; HF eager); SDPA backends
-# with GQA at 4k; the demo's exactness through the compiled static round; HF static cache + compile.
+# with GQA at 4k; the demo's exactness through the compiled static round; HF static cache + compile;
+# the graphed 8B steps under the profiler.
 # gpu_check.json and gpu_check.md are rewritten after every measurement, so a timeout still
 # leaves results. See benchmarks/gpu_check.py for what each field means.
 #

@@ -216,7 +216,7 @@ def test_gpu_check_script_runs_on_cpu_with_a_tiny_shape(tmp_path) -> None:
         "bfloat16",
     )
     assert not _errors(result), _errors(result)
-    assert {"env", "demo", "llama8b", "sdpa", "demo_compiled", "hf_compiled"} <= set(result)
+    assert {"env", "demo", "llama8b", "sdpa", "demo_compiled", "hf_compiled", "profile_compiled"} <= set(result)
     assert "quantized" not in result  # bitsandbytes only with --quantized
     assert result["env"]["selfspec_cache_keyword"] in result["env"]["decoder_layer_cache_keyword"]
     demo = result["demo"]["bfloat16"]
@@ -237,7 +237,8 @@ def test_gpu_check_script_runs_on_cpu_with_a_tiny_shape(tmp_path) -> None:
         assert 1.0 <= runs["alpha_0.6"]["tokens_per_round"] < runs["alpha_1.0"]["tokens_per_round"]
         assert all(runs[f"alpha_{a}"]["first_divergence_vs_reference"] is None for a in (0.6, 0.8, 1.0))
     assert llama["speculative_graphed"]["compiled_steps"] == [["greedy", 9, 256]]  # the tail never compiles
-    assert {"eager_w1", "eager_w9", "compiled_w1", "compiled_w9"} <= set(llama["profile"])
+    assert {"eager_w1", "eager_w9"} <= set(llama["profile"])
+    assert {"compiled_w1", "compiled_w9"} <= set(result["profile_compiled"])  # last: profiling graph replays
     assert llama["hf_eager"]["first_divergence_vs_selfspec_eager"] is None
     assert result["hf_compiled"]["compiled"] and result["hf_compiled"]["first_divergence_vs_selfspec_eager"] is None
     sdpa = result["sdpa"]
