@@ -833,6 +833,9 @@ def summarize_llama(out: dict[str, Any]) -> None:
                 )
     if plain["eager"] and plain["graphed"]:
         summary["plain_graphed_vs_plain_eager"] = round(plain["graphed"] / plain["eager"], 2)
+    target = summary.get("speculative_graphed_vs_plain_graphed_alpha_0.8")
+    if target is not None:  # the issue's acceptance test on a GPU
+        summary["issue26_speculative_graphed_at_least_1.8x_plain_graphed_at_0.8"] = target >= 1.8
     out["summary"] = summary
 
 
