@@ -1112,7 +1112,11 @@ def markdown(results: dict[str, Any]) -> str:
         elif hf:
             lines.append(f"| HF static cache + compile | {_why(hf)} | | | | | |")
         if llama.get("summary"):
-            lines += ["", "Ratios: " + ", ".join(f"{k} {v}x" for k, v in llama["summary"].items())]
+            lines += [
+                "",
+                "Ratios: "
+                + ", ".join(f"{k} {v if isinstance(v, bool) else f'{v}x'}" for k, v in llama["summary"].items()),
+            ]
         profile = dict(llama.get("profile") or {}) | dict(results.get("profile_compiled") or {})
         if "context" in profile:
             lines += [
