@@ -174,37 +174,83 @@ def test_demo_command_on_a_local_model(model_dir, capsys) -> None:
     assert "identical text: yes" in out and "speedup:" in out
 
 
-def test_gpu_check_script_runs_on_cpu_with_a_tiny_shape(tmp_path) -> None:
+def _errors(value: object, path: str = "") -> list[str]:
+    """Every ``error`` recorded anywhere in the GPU check's JSON."""
+    if isinstance(value, dict):
+        found = [f"{path}: {value['error']}"] if "error" in value else []
+        return found + [e for key, item in value.items() for e in _errors(item, f"{path}/{key}")]
+    return []
+
+
+def _run_gpu_check(tmp_path, *arguments: str) -> dict:
+    import os
     import subprocess
     import sys
     from pathlib import Path
 
-    script = Path(__file__).parents[2] / "benchmarks" / "gpu_check.py"
-    subprocess.run(
-        [
-            sys.executable,
-            str(script),
-            "--shape",
-            "tiny",
-            "--device",
-            "cpu",
-            "--precisions",
-            "fp32",
-            "nf4",
-            "--repeats",
-            "1",
-            "--context",
-            "32",
-            "--out",
-            str(tmp_path),
-        ],
-        check=True,
+    script = Path(__file__).parents[2] / "benchmarks" / "gpu_check.sh"
+    env = dict(os.environ, PY=sys.executable, GPU_CHECK_THREADS="1", GPU_CHECK_TIMEOUT="240")
+    done = subprocess.run(
+        ["bash", str(script), "--device", "cpu", "--shape", "tiny", "--out", str(tmp_path), *arguments],
+        env=env,
         capture_output=True,
+        text=True,
         timeout=300,
     )
-    result = json.loads((tmp_path / "gpu_check_tiny.json").read_text())
-    assert set(result["precisions"]) == {"fp32", "nf4"}
-    assert set(result["precisions"]["fp32"]["verify_cost"]) == {"1", "2", "4", "8", "16"}
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "gpu_check.md").is_file()
+    return json.loads((tmp_path / "gpu_check.json").read_text())
+
+
+def test_gpu_check_script_runs_on_cpu_with_a_tiny_shape(tmp_path) -> None:
+    """The one-call GPU check (issue 26) on CPU: every section runs, compiled paths traced by dynamo's eager backend."""
+    result = _run_gpu_check(
+        tmp_path,
+        "--quick",
+        "--cpu-compile",
+        "--compile-backend",
+        "eager",
+        "--demo-dtypes",
+        "bfloat16",
+        "--demo-compiled-dtypes",
+        "bfloat16",
+    )
+    assert not _errors(result), _errors(result)
+    assert {"env", "demo", "llama8b", "sdpa", "demo_compiled", "hf_compiled", "profile_compiled"} <= set(result)
+    assert "quantized" not in result  # bitsandbytes only with --quantized
+    assert result["env"]["selfspec_cache_keyword"] in result["env"]["decoder_layer_cache_keyword"]
+    demo = result["demo"]["bfloat16"]
+    for name in ("plain_eager", "lookup_eager", "early_exit_eager"):  # the eager loop: generate's text
+        assert demo[name]["identical"], (name, demo[name])
+        assert demo[name]["syncs_per_round"] >= 1  # the counter counts (the budget is tests/exact's)
+    compiled = result["demo_compiled"]["bfloat16"]  # the static round (its bf16 text is not asserted here)
+    assert compiled["plain_compiled"]["compiled_steps"] == [["greedy", 1, 256]]
+    lookup = compiled["lookup_compiled"]
+    assert lookup["static_round"] and ["greedy", 9, 256] in lookup["compiled_steps"]
+    assert len(compiled["plain_compiled"]["first_divergence"]) == 3
+    llama = result["llama8b"]
+    assert llama["plain_graphed"]["first_divergence_vs_eager"] is None  # float32
+    assert llama["plain_graphed"]["compiled_steps"] == [["greedy", 1, 256]]
+    for mode in ("eager", "graphed"):
+        runs = llama[f"speculative_{mode}"]
+        assert runs["alpha_1.0"]["tokens_per_round"] == 9.0  # every draft kept: 8 drafts + the bonus token
+        assert 1.0 <= runs["alpha_0.6"]["tokens_per_round"] < runs["alpha_1.0"]["tokens_per_round"]
+        assert all(runs[f"alpha_{a}"]["first_divergence_vs_reference"] is None for a in (0.6, 0.8, 1.0))
+    assert llama["speculative_graphed"]["compiled_steps"] == [["greedy", 9, 256]]  # the tail never compiles
+    assert {"eager_w1", "eager_w9"} <= set(llama["profile"])
+    assert {"compiled_w1", "compiled_w9"} <= set(result["profile_compiled"])  # last: profiling graph replays
+    assert llama["hf_eager"]["first_divergence_vs_selfspec_eager"] is None
+    assert result["hf_compiled"]["compiled"] and result["hf_compiled"]["first_divergence_vs_selfspec_eager"] is None
+    sdpa = result["sdpa"]
+    assert sdpa["prefill"]["is_causal_gqa/MATH"]["max_abs_diff_vs_math_mask"] < 1e-4
+    assert sdpa["chain_verify_9"]["causal_lower_right_gqa/MATH"]["max_abs_diff_vs_math_mask"] < 1e-4
+    assert "oracle drafter" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_gpu_check_past_its_deadline_still_writes_what_it_has(tmp_path) -> None:
+    result = _run_gpu_check(tmp_path, "--quick", "--deadline", "0", "--sections", "env", "demo", "sdpa")
+    assert result["env"]["torch"] and "skipped" in result["demo"] and "skipped" in result["sdpa"]
+    assert "did not run" in (tmp_path / "gpu_check.md").read_text()
 
 
 def test_calibrate_layer_skip_search(model_dir, capsys) -> None:
