@@ -109,11 +109,15 @@ class EagleDrafter(Drafter):
         return f"EagleDrafter({self.head!r}{tree}{lookup})"
 
     # ------------------------------------------------------------------ step 1: catch up
+    def _memory(self, state: DecodeState) -> _HeadMemory:
+        """This generation's head memory (its cache holds the target cache's positions, a tree's nodes and 2)."""
+        room = int(getattr(state.cache, "max_length", 0)) + (self.tree_nodes or 0) + 2
+        return state.memory(self, lambda: _HeadMemory(HeadCache(room)))
+
     def _root_feature(self, state: DecodeState) -> tuple[_HeadMemory, torch.Tensor]:
         """Feed the newly committed positions' true features; return ``f̂_P`` ``[1, 1, H]``."""
         head = self.head
-        room = int(getattr(state.cache, "max_length", 0)) + (self.tree_nodes or 0) + 2
-        memory = state.memory(self, lambda: _HeadMemory(HeadCache(room)))
+        memory = self._memory(state)
         memory.cache.crop_to(memory.settled)  # drop last round's draft entries
         pending = state.pending_hidden
         if pending is None or pending.shape[1] == 0:
@@ -171,14 +175,21 @@ class EagleDrafter(Drafter):
 
         Raises:
             NotImplementedError: the drafter drafts trees or prompt-lookup copies.
-            ValueError: ``width < 1`` or a grammar-constrained state (checked before the catch-up,
-                so the state is untouched and the round can go to :meth:`propose`).
+            ValueError: ``width < 1``, a grammar-constrained state, or a chain the head's cache cannot
+                hold (checked before the catch-up, so the state is untouched and the round can go to
+                :meth:`propose`).
         """
         if self.tree_nodes or self.lookup is not None:
             return super().propose_device(state, width)
         if width < 1 or state.constraint is not None:
             reason = f"width {width} < 1" if width < 1 else "a grammar-constrained round drafts on the host (propose)"
             raise ValueError(f"no device chain for this round: {reason}")
+        room = self._memory(state).cache.max_length
+        if state.position + width - 1 > room:  # the settled entries and width - 1 draft entries
+            raise ValueError(
+                f"no device chain for this round: the head's cache holds {room} entries, the chain "
+                f"needs {state.position + width - 1} (a target cache sized for the full width fits)"
+            )
         memory, root = self._root_feature(state)
         head, position = self.head, state.position
         device = root.device
