@@ -41,6 +41,13 @@ runs the model (the early exit) overrides it to draft every row in the same forw
 drafter with ``can_batch = False`` still works on a batching engine: its generations run
 alone, each a batch of one.
 
+Rounds of a fixed width (issue 26): a drafter with ``supports_device_chain = True`` also
+implements :meth:`Drafter.propose_device`, which drafts exactly ``width`` chain tokens and decides
+on the device how many are real (:class:`DeviceDraft`: the tokens and a 0-d length tensor), so a
+round can be verified with a single device-to-host read. :func:`draft_chain_on_device` is
+:func:`draft_autoregressively`'s twin for it: the same cost gate, confidence stop and
+end-of-sequence stop, as device-side masks over the full-width draft.
+
 Writing one: subclass :class:`Drafter`, implement ``propose``, and register a factory with
 :func:`selfspec.register_drafter` (``docs/custom_drafter.md``).
 """
