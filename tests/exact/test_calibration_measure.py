@@ -335,7 +335,8 @@ def test_first_load_compares_half_precision_with_float32() -> None:
     assert all(v > 0 for v in (*measured["prefill_seconds"].values(), *measured["step_seconds"].values()))
     assert "256-token prefill" in describe_precision(measured)
     assert next(model.parameters()).dtype == torch.bfloat16  # the engine's model is untouched (a copy was timed)
-    fp32 = SpeculativeEngine(make_model("llama", agreeing=True, dtype=torch.float32), None, drafter="none", calibration={})
+    fp32_model = make_model("llama", agreeing=True, dtype=torch.float32)
+    fp32 = SpeculativeEngine(fp32_model, None, drafter="none", calibration={})
     assert measure_precision(fp32, [1, 2, 3]) == {"skipped": "the model runs in float32 already"}
     assert describe_precision({"skipped": "x"}) == ""
     result = calibrate(engine, [list(range(10, 30))], max_new_tokens=4, max_draft_tokens=2, save=False, progress=False)

@@ -7,7 +7,16 @@ registers itself. Importing this package registers the built-in drafters.
 
 from typing import Any
 
-from .base import DecodeState, Draft, Drafter, NoDrafter, choose_token, draft_autoregressively
+from .base import (
+    DecodeState,
+    DeviceDraft,
+    Draft,
+    Drafter,
+    NoDrafter,
+    choose_token,
+    draft_autoregressively,
+    draft_chain_on_device,
+)
 from .planning import PLAIN, BenchContext, BenchRow, DrafterBench, DrafterCalibration, DrafterFactory, sampled
 from .registry import DrafterSpec, drafter_spec, list_drafters, register_drafter, unregister_drafter
 
@@ -55,6 +64,7 @@ from . import auto  # noqa: E402, F401  (registers "auto" last, whatever was imp
 
 __all__ = [
     "DecodeState",
+    "DeviceDraft",
     "Draft",
     "DraftModelDrafter",
     "Drafter",
@@ -72,6 +82,7 @@ __all__ = [
     "contiguous_runs",
     "default_skip_layers",
     "draft_autoregressively",
+    "draft_chain_on_device",
     "drafter_spec",
     "graft",
     "list_drafters",

@@ -41,6 +41,13 @@ runs the model (the early exit) overrides it to draft every row in the same forw
 drafter with ``can_batch = False`` still works on a batching engine: its generations run
 alone, each a batch of one.
 
+Rounds of a fixed width (issue 26): a drafter with ``supports_device_chain = True`` also
+implements :meth:`Drafter.propose_device`, which drafts exactly ``width`` chain tokens and decides
+on the device how many are real (:class:`DeviceDraft`: the tokens and a 0-d length tensor), so a
+round can be verified with a single device-to-host read. :func:`draft_chain_on_device` is
+:func:`draft_autoregressively`'s twin for it: the same cost gate, confidence stop and
+end-of-sequence stop, as device-side masks over the full-width draft.
+
 Writing one: subclass :class:`Drafter`, implement ``propose``, and register a factory with
 :func:`selfspec.register_drafter` (``docs/custom_drafter.md``).
 """
@@ -57,6 +64,7 @@ import torch
 from ..core.constraints import TokenConstraint, apply_mask
 from ..core.sampling import SamplingParams, logits_to_probs, sample
 from ..core.speed import worth_drafting
+from ..modeling.transfer import device_ids
 
 if TYPE_CHECKING:
     from ..modeling.runner import ModelRunner
@@ -156,6 +164,34 @@ class Draft:
         return len(self.tokens)
 
 
+@dataclass
+class DeviceDraft:
+    """A chain draft of a fixed width that never left the device (:meth:`Drafter.propose_device`).
+
+    The drafter always drafts ``width`` tokens; how many of them are real is decided on the
+    device (the cost gate, the confidence stop, end-of-sequence), so that a round of a fixed
+    width can be verified, accepted and committed with a single device-to-host read.
+
+    Attributes:
+        tokens: ``[width]`` long token ids on the model's device. Rows at or after ``length``
+            are padding (valid token ids, never to be accepted).
+        length: 0-d long tensor on the same device: how many leading ``tokens`` are real
+            (``0 <= length <= width``; ``0``: the round is a plain step).
+        draft_probs: ``[width, vocab]`` when the tokens were sampled: the processed
+            distributions they were drawn from, as :attr:`Draft.draft_probs`; padded rows hold
+            finite distributions (those the padding was drawn from). ``None`` when greedy.
+    """
+
+    tokens: torch.Tensor
+    length: torch.Tensor
+    draft_probs: torch.Tensor | None = None
+
+    @property
+    def width(self) -> int:
+        """The fixed width (real tokens plus padding)."""
+        return int(self.tokens.shape[0])
+
+
 class Drafter(ABC):
     """Proposes draft tokens for one round (see the module docstring for the contract)."""
 
@@ -172,6 +208,8 @@ class Drafter(ABC):
     #: whether it proposes only chains (no ``parents``, no ``exit_states``) and never writes the target's
     #: cache: the static round (``compile=``, :mod:`selfspec.decoding.static_round`) then verifies its drafts
     chain_only: bool = False
+    #: whether :meth:`propose_device` drafts a fixed-width chain with no host read
+    supports_device_chain: bool = False
 
     @abstractmethod
     def propose(self, state: DecodeState, max_tokens: int) -> Draft:
@@ -189,6 +227,19 @@ class Drafter(ABC):
             of the same exit layer, or the verifier runs every layer on the tokens.
         """
         return [self.propose(s, budget) if budget > 0 else Draft() for s, budget in zip(states, budgets, strict=True)]
+
+    def propose_device(self, state: DecodeState, width: int) -> DeviceDraft:
+        """A chain of exactly ``width`` tokens, its real length decided on the device (no host read).
+
+        The device twin of :meth:`propose` for rounds of a fixed width; only drafters with
+        :attr:`supports_device_chain` implement it. Its first ``length`` tokens are what
+        :meth:`propose` would draft with ``max_tokens=width`` (greedy), or follow the same
+        distribution (sampled).
+
+        Raises:
+            NotImplementedError: the drafter has no device chain (the default).
+        """
+        raise NotImplementedError(f"the {self.name!r} drafter ({type(self).__name__}) drafts no chain on the device")
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:  # noqa: B027
         """Learn from how many of the proposed tokens the target accepted."""
@@ -314,3 +365,102 @@ def draft_autoregressively(
     if constraint is not None:
         constraint.rollback(len(tokens))
     return Draft(tokens=tokens, draft_probs=torch.stack(probs) if probs else None)
+
+
+def draft_chain_on_device(
+    state: DecodeState,
+    width: int,
+    next_logits: Callable[[torch.Tensor, int], torch.Tensor],
+    confidence: float = 0.0,
+    round_cost: Callable[[int], float] | None = None,
+) -> DeviceDraft:
+    """:func:`draft_autoregressively` without a host read: ``width`` tokens, the length on the device.
+
+    Every step runs (``width`` calls of ``next_logits``); the stops :func:`draft_autoregressively`
+    takes on the host become a device-side length instead: the cost gate (a token is drafted only
+    if it and every earlier one pass :func:`worth_drafting`, judged on the draft distribution's
+    top probabilities), the confidence stop (a token whose top probability is below ``confidence``
+    is kept, the ones after it are not) and end-of-sequence (kept, nothing after it). Each stop
+    reads only the draft distribution, never the target's, so the draft stays exact. The
+    arithmetic of the gate is the host's, in float64 (float32 on MPS), so greedy lengths agree.
+
+    Greedy: the first ``length`` tokens equal what :func:`draft_autoregressively` drafts with
+    ``max_tokens=width`` for the same state. Sampled: tokens are drawn with the exponential race
+    (``argmax(probs / E)``, ``E ~ Exponential(1)`` from ``state.generator``), which follows
+    ``probs`` exactly with no host read; the random stream may differ from the host path's, so a
+    seeded sampled draft may differ from :func:`draft_autoregressively`'s (same distribution).
+
+    Args:
+        state: the generation's state (sampling parameters, generator, eos; the model's device
+            is ``state.runner.device``).
+        width: the tokens to draft (at least 1).
+        next_logits: ``(token, j) -> [vocab] logits`` for the token after ``token`` (a 0-d long
+            tensor on the device), which sits at position ``state.position + j``.
+        confidence: stop after the first token whose top probability is below this (``0``: never).
+        round_cost: ``n ->`` the predicted cost of a round that drafts ``n`` tokens (the cost
+            gate, as in :func:`draft_autoregressively`); evaluated on the host for
+            ``n = 0 .. width``.
+
+    Returns:
+        A :class:`DeviceDraft` of ``width`` tokens and its device-side length.
+
+    Raises:
+        ValueError: ``width < 1``, or the state has a grammar constraint (constrained rounds
+            draft on the host, :func:`draft_autoregressively`).
+    """
+    if width < 1:
+        raise ValueError(f"a device draft needs a width of at least 1, got {width}")
+    if state.constraint is not None:
+        raise ValueError("a grammar-constrained round drafts on the host (draft_autoregressively), not on the device")
+    device = state.runner.device
+    params, generator = state.params, state.generator
+    costs = [round_cost(n) for n in range(width + 1)] if round_cost is not None else None
+    eos = device_ids(sorted(state.eos_token_ids), device) if state.eos_token_ids else None
+    wide = torch.float32 if device.type == "mps" else torch.float64  # the host's Python floats
+    token = torch.full((), state.last_token, dtype=torch.long, device=device)
+    alive = torch.ones((), dtype=torch.bool, device=device)  # every token so far drafted, no stop yet
+    length = torch.zeros((), dtype=torch.long, device=device)
+    reach = torch.ones((), dtype=wide, device=device)  # the chance every drafted token is accepted
+    expected = torch.ones((), dtype=wide, device=device)  # the round's expected tokens so far
+    tokens, probs = [], []
+    for j in range(width):
+        logits = next_logits(token, j)
+        token_probs = None if params.greedy else logits_to_probs(logits, params)
+        token = logits.argmax() if token_probs is None else exponential_race(token_probs, generator)
+        tokens.append(token)
+        if token_probs is not None:
+            probs.append(token_probs)
+        keep = alive
+        stopping = confidence > 0 and j + 1 < width
+        top = None
+        if costs is not None or stopping:
+            top = (token_probs if token_probs is not None else torch.softmax(logits, dim=-1)).max().to(wide)
+        if costs is not None:
+            assert top is not None
+            reach = reach * top
+            # worth_drafting(reach, expected, j, round_cost), with the host's operations in the host's order
+            keep = keep & (reach * costs[j] >= (costs[j + 1] - costs[j]) * expected)
+            expected = expected + reach
+        length = length + keep
+        stop = (token == eos).any() if eos is not None else None
+        if stopping:
+            assert top is not None
+            low = top < confidence
+            stop = low if stop is None else stop | low
+        alive = keep if stop is None else keep & ~stop
+    return DeviceDraft(
+        tokens=torch.stack(tokens),
+        length=length,
+        draft_probs=torch.stack(probs) if probs else None,
+    )
+
+
+def exponential_race(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token drawn from ``[vocab]`` ``probs`` on the device: ``argmax(probs / E)``, ``E ~ Exponential(1)``.
+
+    Exact in distribution (the smallest of independent ``Exponential(p_i)`` times is at ``i``
+    with probability ``p_i``) and free of host reads (``torch.multinomial`` checks its input
+    with one). Zero-probability tokens are never drawn.
+    """
+    race = probs / torch.empty_like(probs).exponential_(1.0, generator=generator)
+    return race.masked_fill(probs <= 0, -1.0).argmax()

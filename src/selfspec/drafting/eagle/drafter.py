@@ -33,7 +33,8 @@ import torch
 from ...core.speed import CostModel
 from ...core.tree import default_tree_width
 from ...errors import ConfigurationError
-from ..base import DecodeState, Draft, Drafter, draft_autoregressively
+from ...modeling.transfer import device_ids
+from ..base import DecodeState, DeviceDraft, Draft, Drafter, draft_autoregressively, draft_chain_on_device
 from ..prompt_lookup import PromptLookupDrafter
 from ..registry import register_drafter
 from ..tree_grower import ROOT, TreeGrower, grow_tree
@@ -100,6 +101,8 @@ class EagleDrafter(Drafter):
         self.chain_only = not tree_nodes and self.feature_layers is None  # the static round verifies its chains
         if lookup:
             self.name = "eagle_hybrid"
+        #: chains (no tree, no prompt lookup) draft on the device too (:meth:`propose_device`)
+        self.supports_device_chain = tree_nodes is None and not lookup
 
     def __repr__(self) -> str:
         tree = f", tree_nodes={self.tree_nodes}" if self.tree_nodes else ""
@@ -107,11 +110,15 @@ class EagleDrafter(Drafter):
         return f"EagleDrafter({self.head!r}{tree}{lookup})"
 
     # ------------------------------------------------------------------ step 1: catch up
+    def _memory(self, state: DecodeState) -> _HeadMemory:
+        """This generation's head memory (its cache holds the target cache's positions, a tree's nodes and 2)."""
+        room = int(getattr(state.cache, "max_length", 0)) + (self.tree_nodes or 0) + 2
+        return state.memory(self, lambda: _HeadMemory(HeadCache(room)))
+
     def _root_feature(self, state: DecodeState) -> tuple[_HeadMemory, torch.Tensor]:
         """Feed the newly committed positions' true features; return ``f̂_P`` ``[1, 1, H]``."""
         head = self.head
-        room = int(getattr(state.cache, "max_length", 0)) + (self.tree_nodes or 0) + 2
-        memory = state.memory(self, lambda: _HeadMemory(HeadCache(room)))
+        memory = self._memory(state)
         memory.cache.crop_to(memory.settled)  # drop last round's draft entries
         pending = state.pending_hidden
         if pending is None or pending.shape[1] == 0:
@@ -126,7 +133,7 @@ class EagleDrafter(Drafter):
         if start < memory.next_position:  # never happens in the loop; keep the newest view
             raise ConfigurationError(f"EAGLE head out of step: features from {start}, expected {memory.next_position}")
         features = head.target_features(pending)  # [1, m, H] after the final norm
-        next_tokens = torch.tensor([state.token_ids[start + 1 : state.position + 1]], device=device)
+        next_tokens = device_ids([state.token_ids[start + 1 : state.position + 1]], device)  # no blocking copy
         positions = torch.arange(start, state.position, device=device)[None]
         out = head(features.to(head.fc.weight.dtype), next_tokens, positions, memory.cache)
         memory.settled = memory.cache.length
@@ -157,6 +164,46 @@ class EagleDrafter(Drafter):
 
         round_cost = self.costs.round_cost if self.costs is not None else None
         return draft_autoregressively(state, max_tokens, next_logits, self.confidence, round_cost)
+
+    def propose_device(self, state: DecodeState, width: int) -> DeviceDraft:
+        """A chain of exactly ``width`` tokens with its length decided on the device (no host read).
+
+        The catch-up of :meth:`propose` (which reads only host ints), then
+        :func:`~selfspec.drafting.base.draft_chain_on_device` with the same gate, confidence stop
+        and head steps: the greedy chain's first ``length`` tokens are :meth:`propose`'s. The head
+        runs all ``width`` steps, so its cache needs room for ``width - 1`` draft entries past the
+        settled ones (they are dropped at the next catch-up, like :meth:`propose`'s).
+
+        Raises:
+            NotImplementedError: the drafter drafts trees or prompt-lookup copies.
+            ValueError: ``width < 1``, a grammar-constrained state, or a chain the head's cache cannot
+                hold (checked before the catch-up, so the state is untouched and the round can go to
+                :meth:`propose`).
+        """
+        if self.tree_nodes or self.lookup is not None:
+            return super().propose_device(state, width)
+        if width < 1 or state.constraint is not None:
+            reason = f"width {width} < 1" if width < 1 else "a grammar-constrained round drafts on the host (propose)"
+            raise ValueError(f"no device chain for this round: {reason}")
+        room = self._memory(state).cache.max_length
+        if state.position + width - 1 > room:  # the settled entries and width - 1 draft entries
+            raise ValueError(
+                f"no device chain for this round: the head's cache holds {room} entries, the chain "
+                f"needs {state.position + width - 1} (a target cache sized for the full width fits)"
+            )
+        memory, root = self._root_feature(state)
+        head, position = self.head, state.position
+        device = root.device
+        feature = [root]
+
+        def next_logits(token: torch.Tensor, j: int) -> torch.Tensor:
+            if j > 0:  # the entry (f̂ at P + j - 1, the token drafted there)
+                positions = torch.full((1, 1), position + j - 1, device=device)
+                feature[0] = head(feature[0], token.view(1, 1), positions, memory.cache)
+            return head.full_logits(feature[0])[0, 0]
+
+        round_cost = self.costs.round_cost if self.costs is not None else None
+        return draft_chain_on_device(state, width, next_logits, self.confidence, round_cost)
 
     def _tree(self, state: DecodeState, memory: _HeadMemory, root_feature: torch.Tensor, max_depth: int) -> Draft:
         """An EAGLE-2 dynamic tree: expand the most probable nodes depth by depth, rerank to the budget."""
