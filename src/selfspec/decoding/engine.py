@@ -485,8 +485,14 @@ class SpeculativeEngine:
         # a tree drafter's nodes need slots beyond the text (a drafter may say how many)
         tree_slots = self.tree_nodes or getattr(self.drafter, "tree_nodes", None) or 0
         cache, pooled = self._caches.take(len(run.prompt_ids) + run.max_new_tokens + tree_slots)
+        failed = True
         try:
-            return (yield from decode(self.runner, self.drafter, run, cache, self._lock, self.eos_token_ids))
+            finish = yield from decode(self.runner, self.drafter, run, cache, self._lock, self.eos_token_ids)
+            failed = False
+            return finish
+        except GeneratorExit:  # an abandoned stream: its cache is sound
+            failed = False
+            raise
         finally:
             if pooled:
-                self._caches.give_back()
+                self._caches.give_back(keep=not failed)

@@ -158,8 +158,14 @@ class CachePool:
         self._cache.crop_to(0)
         return self._cache, True
 
-    def give_back(self) -> None:
-        """Release the pool's cache (after :meth:`take` returned it)."""
+    def give_back(self, keep: bool = True) -> None:
+        """Release the pool's cache (after :meth:`take` returned it).
+
+        ``keep=False`` drops it: a failed call's cache may be half-allocated or far too large (after
+        running out of memory).
+        """
+        if not keep:
+            self._cache = None
         self._lock.release()
 
 
