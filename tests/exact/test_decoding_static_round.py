@@ -120,11 +120,14 @@ def test_compile_option() -> None:
     assert "backend='eager'" in repr(static_engine(model).static_round)
 
 
-@pytest.mark.parametrize("drafter", ["none", "prompt_lookup"])
+@pytest.mark.parametrize("drafter", ["none", "prompt_lookup", "eagle"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_one_host_read_per_round(drafter: str, temperature: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain decoding, prompt lookup and EAGLE chains (drafted on the device) read the device once a round."""
     model = make_model("llama", agreeing=True, dtype=torch.float32)
-    engine = static_engine(model, drafter, num_draft_tokens=4)
+    torch.manual_seed(0)
+    extra = {"eagle_head": EagleHead(model)} if drafter == "eagle" else {}
+    engine = static_engine(model, drafter, num_draft_tokens=4, **extra)
     assert engine.static_round is not None
     # the counter is a dispatch mode, which dynamo refuses: count the same round with its steps run eagerly
     # (a compiled step cannot read the device: fullgraph=True turns any read into an error)
@@ -135,7 +138,8 @@ def test_one_host_read_per_round(drafter: str, temperature: float, monkeypatch: 
     if not temperature:
         assert out.token_ids == reference_greedy(model, REPEATED, 40)
     rounds = out.stats.target_forwards - 1
-    assert drafter == "none" or (out.stats.num_drafted if temperature else out.stats.num_accepted) > 0
+    drafted = out.stats.num_drafted if temperature or drafter == "eagle" else out.stats.num_accepted
+    assert drafter == "none" or drafted > 0
     assert counter.reads <= rounds + PER_CALL, (counter.reads, rounds)
 
 

@@ -3,14 +3,17 @@
 The same four steps as :mod:`selfspec.decoding.loop` (draft, score, accept, commit), over the
 engine's :class:`~selfspec.modeling.static_step.StaticStep`:
 
-1. **draft**: the drafter proposes a chain as in the eager loop; the round pads it to the next
-   fixed width (:data:`~selfspec.modeling.static_step.WIDTHS`) and sends the tokens and the real
-   draft length to the device in one non-blocking copy;
+1. **draft**: a drafter with a device chain (:attr:`~selfspec.drafting.Drafter.supports_device_chain`,
+   EAGLE chains) drafts the round's budget of tokens on the device, their real length decided there
+   (the cost gate, the confidence stop, end-of-sequence); any other drafter proposes a chain as in the
+   eager loop, sent to the device in one non-blocking copy with its length. The round pads the draft
+   to the next fixed width (:data:`~selfspec.modeling.static_step.WIDTHS`);
 2. **score** and 3. **accept**: one forward of that width over the call's bucket of slots, then
    acceptance on the device (greedy inside the compiled step; sampled right after it, on the
    device too), which also moves the cache length past the accepted text;
-4. **commit**: the round's **one** device-to-host read (the accepted count and the next token)
-   feeds end-of-sequence, streaming, the statistics and the controller, exactly as in the eager loop.
+4. **commit**: the round's **one** device-to-host read (the accepted count and the next token,
+   and for a device draft its tokens and length) feeds end-of-sequence, streaming, the statistics
+   and the controller, exactly as in the eager loop.
 
 Which calls run here (:func:`static_round_reason`): an engine built with ``compile=True`` (or a
 backend name; ``compile="auto"`` means on CUDA), a model on the lean layer path, a drafter that
@@ -31,7 +34,7 @@ import torch
 
 from ..core.acceptance import Acceptance
 from ..core.sampling import logits_to_probs
-from ..drafting.base import DecodeState, Draft, Drafter, choose_token
+from ..drafting.base import DecodeState, DeviceDraft, Draft, Drafter, choose_token
 from ..drafting.fitting import truncate_chain
 from ..errors import ConfigurationError
 from ..modeling.runner import ModelRunner
@@ -168,31 +171,55 @@ class StaticRounds:
         state, run = row.state, row.run
         started = time.perf_counter()
         budget = min(run.controller.budget(), run.max_new_tokens - row.emitted - 1, WIDTHS[-1] - 1)
-        draft = truncate_chain(drafter.propose(state, budget), budget) if budget > 0 else Draft()
-        if draft.parents is not None or draft.exit_states is not None:
-            raise ConfigurationError(f"drafter {drafter.name!r} says chain_only but drafted a tree or exit states")
+        on_device = drafter.propose_device(state, budget) if budget > 0 and drafter.supports_device_chain else None
+        if on_device is not None:
+            tokens, real, draft_probs = self._device_rows(state, on_device)
+            draft = Draft()  # known after the round's read
+        else:
+            draft = truncate_chain(drafter.propose(state, budget), budget) if budget > 0 else Draft()
+            if draft.parents is not None or draft.exit_states is not None:
+                raise ConfigurationError(f"drafter {drafter.name!r} says chain_only but drafted a tree or exit states")
+            tokens, real, draft_probs = self._host_rows(state, draft)
         drafted = time.perf_counter()
-        num_draft, width = len(draft), width_for(len(draft))
-        padding = [state.last_token] * (width - 1 - num_draft)
-        sent = device_ids([state.last_token, *draft.tokens, *padding, num_draft], state.runner.device)
-        tokens, real = sent[:width].view(1, width), sent[width]  # the strides of a fresh [1, w] (no recompile)
+        width = tokens.shape[1]
         if state.params.greedy:
             decided, hidden, logits = self.step.greedy(tokens, real, bucket)
         else:
             hidden, logits = self.step.forward(tokens, bucket)
-            draft_probs = _padded(draft.draft_probs, width - 1)
             target_probs = logits_to_probs(logits, state.params)
-            decided = accept_sampled_step(tokens, real, draft_probs, target_probs, run.generator)
+            decided = accept_sampled_step(tokens, real, _padded(draft_probs, width - 1), target_probs, run.generator)
             self.step.cache.length.add_(decided[0] + 1)  # type: ignore[union-attr]
         if drafter.needs_hidden:
             state.last_hidden = hidden
-        accepted, next_token = decided.tolist()  # the round's one read
+        if on_device is None:
+            accepted, next_token = decided.tolist()  # the round's one read
+        else:  # the round's one read also brings the drafted tokens and how many are real
+            accepted, next_token, length, *drafts = torch.cat([decided, on_device.length[None], tokens[0, 1:]]).tolist()
+            probs = on_device.draft_probs
+            draft = Draft(tokens=drafts[:length], draft_probs=None if probs is None else probs[:length])
         acceptance = Acceptance(accepted, next_token)
         tokens_out = commit(drafter, row, draft, acceptance, RoundTimes(started, drafted, time.perf_counter()))
         if run.top_logprobs is not None:
             used = emitted_rows(acceptance)[: len(tokens_out)]
             run.computed_logprobs.extend(token_logprobs(logits[used], tokens_out, run.top_logprobs))
         return tokens_out
+
+    @staticmethod
+    def _host_rows(state: DecodeState, draft: Draft) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A host draft as the step's rows: ``[1, w]`` tokens (padded), the real count, the draft distributions."""
+        num_draft, width = len(draft), width_for(len(draft))
+        padding = [state.last_token] * (width - 1 - num_draft)
+        sent = device_ids([state.last_token, *draft.tokens, *padding, num_draft], state.runner.device)
+        # the strides of a fresh [1, w] (no recompile)
+        return sent[:width].view(1, width), sent[width], draft.draft_probs
+
+    @staticmethod
+    def _device_rows(state: DecodeState, draft: DeviceDraft) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A device draft of ``k`` tokens as the step's rows, padded to the width that holds ``k`` (no read)."""
+        width = width_for(draft.width)
+        sent = device_ids([state.last_token] * (width - draft.width), state.runner.device)
+        tokens = torch.cat([sent[:1], draft.tokens, sent[1:]]).view(1, width)
+        return tokens, draft.length, draft.draft_probs
 
 
 def _padded(draft_probs: torch.Tensor | None, rows: int) -> torch.Tensor | None:
