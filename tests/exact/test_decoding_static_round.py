@@ -160,6 +160,44 @@ def test_inductor_compiled_rounds_equal_generate_and_never_recompile() -> None:
     assert sum(1 for n in histogram if n) >= 3, histogram  # several accepted lengths, one graph per width
 
 
+def first_layer_head(model: Any, draft_token_ids: torch.Tensor) -> EagleHead:
+    """The target's first layer over the next token's embedding, drafting only ``draft_token_ids``.
+
+    On an agreeing model it predicts the target's next token (the deeper layers add little), so
+    its chains run until the text needs a token outside its draft vocabulary: accepted lengths vary.
+    """
+    head = EagleHead(model, draft_token_ids=draft_token_ids)
+    hidden = model.config.hidden_size
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.weight[:, :hidden].copy_(torch.eye(hidden))  # fc([embed, feature]) = embed
+        head.fc.bias.zero_()
+    head.layer.load_state_dict(model.model.layers[0].state_dict())
+    return head.eval().requires_grad_(False)
+
+
+@pytest.mark.slow
+def test_compiled_eagle_head_steps_never_recompile() -> None:
+    """The EAGLE head's draft step, compiled by inductor beside the verify steps: 50+ rounds, no recompile."""
+    model = make_model("llama", agreeing=True, dtype=torch.float32, num_hidden_layers=2)
+    head = first_layer_head(model, draft_token_ids=torch.arange(1, model.config.vocab_size, 2))  # odd tokens
+    engine = static_engine(model, "eagle", eagle_head=head, num_draft_tokens=4, compile="inductor")
+    assert engine.static_round is not None
+    prompt = [*RANDOM, *REPEATED]
+    new_tokens = 160
+    engine.static_round.step.prepare(len(prompt) + new_tokens + WIDTHS[-1], widths=(1, 2, 3, 5))  # 0..4 drafts
+    engine.generate_ids(RANDOM, max_new_tokens=3)  # compiles the head's step for the cache prepare() sized
+    drafter = engine.drafter
+    assert drafter.compiled_steps and drafter.backend == "inductor"
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        out = engine.generate_ids(prompt, max_new_tokens=new_tokens)
+    assert out.token_ids == reference_greedy(model, prompt, new_tokens)
+    assert out.stats.target_forwards - 1 >= 50
+    histogram = out.stats.accepted_length_histogram
+    assert sum(1 for n in histogram if n) >= 3, histogram  # several accepted lengths: catch-ups of varying rows
+    assert len(drafter.compiled_steps) == 1
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["none", "eagle"])
 @pytest.mark.parametrize(

@@ -5,7 +5,9 @@ engine's :class:`~selfspec.modeling.static_step.StaticStep`:
 
 1. **draft**: a drafter with a device chain (:attr:`~selfspec.drafting.Drafter.supports_device_chain`,
    EAGLE chains) drafts the round's budget of tokens on the device, their real length decided there
-   (the cost gate, the confidence stop, end-of-sequence); any other drafter proposes a chain as in the
+   (the cost gate, the confidence stop, end-of-sequence), its draft steps compiled with the round's
+   backend (:meth:`~selfspec.drafting.Drafter.compile_device_chain`: the EAGLE head's one-query step
+   over a fixed-slot cache, no recompile across rounds); any other drafter proposes a chain as in the
    eager loop, sent to the device in one non-blocking copy with its length. The round pads the draft
    to the next fixed width (:data:`~selfspec.modeling.static_step.WIDTHS`);
 2. **score** and 3. **accept**: one forward of that width over the call's bucket of slots, then
@@ -118,6 +120,8 @@ class StaticRounds:
         """The call's rounds here, or ``None`` when it must take the eager loop (see the module docstring)."""
         if static_round_reason(drafter, run) is not None or not self._busy.acquire(blocking=False):
             return None
+        if drafter.supports_device_chain:  # its draft steps too: fixed shapes, this round's backend
+            drafter.compile_device_chain(self.step.backend)
         return self._decode(drafter, run, lock, eos_token_ids)
 
     def _decode(

@@ -241,6 +241,14 @@ class Drafter(ABC):
         """
         raise NotImplementedError(f"the {self.name!r} drafter ({type(self).__name__}) drafts no chain on the device")
 
+    def compile_device_chain(self, backend: str | None) -> None:  # noqa: B027
+        """Ask :meth:`propose_device` for steps of fixed shapes, compiled with ``backend`` (``None``: run eagerly).
+
+        The static round (``compile=``) calls it before each call it serves, with its own
+        ``torch.compile`` backend; a drafter whose device chain runs a model of its own (the
+        EAGLE head) then drafts through a fixed-shape, compiled step. The default does nothing.
+        """
+
     def observe(self, num_drafted: int, num_accepted: int) -> None:  # noqa: B027
         """Learn from how many of the proposed tokens the target accepted."""
 

@@ -25,6 +25,7 @@ through the rejection sampler; trees grow with the early-exit tree's grower
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,14 +40,14 @@ from ..prompt_lookup import PromptLookupDrafter
 from ..registry import register_drafter
 from ..tree_grower import ROOT, TreeGrower, grow_tree
 from .calibration import EagleCalibration
-from .head import EagleHead, HeadCache, check_fits, find_eagle_head, load_eagle_head
+from .head import EagleHead, HeadCache, StaticHeadCache, check_fits, find_eagle_head, load_eagle_head
 
 
 @dataclass
 class _HeadMemory:
     """One generation's head state: its KV cache and how many entries hold true target features."""
 
-    cache: HeadCache
+    cache: HeadCache | StaticHeadCache
     settled: int = 0  # cache slots built from the target's own features (the accepted text)
     next_position: int = 0  # the position of the next true entry
 
@@ -103,11 +104,32 @@ class EagleDrafter(Drafter):
             self.name = "eagle_hybrid"
         #: chains (no tree, no prompt lookup) draft on the device too (:meth:`propose_device`)
         self.supports_device_chain = tree_nodes is None and not lookup
+        #: whether :meth:`propose_device` drafts through the static head step (:meth:`compile_device_chain`)
+        self.static_chain = False
+        self.backend: str | None = None
+        #: the head's one-query draft step per :class:`StaticHeadCache` size (compiled with :attr:`backend`)
+        self.compiled_steps: dict[int, Callable[..., Any]] = {}
+        self._static_cache: StaticHeadCache | None = None
+        self._static_owner = object()  # the key of a generation's memory on the static path
 
     def __repr__(self) -> str:
         tree = f", tree_nodes={self.tree_nodes}" if self.tree_nodes else ""
         lookup = ", lookup=True" if self.lookup is not None else ""
         return f"EagleDrafter({self.head!r}{tree}{lookup})"
+
+    def compile_device_chain(self, backend: str | None) -> None:
+        """Draft device chains through the static head step, compiled with ``backend`` (``None``: eagerly).
+
+        From then on :meth:`propose_device` keeps the head's entries in a :class:`StaticHeadCache`
+        (one per drafter, as big as the target's cache, reused by every call) and runs each draft
+        step after the first (the head over one query, then its logits) through one function of
+        fixed shapes: ``torch.compile(fullgraph=True, dynamic=False)``, once per cache size, so
+        no round recompiles. The catch-up (as many rows as the round accepted) runs eagerly on
+        the same cache. :meth:`propose` and trees keep their own :class:`HeadCache`.
+        """
+        if backend != self.backend:
+            self.compiled_steps.clear()
+        self.static_chain, self.backend = True, backend
 
     # ------------------------------------------------------------------ step 1: catch up
     def _memory(self, state: DecodeState) -> _HeadMemory:
@@ -115,11 +137,20 @@ class EagleDrafter(Drafter):
         room = int(getattr(state.cache, "max_length", 0)) + (self.tree_nodes or 0) + 2
         return state.memory(self, lambda: _HeadMemory(HeadCache(room)))
 
-    def _root_feature(self, state: DecodeState) -> tuple[_HeadMemory, torch.Tensor]:
+    def _static_memory(self, state: DecodeState) -> _HeadMemory:
+        """This generation's memory on the static path: the drafter's :class:`StaticHeadCache` (as big as the target's)."""
+        size, device = int(state.cache.max_length), state.runner.device
+        cache = self._static_cache
+        if cache is None or cache.max_length < size or cache.length.device != device:
+            cache = self._static_cache = StaticHeadCache(size, device)
+            self.compiled_steps.clear()  # new buffers: new graphs
+        return state.memory(self._static_owner, lambda: _HeadMemory(cache))
+
+    def _root_feature(self, state: DecodeState, memory: _HeadMemory | None = None) -> tuple[_HeadMemory, torch.Tensor]:
         """Feed the newly committed positions' true features; return ``f̂_P`` ``[1, 1, H]``."""
         head = self.head
-        memory = self._memory(state)
-        memory.cache.crop_to(memory.settled)  # drop last round's draft entries
+        memory = memory or self._memory(state)
+        cache = memory.cache
         pending = state.pending_hidden
         if pending is None or pending.shape[1] == 0:
             raise ConfigurationError(
@@ -135,10 +166,17 @@ class EagleDrafter(Drafter):
         features = head.target_features(pending)  # [1, m, H] after the final norm
         next_tokens = device_ids([state.token_ids[start + 1 : state.position + 1]], device)  # no blocking copy
         positions = torch.arange(start, state.position, device=device)[None]
-        out = head(features.to(head.fc.weight.dtype), next_tokens, positions, memory.cache)
-        memory.settled = memory.cache.length
+        allowed = None
+        if isinstance(cache, StaticHeadCache):  # slot t holds position t: drop last round's draft entries
+            cache.length.fill_(start)
+            allowed = cache.allowed(count)
+        else:
+            cache.crop_to(memory.settled)  # drop last round's draft entries
+        out = head(features.to(head.fc.weight.dtype), next_tokens, positions, cache, allowed=allowed)
+        memory.settled = state.position if isinstance(cache, StaticHeadCache) else cache.length
         memory.next_position = state.position
-        return memory, out[:, -1:]
+        # the root as a fresh [1, 1, H] (the same strides every round: a compiled step's input)
+        return memory, out[:, -1:].clone(memory_format=torch.contiguous_format)
 
     # ------------------------------------------------------------------ step 2: draft
     def propose(self, state: DecodeState, max_tokens: int) -> Draft:
@@ -185,25 +223,49 @@ class EagleDrafter(Drafter):
         if width < 1 or state.constraint is not None:
             reason = f"width {width} < 1" if width < 1 else "a grammar-constrained round drafts on the host (propose)"
             raise ValueError(f"no device chain for this round: {reason}")
-        room = self._memory(state).cache.max_length
+        static = self.static_chain
+        room = int(state.cache.max_length) if static else self._memory(state).cache.max_length
         if state.position + width - 1 > room:  # the settled entries and width - 1 draft entries
             raise ValueError(
                 f"no device chain for this round: the head's cache holds {room} entries, the chain "
                 f"needs {state.position + width - 1} (a target cache sized for the full width fits)"
             )
-        memory, root = self._root_feature(state)
+        memory, root = self._root_feature(state, self._static_memory(state) if static else None)
         head, position = self.head, state.position
         device = root.device
         feature = [root]
+        cache = memory.cache
+        static_step = self._static_step(cache) if isinstance(cache, StaticHeadCache) else None
 
         def next_logits(token: torch.Tensor, j: int) -> torch.Tensor:
+            if j > 0 and static_step is not None:  # the entry at the cache's length, P + j - 1
+                feature[0], logits = static_step(feature[0], token)
+                return logits
             if j > 0:  # the entry (f̂ at P + j - 1, the token drafted there)
                 positions = torch.full((1, 1), position + j - 1, device=device)
-                feature[0] = head(feature[0], token.view(1, 1), positions, memory.cache)
+                feature[0] = head(feature[0], token.view(1, 1), positions, cache)
             return head.full_logits(feature[0])[0, 0]
 
         round_cost = self.costs.round_cost if self.costs is not None else None
         return draft_chain_on_device(state, width, next_logits, self.confidence, round_cost)
+
+    def _static_step(self, cache: StaticHeadCache) -> Callable[..., Any]:
+        """The one-query draft step over ``cache``: ``(f̂ [1, 1, H], token 0-d) -> (next f̂, [vocab] logits)``.
+
+        Its position is the cache's device length (no Python int in the graph); compiled with
+        :attr:`backend` once per cache size.
+        """
+        key = cache.max_length
+        if key not in self.compiled_steps:
+            head = self.head
+
+            def step(feature: torch.Tensor, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                positions = cache.length.reshape(1, 1).clone()  # the write below moves the length
+                predicted = head(feature, token.view(1, 1), positions, cache, allowed=cache.allowed(1))
+                return predicted, head.full_logits(predicted)[0, 0]
+
+            self.compiled_steps[key] = step if self.backend is None else compile_step(step, self.backend)
+        return self.compiled_steps[key]
 
     def _tree(self, state: DecodeState, memory: _HeadMemory, root_feature: torch.Tensor, max_depth: int) -> Draft:
         """An EAGLE-2 dynamic tree: expand the most probable nodes depth by depth, rerank to the budget."""
@@ -243,6 +305,13 @@ class EagleDrafter(Drafter):
         grow_tree(grower, expand)
         memory.cache.crop_to(memory.settled)
         return grower.draft(grower.reranked() if grower.over_budget() else range(len(nodes)))
+
+
+def compile_step(step: Callable[..., Any], backend: str) -> Callable[..., Any]:
+    """``torch.compile(fullgraph=True, dynamic=False)`` of a head step (no CUDA graphs: untried on a GPU)."""
+    if torch._dynamo.config.recompile_limit < 64:  # one graph per cache size, beside the target's steps
+        torch._dynamo.config.recompile_limit = 64
+    return torch.compile(step, backend=backend, fullgraph=True, dynamic=False)
 
 
 def engine_eagle_head(engine: Any, eagle_head: Any = None) -> EagleHead:

@@ -159,6 +159,56 @@ class HeadCache:
         self.length = min(self.length, length)
 
 
+class StaticHeadCache:
+    """The head's KV cache for compiled draft steps: fixed slots, the length on the device.
+
+    The twin of :class:`HeadCache` for the static round (``compile=``): one key and one value
+    buffer of ``max_length`` slots (allocated at the first write, zeroed: masked slots stay
+    finite), slot ``t`` holding position ``t``, and a 0-d ``long`` :attr:`length` on the device.
+    A forward writes its ``q`` entries at ``length .. length + q - 1`` with ``index_copy_``,
+    moves the length past them, and attends over every slot through :meth:`allowed` (a mask
+    built on the device), so a one-query draft step has the same shapes at every position and
+    compiles once. Rolling back is setting :attr:`length`.
+
+    Args:
+        max_length: slots (the most entries it will hold).
+        device: where the buffers and the length live.
+    """
+
+    is_compileable = True
+
+    def __init__(self, max_length: int, device: torch.device) -> None:
+        self.max_length = max_length
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.length = torch.zeros((), dtype=torch.long, device=device)
+
+    def __repr__(self) -> str:
+        return f"StaticHeadCache(max_length={self.max_length})"
+
+    def allowed(self, num_queries: int) -> torch.Tensor:
+        """``[1, q, max_length]``: query ``i`` (at position ``length + i``) sees the slots up to its own."""
+        device = self.length.device
+        query = self.length + torch.arange(num_queries, device=device)
+        return (torch.arange(self.max_length, device=device)[None, :] <= query[:, None])[None]
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``[1, kv_heads, q, head_dim]`` states at ``length ..``; return every slot."""
+        if self.keys is None or self.values is None:
+            self.keys = key_states.new_zeros((*key_states.shape[:-2], self.max_length, key_states.shape[-1]))
+            self.values = value_states.new_zeros((*value_states.shape[:-2], self.max_length, value_states.shape[-1]))
+            if self.keys.device.type == "cuda":  # compiled steps read and write them in place
+                torch._dynamo.mark_static_address(self.keys)
+                torch._dynamo.mark_static_address(self.values)
+        slots = self.length + torch.arange(key_states.shape[-2], device=key_states.device)
+        self.keys.index_copy_(2, slots, key_states)
+        self.values.index_copy_(2, slots, value_states)
+        self.length.add_(key_states.shape[-2])
+        return self.keys, self.values
+
+
 @dataclass
 class HeadStep:
     """What the head's decoder layer reads in one forward (:meth:`EagleHead.layer_output`).
