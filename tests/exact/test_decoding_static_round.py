@@ -186,7 +186,7 @@ def test_compiled_eagle_head_steps_never_recompile() -> None:
     prompt = [*RANDOM, *REPEATED]
     new_tokens = 160
     engine.static_round.step.prepare(len(prompt) + new_tokens + WIDTHS[-1], widths=(1, 2, 3, 5))  # 0..4 drafts
-    engine.generate_ids(RANDOM, max_new_tokens=3)  # compiles the head's step for the cache prepare() sized
+    engine.generate_ids(RANDOM, max_new_tokens=10)  # compiles the head's step for the cache prepare() sized
     drafter = engine.drafter
     assert drafter.compiled_steps and drafter.backend == "inductor"
     with torch._dynamo.config.patch(error_on_recompile=True):

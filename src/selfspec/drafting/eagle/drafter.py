@@ -138,7 +138,7 @@ class EagleDrafter(Drafter):
         return state.memory(self, lambda: _HeadMemory(HeadCache(room)))
 
     def _static_memory(self, state: DecodeState) -> _HeadMemory:
-        """This generation's memory on the static path: the drafter's :class:`StaticHeadCache` (as big as the target's)."""
+        """This generation's memory on the static path: the drafter's :class:`StaticHeadCache`."""
         size, device = int(state.cache.max_length), state.runner.device
         cache = self._static_cache
         if cache is None or cache.max_length < size or cache.length.device != device:
@@ -269,8 +269,8 @@ class EagleDrafter(Drafter):
 
     def _tree(self, state: DecodeState, memory: _HeadMemory, root_feature: torch.Tensor, max_depth: int) -> Draft:
         """An EAGLE-2 dynamic tree: expand the most probable nodes depth by depth, rerank to the budget."""
-        head = self.head
-        assert self.tree_nodes is not None
+        head, cache = self.head, memory.cache
+        assert self.tree_nodes is not None and isinstance(cache, HeadCache)  # trees keep the Python-length cache
         tree_nodes = self.tree_nodes
         width = min(self.tree_width or default_tree_width(tree_nodes), tree_nodes)
         grower = TreeGrower(state, tree_nodes, width, static=False, max_depth=max_depth)
@@ -283,12 +283,12 @@ class EagleDrafter(Drafter):
             """One head forward over the nodes to expand (as many as the head's cache holds)."""
             if frontier == [ROOT]:
                 return frontier, head.full_logits(root_feature)[0]  # [1, vocab]: the root's children
-            frontier = frontier[: memory.cache.max_length - memory.cache.length]
+            frontier = frontier[: cache.max_length - cache.length]
             if not frontier:
                 return frontier, torch.empty(0)
             # entry (parent's f̂, node token) at P + depth - 2: the node sits at P + depth - 1
             parent_features = torch.stack([node_features[nodes[i].parent] for i in frontier])[None]  # [1, q, H]
-            base = memory.cache.length
+            base = cache.length
             allowed = torch.zeros(len(frontier), base + len(frontier), dtype=torch.bool, device=device)
             allowed[:, : memory.settled] = True
             for row, i in enumerate(frontier):
@@ -297,13 +297,13 @@ class EagleDrafter(Drafter):
                 allowed[row, ancestors[i]] = True
             ids = torch.tensor([[nodes[i].token for i in frontier]], device=device)
             positions = torch.full((1, len(frontier)), start + depth - 2, device=device)
-            predicted = head(parent_features, ids, positions, memory.cache, allowed=allowed[None])  # [1, q, H]
+            predicted = head(parent_features, ids, positions, cache, allowed=allowed[None])  # [1, q, H]
             for row, i in enumerate(frontier):
                 node_features[i] = predicted[0, row]
             return frontier, head.full_logits(predicted)[0]  # [q, vocab]
 
         grow_tree(grower, expand)
-        memory.cache.crop_to(memory.settled)
+        cache.crop_to(memory.settled)
         return grower.draft(grower.reranked() if grower.over_budget() else range(len(nodes)))
 
 
