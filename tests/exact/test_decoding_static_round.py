@@ -22,7 +22,8 @@ from tiny_models import make_model, reference_greedy
 import selfspec.decoding.static_round as static_round
 from selfspec import SpeculativeEngine
 from selfspec.core.sampling import SamplingParams
-from selfspec.drafting import DecodeState, Draft, Drafter
+from selfspec.drafting import DecodeState, DeviceDraft, Draft, Drafter
+from selfspec.drafting.eagle.drafter import EagleDrafter
 from selfspec.drafting.eagle.head import EagleHead
 from selfspec.errors import ConfigurationError
 from selfspec.modeling.static_step import WIDTHS, bucket_for, width_for
@@ -174,6 +175,38 @@ def first_layer_head(model: Any, draft_token_ids: torch.Tensor) -> EagleHead:
         head.fc.bias.zero_()
     head.layer.load_state_dict(model.model.layers[0].state_dict())
     return head.eval().requires_grad_(False)
+
+
+class TwinDrafter(EagleDrafter):
+    """Drafts through the static head step, and checks each chain against the Python-length cache's."""
+
+    def __init__(self, head: EagleHead) -> None:
+        super().__init__(head)
+        self.twin = EagleDrafter(head)  # never asked to compile: its own HeadCache
+        self.chains: list[tuple[list[int], list[int]]] = []
+
+    def propose_device(self, state: DecodeState, width: int) -> DeviceDraft:
+        pending = state.pending_hidden
+        expected = self.twin.propose_device(state, width)
+        state.pending_hidden = pending  # the same catch-up, on the static cache
+        draft = super().propose_device(state, width)
+        self.chains.append(
+            (draft.tokens[: int(draft.length)].tolist(), expected.tokens[: int(expected.length)].tolist())
+        )
+        return draft
+
+
+def test_the_static_head_step_drafts_the_chains_of_the_eager_head() -> None:
+    """The head over its fixed-slot cache (traced step, eager catch-up) drafts what it drafts over the Python one."""
+    model = make_model("llama", agreeing=True)  # float64
+    drafter = TwinDrafter(first_layer_head(model, draft_token_ids=torch.arange(1, model.config.vocab_size, 2)))
+    engine = static_engine(model, drafter, num_draft_tokens=4)
+    for prompt in (REPEATED, RANDOM):
+        assert engine.generate_ids(prompt, max_new_tokens=40).token_ids == reference_greedy(model, prompt, 40)
+    assert drafter.static_chain and drafter.backend == "eager" and drafter.compiled_steps
+    assert len(drafter.chains) > 20 and sum(len(chain) for chain, _ in drafter.chains) > 40
+    for static, eager in drafter.chains:
+        assert static == eager
 
 
 @pytest.mark.slow
