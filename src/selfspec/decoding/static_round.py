@@ -34,7 +34,7 @@ import torch
 
 from ..core.acceptance import Acceptance
 from ..core.sampling import logits_to_probs
-from ..drafting.base import DecodeState, DeviceDraft, Draft, Drafter, choose_token
+from ..drafting.base import DecodeState, DeviceDraft, Draft, Drafter
 from ..drafting.fitting import truncate_chain
 from ..errors import ConfigurationError
 from ..modeling.runner import ModelRunner
@@ -49,7 +49,7 @@ from ..modeling.static_step import (
 )
 from ..modeling.transfer import device_ids
 from .generation import Generation
-from .loop import RoundTimes, Row, commit, emitted_rows, token_logprobs
+from .loop import Prefilled, RoundTimes, Row, commit, emitted_rows, first_row, token_logprobs
 from .outputs import FinishReason
 
 logger = logging.getLogger(__name__)
@@ -147,24 +147,7 @@ class StaticRounds:
         runner = self.step.runner
         cache = self.step.reserve(slots)
         hidden, logits = static_prefill(runner, cache, device_ids([run.prompt_ids], runner.device))
-        first, _ = choose_token(logits, run.params, run.generator)
-        if run.top_logprobs is not None:
-            run.computed_logprobs.extend(token_logprobs(logits[None], [first], run.top_logprobs))
-        run.stats.target_forwards += 1
-        run.stats.verify_seconds += time.perf_counter() - started
-        state = DecodeState(
-            runner=runner,
-            cache=cache,
-            position=len(run.prompt_ids),
-            last_token=first,
-            token_ids=[*run.prompt_ids, first],
-            params=run.params,
-            generator=run.generator,
-            eos_token_ids=eos_token_ids,
-            last_hidden=hidden[:, -1:] if drafter.needs_hidden else None,
-            pending_hidden=hidden if drafter.needs_committed_hidden else None,
-        )
-        return Row(state, run)
+        return first_row(runner, drafter, run, cache, eos_token_ids, Prefilled(hidden, logits, started))
 
     def _round(self, drafter: Drafter, row: Row, bucket: int) -> list[int]:
         """One round: draft, one fixed-width forward, acceptance on the device, one read, commit."""
