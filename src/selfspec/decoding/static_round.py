@@ -5,8 +5,10 @@ engine's :class:`~selfspec.modeling.static_step.StaticStep`:
 
 1. **draft**: a drafter with a device chain (:attr:`~selfspec.drafting.Drafter.supports_device_chain`,
    EAGLE chains) drafts the round's budget of tokens on the device, their real length decided there
-   (the cost gate, the confidence stop, end-of-sequence); any other drafter proposes a chain as in the
-   eager loop, sent to the device in one non-blocking copy with its length. The round pads the draft
+   (the cost gate, the confidence stop, end-of-sequence); the early exit does too, with the engine's
+   own compiled steps (layers ``[0, E)`` on one token a step, writing their keys and values; the
+   verify then runs layers ``[E, L)`` on every row's exit state); any other drafter proposes a chain
+   as in the eager loop, sent to the device in one non-blocking copy with its length. The round pads the draft
    to the next fixed width (:data:`~selfspec.modeling.static_step.WIDTHS`);
 2. **score** and 3. **accept**: one forward of that width over the call's bucket of slots, then
    acceptance on the device (greedy inside the compiled step; sampled right after it, on the
@@ -18,7 +20,7 @@ engine's :class:`~selfspec.modeling.static_step.StaticStep`:
 Which calls run here (:func:`static_round_reason`): an engine built with ``compile=True`` (or a
 backend name; ``compile="auto"`` means on CUDA), a model on the lean layer path, a drafter that
 proposes plain chains (:attr:`~selfspec.drafting.Drafter.chain_only`: plain decoding, prompt lookup,
-EAGLE chains), no grammar constraint,
+EAGLE chains) or the early exit's chains, no grammar constraint,
 and one generation at a time (the engine's cache is shared by its calls: a call that finds it busy
 runs the eager loop). Everything else runs the eager loop, with the same text.
 """
