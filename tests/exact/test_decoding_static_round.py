@@ -80,6 +80,19 @@ def test_early_exit_chain_greedy_equals_generate(arch: str) -> None:
     assert kinds >= {"exit_draft@1", "exit_state@1", "exit_greedy@1"} and "greedy" not in kinds, kinds
 
 
+def test_hybrid_chains_greedy_equal_generate() -> None:
+    """The hybrid picks prompt lookup (host chain) or the early exit (device chain) per round, no graft."""
+    model = make_model("qwen2", agreeing=False)  # early exits that agree poorly: copies win where the text repeats
+    engine = static_engine(model, "hybrid", exit_layer=1, num_draft_tokens=4)
+    for prompt in (REPEATED, RANDOM):
+        out = engine.generate_ids(prompt, max_new_tokens=40)
+        assert out.token_ids == reference_greedy(model, prompt, 40)
+        assert out.stats.num_drafted > 0
+    assert engine.static_round is not None
+    kinds = {kind for kind, _, _ in engine.static_round.step.compiled}
+    assert {"exit_greedy@1", "greedy"} <= kinds, kinds  # both sources ran
+
+
 def test_early_exit_with_an_adapter_in_the_static_round() -> None:
     model = make_model("llama", agreeing=True, dtype=torch.float64)
     torch.manual_seed(0)
@@ -145,14 +158,14 @@ def test_compile_option() -> None:
     assert "backend='eager'" in repr(static_engine(model).static_round)
 
 
-@pytest.mark.parametrize("drafter", ["none", "prompt_lookup", "eagle", "early_exit"])
+@pytest.mark.parametrize("drafter", ["none", "prompt_lookup", "eagle", "early_exit", "hybrid"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_one_host_read_per_round(drafter: str, temperature: float, monkeypatch: pytest.MonkeyPatch) -> None:
     """Plain decoding, prompt lookup, EAGLE chains and the early exit (drafted on the device) read once a round."""
     model = make_model("llama", agreeing=True, dtype=torch.float32)
     torch.manual_seed(0)
     extra: dict[str, Any] = {"eagle_head": EagleHead(model)} if drafter == "eagle" else {}
-    extra |= {"exit_layer": 1} if drafter == "early_exit" else {}
+    extra |= {"exit_layer": 1} if drafter in ("early_exit", "hybrid") else {}
     engine = static_engine(model, drafter, num_draft_tokens=4, **extra)
     assert engine.static_round is not None
     # the counter is a dispatch mode, which dynamo refuses: count the same round with its steps run eagerly
@@ -203,7 +216,7 @@ def test_inductor_compiled_rounds_equal_generate_and_never_recompile() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("drafter", ["none", "eagle", "early_exit"])
+@pytest.mark.parametrize("drafter", ["none", "eagle", "early_exit", "hybrid"])
 @pytest.mark.parametrize(
     "params", [SamplingParams(1.0), SamplingParams(0.7, top_k=4, top_p=0.9)], ids=["t1", "t0.7-topk4-topp0.9"]
 )
@@ -212,7 +225,7 @@ def test_sampling_follows_the_target_distribution(drafter: str, params: Sampling
     model = make_distribution_model()
     torch.manual_seed(1)
     extra: dict[str, Any] = {"eagle_head": EagleHead(model)} if drafter == "eagle" else {}
-    extra |= {"exit_layer": 2} if drafter == "early_exit" else {}
+    extra |= {"exit_layer": 2} if drafter in ("early_exit", "hybrid") else {}
     engine = static_engine(model, drafter, num_draft_tokens=2, **extra)
     counts = sampled_counts(engine, params)
     assert chi_square_pvalue(counts, exact_distribution(model, params)) > 1e-3

@@ -20,9 +20,9 @@ engine's :class:`~selfspec.modeling.static_step.StaticStep`:
 Which calls run here (:func:`static_round_reason`): an engine built with ``compile=True`` (or a
 backend name; ``compile="auto"`` means on CUDA), a model on the lean layer path, a drafter that
 proposes plain chains (:attr:`~selfspec.drafting.Drafter.chain_only`: plain decoding, prompt lookup,
-EAGLE chains) or the early exit's chains, no grammar constraint,
-and one generation at a time (the engine's cache is shared by its calls: a call that finds it busy
-runs the eager loop). Everything else runs the eager loop, with the same text.
+EAGLE chains), the early exit's chains or the hybrid's (lookup or early exit per round, no graft),
+no grammar constraint, and one generation at a time (the engine's cache is shared by its calls: a
+call that finds it busy runs the eager loop). Everything else runs the eager loop, with the same text.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from ..core.sampling import logits_to_probs
 from ..drafting.base import DecodeState, DeviceDraft, Draft, Drafter, draft_chain_on_device
 from ..drafting.early_exit import EarlyExitDrafter
 from ..drafting.fitting import truncate_chain
+from ..drafting.hybrid import HybridDrafter
 from ..errors import ConfigurationError
 from ..modeling.runner import ModelRunner
 from ..modeling.static_step import (
@@ -90,7 +91,7 @@ def static_rounds(runner: ModelRunner, compile: bool | str) -> StaticRounds | No
 
 def static_round_reason(drafter: Drafter, run: Generation) -> str | None:
     """Why ``run`` takes the eager loop with this drafter, or ``None`` when the static round serves it."""
-    if not drafter.chain_only and exit_layer_of(drafter) is None:
+    if not drafter.chain_only and exit_layer_of(drafter) is None and not _hybrid_chains(drafter):
         return f"drafter {drafter.name!r} drafts trees or runs the target's layers itself (not chain_only)"
     if run.constraint is not None:
         return "grammar-constrained calls run the eager loop"
@@ -186,6 +187,9 @@ class StaticRounds:
             accepted, next_token, length, *drafts = torch.cat([decided, rows.real[None], tokens[0, 1:]]).tolist()
             probs = rows.draft_probs
             draft = Draft(tokens=drafts[:length], draft_probs=None if probs is None else probs[:length])
+        if rows.source is not None:  # the hybrid settles this round's draft from the text that follows it
+            assert isinstance(drafter, HybridDrafter)
+            drafter.note(state, rows.source, draft.tokens)
         acceptance = Acceptance(accepted, next_token)
         tokens_out = commit(drafter, row, draft, acceptance, RoundTimes(started, drafted, time.perf_counter()))
         if run.top_logprobs is not None:
@@ -195,6 +199,15 @@ class StaticRounds:
 
     def _draft(self, drafter: Drafter, state: DecodeState, budget: int, bucket: int) -> _Rows:
         """The round's draft as the step's rows: from the early exit, a device chain, or the host."""
+        if budget > 0 and _hybrid_chains(drafter):
+            assert isinstance(drafter, HybridDrafter)
+            kind, copied = drafter.choose_round(state, budget)  # the host's token history only: no read
+            if kind == "lookup":
+                rows = self._host_rows(state, Draft(tokens=copied[:budget]))
+            else:  # no lookup graft here: the static round verifies chains
+                rows = self._exit_draft(drafter.early_exit, state, budget, bucket)
+            rows.source = kind
+            return rows
         if budget > 0 and exit_layer_of(drafter) is not None:
             return self._exit_draft(drafter, state, budget, bucket)
         if budget > 0 and drafter.supports_device_chain:
@@ -268,6 +281,7 @@ class _Rows:
         host_draft: the draft, when it was drafted on the host (else it is read with the round's result).
         exit_states: ``[1, w, hidden]`` the early exit's states of every row (the verify starts at its layer).
         exit_layer: the early exit's layer (with ``exit_states``).
+        source: the hybrid's choice this round (``"lookup"`` or ``"early_exit"``), ``None`` otherwise.
     """
 
     tokens: torch.Tensor
@@ -276,6 +290,12 @@ class _Rows:
     host_draft: Draft | None = None
     exit_states: torch.Tensor | None = None
     exit_layer: int = 0
+    source: str | None = None
+
+
+def _hybrid_chains(drafter: Drafter) -> bool:
+    """Whether ``drafter`` is the hybrid drafting chains (its early exit drafts no trees)."""
+    return type(drafter) is HybridDrafter and not drafter.tree_nodes
 
 
 def exit_layer_of(drafter: Drafter) -> int | None:
