@@ -15,6 +15,8 @@ step eagerly and compiled. Results: ``benchmarks/results/compile_cpu.{json,md}``
 dtype), with the load average before and after.
 
     PYTHONPATH=src python benchmarks/compile_bench.py [--repeats 3] [--dtypes float32 bfloat16]
+    PYTHONPATH=src python benchmarks/compile_bench.py --model selfspec-demo --drafter early_exit \
+        --num-draft-tokens 4 --out compile_demo_cpu   # the bundled model's early exit
 """
 
 from __future__ import annotations
@@ -61,28 +63,36 @@ def step_curve(engine: Any, backend: str | None) -> dict[int, float]:
     return {w: t / times[1] for w, t in times.items()} | {"one_step_ms": times[1] * 1e3}  # type: ignore[dict-item]
 
 
-def run(dtype: str, repeats: int) -> dict[str, Any]:
+def run(dtype: str, repeats: int, model_name: str = MODEL, spec: str = "prompt_lookup", k: int = 8) -> dict[str, Any]:
     from selfspec import SpeculativeEngine
     from selfspec.calibration.bench import _encode
+    from selfspec.modeling.static_step import WIDTHS as STEP_WIDTHS
+    from selfspec.modeling.static_step import width_for
     from selfspec.prompts import STOCK_PROMPT_SETS
 
     torch.set_num_threads(1)
     load_before = load_per_core()
-    base = SpeculativeEngine.from_pretrained(MODEL, dtype=dtype, drafter="none", calibrate=False, compile=False)
+    base = SpeculativeEngine.from_pretrained(model_name, dtype=dtype, drafter="none", calibrate=False, compile=False)
     model, tokenizer = base.model, base.tokenizer
     prompts = [(cat, _encode(base, p)) for cat, items in STOCK_PROMPT_SETS.items() for p in items]
     engines = {}
     compile_seconds = {}
+    label_of = {"none": "plain", "prompt_lookup": "lookup"}
+    widths_of = tuple(w for w in STEP_WIDTHS if w <= width_for(k))  # every width a round of <= k drafts uses
+    exit_layer = base.config.exit_layer if spec == "early_exit" else None
     for mode in ("eager", "compiled"):
-        for drafter, label in (("none", "plain"), ("prompt_lookup", "lookup")):
+        for drafter in ("none", spec):
+            label = label_of.get(drafter, drafter)
             engine = SpeculativeEngine(
-                model, tokenizer, drafter=drafter, num_draft_tokens=8, calibration={}, compile=mode == "compiled"
-            )
+                model, tokenizer, drafter=drafter, num_draft_tokens=k, calibration={}, compile=mode == "compiled",
+                **({"exit_layer": exit_layer} if drafter == "early_exit" else {}),
+            )  # fmt: skip
             if mode == "compiled":
                 started = time.perf_counter()
-                widths = (1,) if drafter == "none" else WIDTHS
+                widths = (1,) if drafter == "none" else widths_of
+                layer = exit_layer if drafter == "early_exit" else None
                 for slots in sorted({len(ids) + NEW_TOKENS + 33 for _, ids in prompts}, reverse=True):  # largest first
-                    engine.static_round.step.prepare(slots, widths=widths)
+                    engine.static_round.step.prepare(slots, widths=widths, exit_layer=layer)
                 compile_seconds[f"{mode} {label}"] = time.perf_counter() - started
             engines[f"{mode} {label}"] = engine
     names = list(engines)
@@ -104,7 +114,12 @@ def run(dtype: str, repeats: int) -> dict[str, Any]:
                 per_category[name][category] = per_category[name].get(category, 0.0) + elapsed
                 outputs[name][index] = out.token_ids
     reference = outputs["eager plain"]
+    spec_label = label_of.get(spec, spec)
     result = {
+        "model": model_name,
+        "drafter": spec,
+        "num_draft_tokens": k,
+        "exit_layer": exit_layer,
         "dtype": dtype,
         "threads": 1,
         "repeats": repeats,
@@ -124,18 +139,21 @@ def run(dtype: str, repeats: int) -> dict[str, Any]:
             }
             for name in names
         },
-        "step_curve_eager": step_curve(engines["compiled lookup"], None),
-        "step_curve_compiled": step_curve(engines["compiled lookup"], "inductor"),
+        "step_curve_eager": step_curve(engines[f"compiled {spec_label}"], None),
+        "step_curve_compiled": step_curve(engines[f"compiled {spec_label}"], "inductor"),
     }
     return result
 
 
-def markdown(results: list[dict[str, Any]]) -> str:
+def markdown(results: list[dict[str, Any]], command: str) -> str:
+    first = results[0]
+    exit_note = f" at exit layer {first['exit_layer']}" if first.get("exit_layer") is not None else ""
     lines = [
-        "# Eager loop vs compiled static round, SmolLM2-135M-Instruct, this CPU (issue 26)",
+        f"# Eager loop vs compiled static round, {first.get('model', MODEL)}, this CPU (issue 26)",
         "",
-        "`PYTHONPATH=src python benchmarks/compile_bench.py`: one process, one thread, interleaved; 64 new tokens,",
-        "greedy, the stock prompts (RAG, summarization, chat, code); lookup drafts 8 tokens a round.",
+        f"`{command}`: one process, one thread, interleaved; 64 new tokens, greedy, the stock prompts",
+        f"(RAG, summarization, chat, code); `{first.get('drafter', 'prompt_lookup')}`{exit_note} drafts "
+        f"{first.get('num_draft_tokens', 8)} tokens a round.",
         "",
         "| dtype | method | tok/s | vs eager plain | per category | identical to eager plain |",
         "|---|---|---|---|---|---|",
@@ -167,12 +185,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--model", default=MODEL, help="a model name or path (selfspec-demo: the bundled model)")
+    parser.add_argument("--drafter", default="prompt_lookup", help="the speculative method beside plain decoding")
+    parser.add_argument("--num-draft-tokens", type=int, default=8)
+    parser.add_argument("--out", default="compile_cpu", help="the results' file stem under benchmarks/results")
     args = parser.parse_args()
+    command = "PYTHONPATH=src python benchmarks/compile_bench.py" + (
+        f" --model {args.model} --drafter {args.drafter} --num-draft-tokens {args.num_draft_tokens} --out {args.out}"
+        if args.out != "compile_cpu"
+        else ""
+    )
     results = []
     for dtype in args.dtypes:
-        results.append(run(dtype, args.repeats))
-        (RESULTS / "compile_cpu.json").write_text(json.dumps(results, indent=2) + "\n")
-        (RESULTS / "compile_cpu.md").write_text(markdown(results))
+        results.append(run(dtype, args.repeats, args.model, args.drafter, args.num_draft_tokens))
+        (RESULTS / f"{args.out}.json").write_text(json.dumps(results, indent=2) + "\n")
+        (RESULTS / f"{args.out}.md").write_text(markdown(results, command))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from selfspec.core.sampling import SamplingParams
 from selfspec.drafting import DecodeState, DeviceDraft, Draft, Drafter
 from selfspec.drafting.eagle.drafter import EagleDrafter
 from selfspec.drafting.eagle.head import EagleHead
+from selfspec.drafting.exit_adapter.adapter import ExitAdapter, ExitAdapterConfig
 from selfspec.errors import ConfigurationError
 from selfspec.modeling.static_step import WIDTHS, bucket_for, width_for
 
@@ -66,12 +67,49 @@ def test_eagle_chain_greedy_equals_generate() -> None:
     assert engine.static_round is not None and engine.static_round.step.compiled
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_early_exit_chain_greedy_equals_generate(arch: str) -> None:
+    """The early exit drafts on the device with its KV reuse: the verify continues every row from the exit layer."""
+    model = make_model(arch, agreeing=True)
+    engine = static_engine(model, "early_exit", exit_layer=1, num_draft_tokens=4)
+    for prompt in (REPEATED, RANDOM):
+        out = engine.generate_ids(prompt, max_new_tokens=40)
+        assert out.token_ids == reference_greedy(model, prompt, 40)
+        assert out.stats.num_accepted > 10  # the drafts ran and landed
+    assert engine.static_round is not None
+    kinds = {kind for kind, _, _ in engine.static_round.step.compiled}
+    assert kinds >= {"exit_draft@1", "exit_state@1", "exit_greedy@1"} and "greedy" not in kinds, kinds
+
+
+def test_hybrid_chains_greedy_equal_generate() -> None:
+    """The hybrid picks prompt lookup (host chain) or the early exit (device chain) per round, no graft."""
+    model = make_model("qwen2", agreeing=False)  # early exits that agree poorly: copies win where the text repeats
+    engine = static_engine(model, "hybrid", exit_layer=1, num_draft_tokens=4)
+    for prompt in (REPEATED, RANDOM):
+        out = engine.generate_ids(prompt, max_new_tokens=40)
+        assert out.token_ids == reference_greedy(model, prompt, 40)
+        assert out.stats.num_drafted > 0
+    assert engine.static_round is not None
+    kinds = {kind for kind, _, _ in engine.static_round.step.compiled}
+    assert {"exit_greedy@1", "greedy"} <= kinds, kinds  # both sources ran
+
+
+def test_early_exit_with_an_adapter_in_the_static_round() -> None:
+    model = make_model("llama", agreeing=True, dtype=torch.float64)
+    torch.manual_seed(0)
+    adapter = ExitAdapter(ExitAdapterConfig(exit_layer=1, hidden_size=model.config.hidden_size)).double()
+    engine = static_engine(model, "early_exit", exit_layer=1, exit_adapter=adapter, num_draft_tokens=3)
+    assert engine.generate_ids(RANDOM, max_new_tokens=24).token_ids == reference_greedy(model, RANDOM, 24)
+    assert engine.static_round is not None
+    assert any(kind.startswith("exit_draft+adapter") for kind, _, _ in engine.static_round.step.compiled)
+
+
 def test_calls_it_cannot_serve_take_the_eager_loop_with_the_same_text() -> None:
     model = make_model("llama", agreeing=True)
     reference = reference_greedy(model, REPEATED, 30)
-    early_exit = static_engine(model, "early_exit", exit_layer=1)
-    assert early_exit.generate_ids(REPEATED, max_new_tokens=30).token_ids == reference
-    assert early_exit.static_round is not None and not early_exit.static_round.step.compiled
+    tree = static_engine(model, "early_exit", exit_layer=1, tree_nodes=6)
+    assert tree.generate_ids(REPEATED, max_new_tokens=30).token_ids == reference
+    assert tree.static_round is not None and not tree.static_round.step.compiled
     # one generation at a time: a call while a stream holds the engine's cache runs eagerly, same text
     demo = SpeculativeEngine.from_pretrained("selfspec-demo", drafter="prompt_lookup", compile="eager")
     prompt = "It is a truth universally acknowledged, that a single man"
@@ -121,13 +159,14 @@ def test_compile_option() -> None:
     assert "backend='eager'" in repr(static_engine(model).static_round)
 
 
-@pytest.mark.parametrize("drafter", ["none", "prompt_lookup", "eagle"])
+@pytest.mark.parametrize("drafter", ["none", "prompt_lookup", "eagle", "early_exit", "hybrid"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_one_host_read_per_round(drafter: str, temperature: float, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Plain decoding, prompt lookup and EAGLE chains (drafted on the device) read the device once a round."""
+    """Plain decoding, prompt lookup, EAGLE chains and the early exit (drafted on the device) read once a round."""
     model = make_model("llama", agreeing=True, dtype=torch.float32)
     torch.manual_seed(0)
-    extra = {"eagle_head": EagleHead(model)} if drafter == "eagle" else {}
+    extra: dict[str, Any] = {"eagle_head": EagleHead(model)} if drafter == "eagle" else {}
+    extra |= {"exit_layer": 1} if drafter in ("early_exit", "hybrid") else {}
     engine = static_engine(model, drafter, num_draft_tokens=4, **extra)
     assert engine.static_round is not None
     # the counter is a dispatch mode, which dynamo refuses: count the same round with its steps run eagerly
@@ -142,6 +181,22 @@ def test_one_host_read_per_round(drafter: str, temperature: float, monkeypatch: 
     drafted = out.stats.num_drafted if temperature or drafter == "eagle" else out.stats.num_accepted
     assert drafter == "none" or drafted > 0
     assert counter.reads <= rounds + PER_CALL, (counter.reads, rounds)
+
+
+def test_early_exit_rounds_never_recompile() -> None:
+    """The early exit's draft and verify steps, traced by dynamo: 50+ rounds of varying lengths, no recompile."""
+    model = make_model("llama", agreeing=False, dtype=torch.float32, num_hidden_layers=3)
+    engine = static_engine(model, "early_exit", exit_layer=1, num_draft_tokens=2)
+    assert engine.static_round is not None
+    prompt = [*RANDOM, *REPEATED]
+    new_tokens = 200
+    engine.static_round.step.prepare(len(prompt) + new_tokens + WIDTHS[-1], widths=(1, 2, 3), exit_layer=1)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        out = engine.generate_ids(prompt, max_new_tokens=new_tokens)
+    assert out.token_ids == reference_greedy(model, prompt, new_tokens)
+    assert out.stats.target_forwards - 1 >= 50
+    histogram = out.stats.accepted_length_histogram
+    assert sum(1 for n in histogram if n) >= 3, histogram
 
 
 @pytest.mark.slow
@@ -232,19 +287,20 @@ def test_compiled_eagle_head_steps_never_recompile() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("drafter", ["none", "eagle"])
+@pytest.mark.parametrize("drafter", ["none", "eagle", "early_exit", "hybrid"])
 @pytest.mark.parametrize(
     "params", [SamplingParams(1.0), SamplingParams(0.7, top_k=4, top_p=0.9)], ids=["t1", "t0.7-topk4-topp0.9"]
 )
 def test_sampling_follows_the_target_distribution(drafter: str, params: SamplingParams) -> None:
-    """Chi-square over every 3-token continuation; the EAGLE head (random) drafts sampled tokens with their q."""
+    """Chi-square over every 3-token continuation; the EAGLE head (random) and the early exit draft sampled tokens."""
     model = make_distribution_model()
     torch.manual_seed(1)
-    extra = {"eagle_head": EagleHead(model)} if drafter == "eagle" else {}
+    extra: dict[str, Any] = {"eagle_head": EagleHead(model)} if drafter == "eagle" else {}
+    extra |= {"exit_layer": 2} if drafter in ("early_exit", "hybrid") else {}
     engine = static_engine(model, drafter, num_draft_tokens=2, **extra)
     counts = sampled_counts(engine, params)
     assert chi_square_pvalue(counts, exact_distribution(model, params)) > 1e-3
-    if drafter == "eagle":
+    if drafter != "none":
         stats = [engine.generate_ids(DIST_PROMPT, max_new_tokens=3, temperature=1.0, seed=s).stats for s in range(30)]
         assert sum(s.num_accepted for s in stats) > 0 and sum(s.num_drafted - s.num_accepted for s in stats) > 0
 

@@ -15,50 +15,22 @@ from typing import Any
 
 import pytest
 import torch
+from read_counter import Counter, counting
 from tiny_models import make_model, reference_greedy
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from selfspec import SpeculativeEngine
 
-READS = {torch.ops.aten.item.default, torch.ops.aten.is_nonzero.default, torch.ops.aten._local_scalar_dense.default}
 PER_CALL = 2  # the prefill's first token; the seed of the call's generator
 #: The ops budget (fp32 fast path, a tiny Llama): measured 56 aten ops a layer and 34 a forward, plus 10%.
 OPS_PER_LAYER, OPS_PER_FORWARD = 62, 38
 
 
-class Counter(TorchDispatchMode):
-    """Counts host reads and aten ops while active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.reads = 0
-        self.ops = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops += 1
-        self.reads += func in READS
-        return func(*args, **(kwargs or {}))
-
-
 def count(
     engine: SpeculativeEngine, prompt: list[int], monkeypatch: pytest.MonkeyPatch, **keywords: Any
 ) -> tuple[Any, Counter]:
-    counter = Counter()
-    tolist, tensor = torch.Tensor.tolist, torch.tensor
-
-    def counted_tolist(self: torch.Tensor) -> Any:
-        counter.reads += 1
-        return tolist(self)
-
-    def counted_tensor(*args: Any, **kwargs: Any) -> torch.Tensor:
-        counter.reads += "device" in kwargs  # a blocking copy to the device
-        return tensor(*args, **kwargs)
-
-    monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
-    monkeypatch.setattr(torch, "tensor", counted_tensor)
-    with counter:
+    """A 40-token call and its host reads and aten ops."""
+    with counting(monkeypatch) as counter:
         out = engine.generate_ids(prompt, max_new_tokens=40, **keywords)
-    monkeypatch.undo()
     return out, counter
 
 

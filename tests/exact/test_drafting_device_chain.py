@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 import torch
+from read_counter import counting
 from scipy.stats import chisquare
 from test_core_acceptance import make_distribution_model
 from tiny_models import make_model, reference_greedy
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from selfspec import SpeculativeEngine
 from selfspec.core.sampling import SamplingParams, logits_to_probs
@@ -34,7 +34,6 @@ from selfspec.drafting.eagle.train import EagleTrainConfig, train_eagle_head
 
 PROMPT = [5, 9, 3, 17, 4, 8]
 WIDTHS = (1, 4, 8)
-READS = {torch.ops.aten.item.default, torch.ops.aten.is_nonzero.default, torch.ops.aten._local_scalar_dense.default}
 #: round costs of a calibrated head (draft 0.05 a token) and of a harsh one: the gate cuts chains at various depths
 CALIBRATED = CostModel(0.05, {1: 1.15, 2: 1.3, 3: 1.45, 4: 1.6, 8: 2.2})
 HARSH = CostModel(0.2, {1: 1.5, 2: 1.9})
@@ -75,36 +74,10 @@ def host_length(draft: DeviceDraft, eos: frozenset[int], confidence: float, cost
     return width
 
 
-class ReadCounter(TorchDispatchMode):
-    """Counts host reads (``aten.item`` / ``is_nonzero`` / ``_local_scalar_dense``) while active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.reads = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.reads += func in READS
-        return func(*args, **(kwargs or {}))
-
-
 def count_reads(call: Callable[[], Any], monkeypatch: pytest.MonkeyPatch) -> tuple[Any, int]:
-    """``call()`` and its host reads, ``Tensor.tolist`` and blocking copies ``torch.tensor(..., device=)`` included."""
-    counter = ReadCounter()
-    tolist, tensor = torch.Tensor.tolist, torch.tensor
-
-    def counted_tolist(self: torch.Tensor) -> Any:
-        counter.reads += 1
-        return tolist(self)
-
-    def counted_tensor(*args: Any, **kwargs: Any) -> torch.Tensor:
-        counter.reads += "device" in kwargs  # a blocking copy to the device
-        return tensor(*args, **kwargs)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(torch.Tensor, "tolist", counted_tolist)
-        patch.setattr(torch, "tensor", counted_tensor)
-        with counter:
-            result = call()
+    """``call()`` and its host reads (:mod:`read_counter`)."""
+    with counting(monkeypatch) as counter:
+        result = call()
     return result, counter.reads
 
 

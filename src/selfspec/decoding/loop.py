@@ -37,6 +37,7 @@ from ..drafting.base import DecodeState, Draft, Drafter, choose_token
 from ..drafting.fitting import fit_tree, truncate_chain
 from ..modeling.cache import BatchedKVCache, StaticKVCache
 from ..modeling.runner import ModelRunner
+from ..modeling.static_step import DeviceKVCache
 from ..modeling.transfer import device_ids
 from .generation import Generation
 from .outputs import FinishReason, TokenLogprob
@@ -88,11 +89,34 @@ def start_row(
         hidden, logits = prefill(
             runner, cache, run.prompt_ids, keep_all=keep_all, feature_layers=drafter.feature_layers
         )
+    return first_row(runner, drafter, run, cache, eos_token_ids, Prefilled(hidden, logits, started), row)
+
+
+@dataclass
+class Prefilled:
+    """What a prefill hands :func:`first_row`: the states it keeps, the last position's logits, when it began."""
+
+    hidden: torch.Tensor
+    logits: torch.Tensor
+    started: float
+
+
+def first_row(
+    runner: ModelRunner,
+    drafter: Drafter,
+    run: Generation,
+    cache: StaticKVCache | BatchedKVCache | DeviceKVCache,
+    eos_token_ids: frozenset[int],
+    prefilled: Prefilled,
+    row: int = 0,
+) -> Row:
+    """After the prompt's prefill: choose the first token, count the forward, start the row's state."""
+    hidden, logits = prefilled.hidden, prefilled.logits
     first, _ = choose_token(logits, run.params, run.generator, run.constraint)
     if run.top_logprobs is not None:
         run.computed_logprobs.extend(token_logprobs(logits[None], [first], run.top_logprobs))
     run.stats.target_forwards += 1
-    run.stats.verify_seconds += time.perf_counter() - started
+    run.stats.verify_seconds += time.perf_counter() - prefilled.started
     if run.constraint is not None:
         run.constraint.advance(first)
     state = DecodeState(

@@ -7,9 +7,11 @@ engine's :class:`~selfspec.modeling.static_step.StaticStep`:
    EAGLE chains) drafts the round's budget of tokens on the device, their real length decided there
    (the cost gate, the confidence stop, end-of-sequence), its draft steps compiled with the round's
    backend (:meth:`~selfspec.drafting.Drafter.compile_device_chain`: the EAGLE head's one-query step
-   over a fixed-slot cache, no recompile across rounds); any other drafter proposes a chain as in the
-   eager loop, sent to the device in one non-blocking copy with its length. The round pads the draft
-   to the next fixed width (:data:`~selfspec.modeling.static_step.WIDTHS`);
+   over a fixed-slot cache, no recompile across rounds); the early exit does too, with the engine's
+   own compiled steps (layers ``[0, E)`` on one token a step, writing their keys and values; the
+   verify then runs layers ``[E, L)`` on every row's exit state); any other drafter proposes a chain
+   as in the eager loop, sent to the device in one non-blocking copy with its length. The round pads
+   the draft to the next fixed width (:data:`~selfspec.modeling.static_step.WIDTHS`);
 2. **score** and 3. **accept**: one forward of that width over the call's bucket of slots, then
    acceptance on the device (greedy inside the compiled step; sampled right after it, on the
    device too), which also moves the cache length past the accepted text;
@@ -20,9 +22,9 @@ engine's :class:`~selfspec.modeling.static_step.StaticStep`:
 Which calls run here (:func:`static_round_reason`): an engine built with ``compile=True`` (or a
 backend name; ``compile="auto"`` means on CUDA), a model on the lean layer path, a drafter that
 proposes plain chains (:attr:`~selfspec.drafting.Drafter.chain_only`: plain decoding, prompt lookup,
-EAGLE chains), no grammar constraint,
-and one generation at a time (the engine's cache is shared by its calls: a call that finds it busy
-runs the eager loop). Everything else runs the eager loop, with the same text.
+EAGLE chains), the early exit's chains or the hybrid's (lookup or early exit per round, no graft),
+no grammar constraint, and one generation at a time (the engine's cache is shared by its calls: a
+call that finds it busy runs the eager loop). Everything else runs the eager loop, with the same text.
 """
 
 from __future__ import annotations
@@ -31,13 +33,16 @@ import logging
 import threading
 import time
 from collections.abc import Generator
+from dataclasses import dataclass
 
 import torch
 
 from ..core.acceptance import Acceptance
 from ..core.sampling import logits_to_probs
-from ..drafting.base import DecodeState, DeviceDraft, Draft, Drafter, choose_token
+from ..drafting.base import DecodeState, DeviceDraft, Draft, Drafter, draft_chain_on_device
+from ..drafting.early_exit import EarlyExitDrafter
 from ..drafting.fitting import truncate_chain
+from ..drafting.hybrid import HybridDrafter
 from ..errors import ConfigurationError
 from ..modeling.runner import ModelRunner
 from ..modeling.static_step import (
@@ -51,7 +56,7 @@ from ..modeling.static_step import (
 )
 from ..modeling.transfer import device_ids
 from .generation import Generation
-from .loop import RoundTimes, Row, commit, emitted_rows, token_logprobs
+from .loop import Prefilled, RoundTimes, Row, commit, emitted_rows, first_row, token_logprobs
 from .outputs import FinishReason
 
 logger = logging.getLogger(__name__)
@@ -88,7 +93,7 @@ def static_rounds(runner: ModelRunner, compile: bool | str) -> StaticRounds | No
 
 def static_round_reason(drafter: Drafter, run: Generation) -> str | None:
     """Why ``run`` takes the eager loop with this drafter, or ``None`` when the static round serves it."""
-    if not drafter.chain_only:
+    if not drafter.chain_only and exit_layer_of(drafter) is None and not _hybrid_chains(drafter):
         return f"drafter {drafter.name!r} drafts trees or runs the target's layers itself (not chain_only)"
     if run.constraint is not None:
         return "grammar-constrained calls run the eager loop"
@@ -105,6 +110,7 @@ class StaticRounds:
     def __init__(self, step: StaticStep) -> None:
         self.step = step
         self._busy = threading.Lock()
+        self._offset_list: list[torch.Tensor] = []
 
     def __repr__(self) -> str:
         return f"StaticRounds({self.step!r})"
@@ -151,56 +157,43 @@ class StaticRounds:
         runner = self.step.runner
         cache = self.step.reserve(slots)
         hidden, logits = static_prefill(runner, cache, device_ids([run.prompt_ids], runner.device))
-        first, _ = choose_token(logits, run.params, run.generator)
-        if run.top_logprobs is not None:
-            run.computed_logprobs.extend(token_logprobs(logits[None], [first], run.top_logprobs))
-        run.stats.target_forwards += 1
-        run.stats.verify_seconds += time.perf_counter() - started
-        state = DecodeState(
-            runner=runner,
-            cache=cache,
-            position=len(run.prompt_ids),
-            last_token=first,
-            token_ids=[*run.prompt_ids, first],
-            params=run.params,
-            generator=run.generator,
-            eos_token_ids=eos_token_ids,
-            last_hidden=hidden[:, -1:] if drafter.needs_hidden else None,
-            pending_hidden=hidden if drafter.needs_committed_hidden else None,
-        )
-        return Row(state, run)
+        return first_row(runner, drafter, run, cache, eos_token_ids, Prefilled(hidden, logits, started))
 
     def _round(self, drafter: Drafter, row: Row, bucket: int) -> list[int]:
         """One round: draft, one fixed-width forward, acceptance on the device, one read, commit."""
         state, run = row.state, row.run
         started = time.perf_counter()
         budget = min(run.controller.budget(), run.max_new_tokens - row.emitted - 1, WIDTHS[-1] - 1)
-        on_device = drafter.propose_device(state, budget) if budget > 0 and drafter.supports_device_chain else None
-        if on_device is not None:
-            tokens, real, draft_probs = self._device_rows(state, on_device)
-            draft = Draft()  # known after the round's read
-        else:
-            draft = truncate_chain(drafter.propose(state, budget), budget) if budget > 0 else Draft()
-            if draft.parents is not None or draft.exit_states is not None:
-                raise ConfigurationError(f"drafter {drafter.name!r} says chain_only but drafted a tree or exit states")
-            tokens, real, draft_probs = self._host_rows(state, draft)
+        rows, draft = self._draft(drafter, state, budget, bucket), Draft()
         drafted = time.perf_counter()
-        width = tokens.shape[1]
+        tokens, width = rows.tokens, rows.tokens.shape[1]
         if state.params.greedy:
-            decided, hidden, logits = self.step.greedy(tokens, real, bucket)
+            if rows.exit_states is None:
+                decided, hidden, logits = self.step.greedy(tokens, rows.real, bucket)
+            else:
+                exits = rows.exit_states, rows.real, rows.exit_layer
+                decided, hidden, logits = self.step.exit_greedy(tokens, *exits, bucket)
         else:
-            hidden, logits = self.step.forward(tokens, bucket)
+            if rows.exit_states is None:
+                hidden, logits = self.step.forward(tokens, bucket)
+            else:
+                hidden, logits = self.step.exit_forward(rows.exit_states, rows.exit_layer, bucket)
             target_probs = logits_to_probs(logits, state.params)
-            decided = accept_sampled_step(tokens, real, _padded(draft_probs, width - 1), target_probs, run.generator)
+            draft_probs = _padded(rows.draft_probs, width - 1)
+            decided = accept_sampled_step(tokens, rows.real, draft_probs, target_probs, run.generator)
             self.step.cache.length.add_(decided[0] + 1)  # type: ignore[union-attr]
         if drafter.needs_hidden:
             state.last_hidden = hidden
-        if on_device is None:
+        if rows.host_draft is not None:
+            draft = rows.host_draft
             accepted, next_token = decided.tolist()  # the round's one read
         else:  # the round's one read also brings the drafted tokens and how many are real
-            accepted, next_token, length, *drafts = torch.cat([decided, on_device.length[None], tokens[0, 1:]]).tolist()
-            probs = on_device.draft_probs
+            accepted, next_token, length, *drafts = torch.cat([decided, rows.real[None], tokens[0, 1:]]).tolist()
+            probs = rows.draft_probs
             draft = Draft(tokens=drafts[:length], draft_probs=None if probs is None else probs[:length])
+        if rows.source is not None:  # the hybrid settles this round's draft from the text that follows it
+            assert isinstance(drafter, HybridDrafter)
+            drafter.note(state, rows.source, draft.tokens)
         acceptance = Acceptance(accepted, next_token)
         tokens_out = commit(drafter, row, draft, acceptance, RoundTimes(started, drafted, time.perf_counter()))
         if run.top_logprobs is not None:
@@ -208,22 +201,112 @@ class StaticRounds:
             run.computed_logprobs.extend(token_logprobs(logits[used], tokens_out, run.top_logprobs))
         return tokens_out
 
+    def _draft(self, drafter: Drafter, state: DecodeState, budget: int, bucket: int) -> _Rows:
+        """The round's draft as the step's rows: from the early exit, a device chain, or the host."""
+        if budget > 0 and _hybrid_chains(drafter):
+            assert isinstance(drafter, HybridDrafter)
+            kind, copied = drafter.choose_round(state, budget)  # the host's token history only: no read
+            if kind == "lookup":
+                rows = self._host_rows(state, Draft(tokens=copied[:budget]))
+            else:  # no lookup graft here: the static round verifies chains
+                rows = self._exit_draft(drafter.early_exit, state, budget, bucket)
+            rows.source = kind
+            return rows
+        if budget > 0 and exit_layer_of(drafter) is not None:
+            return self._exit_draft(drafter, state, budget, bucket)
+        if budget > 0 and drafter.supports_device_chain:
+            return self._device_rows(state, drafter.propose_device(state, budget))
+        draft = truncate_chain(drafter.propose(state, budget), budget) if budget > 0 else Draft()
+        if draft.parents is not None or draft.exit_states is not None:
+            raise ConfigurationError(f"drafter {drafter.name!r} says chain_only but drafted a tree or exit states")
+        return self._host_rows(state, draft)
+
+    def _exit_draft(self, drafter: Drafter, state: DecodeState, budget: int, bucket: int) -> _Rows:
+        """The early exit's chain of ``budget`` tokens on the device, and every row's exit state.
+
+        Each draft step runs layers ``[0, E)`` on one token (writing their keys and values at its
+        slot) and the LM head on the exit state; after the chain one more step runs the last
+        drafted token's layers, so the verify continues every row from layer ``E``.
+        """
+        assert isinstance(drafter, EarlyExitDrafter)
+        exit_layer, device = drafter.exit_layer, state.runner.device
+        offsets = self._offsets(device)
+        exit_states: list[torch.Tensor] = []
+
+        def next_logits(token: torch.Tensor, j: int) -> torch.Tensor:
+            exit_state, logits = self.step.exit_draft(
+                token.view(1, 1), offsets[j], exit_layer, bucket, adapter=drafter.exit_adapter
+            )
+            exit_states.append(exit_state)
+            assert logits is not None
+            return logits
+
+        on_device = draft_chain_on_device(state, budget, next_logits, drafter.confidence)
+        last_token = on_device.tokens[-1:].view(1, 1)
+        last, _ = self.step.exit_draft(last_token, offsets[budget], exit_layer, bucket, logits=False)
+        rows = self._device_rows(state, on_device)
+        padding = rows.tokens.shape[1] - 1 - budget
+        rows.exit_states = torch.cat([*exit_states, last, last.new_zeros(1, padding, last.shape[-1])], dim=1)
+        rows.exit_layer = exit_layer
+        return rows
+
+    def _offsets(self, device: torch.device) -> list[torch.Tensor]:
+        """0-d tensors ``0 .. 32`` on the device, made once: a draft step's offset from the cache length."""
+        if not self._offset_list:
+            self._offset_list = [torch.full((), j, dtype=torch.long, device=device) for j in range(WIDTHS[-1])]
+        return self._offset_list
+
     @staticmethod
-    def _host_rows(state: DecodeState, draft: Draft) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """A host draft as the step's rows: ``[1, w]`` tokens (padded), the real count, the draft distributions."""
+    def _host_rows(state: DecodeState, draft: Draft) -> _Rows:
+        """A host draft as the step's rows, padded to the width that holds it (one non-blocking copy)."""
         num_draft, width = len(draft), width_for(len(draft))
         padding = [state.last_token] * (width - 1 - num_draft)
         sent = device_ids([state.last_token, *draft.tokens, *padding, num_draft], state.runner.device)
         # the strides of a fresh [1, w] (no recompile)
-        return sent[:width].view(1, width), sent[width], draft.draft_probs
+        return _Rows(sent[:width].view(1, width), sent[width], draft.draft_probs, host_draft=draft)
 
     @staticmethod
-    def _device_rows(state: DecodeState, draft: DeviceDraft) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _device_rows(state: DecodeState, draft: DeviceDraft) -> _Rows:
         """A device draft of ``k`` tokens as the step's rows, padded to the width that holds ``k`` (no read)."""
         width = width_for(draft.width)
         sent = device_ids([state.last_token] * (width - draft.width), state.runner.device)
         tokens = torch.cat([sent[:1], draft.tokens, sent[1:]]).view(1, width)
-        return tokens, draft.length, draft.draft_probs
+        return _Rows(tokens, draft.length, draft.draft_probs)
+
+
+@dataclass
+class _Rows:
+    """What a round's verify step reads.
+
+    Attributes:
+        tokens: ``[1, w]`` the last token, then the drafts (padded to the width).
+        real: 0-d: how many drafts are real.
+        draft_probs: the drafts' distributions (sampled drafts), ``[k, vocab]``.
+        host_draft: the draft, when it was drafted on the host (else it is read with the round's result).
+        exit_states: ``[1, w, hidden]`` the early exit's states of every row (the verify starts at its layer).
+        exit_layer: the early exit's layer (with ``exit_states``).
+        source: the hybrid's choice this round (``"lookup"`` or ``"early_exit"``), ``None`` otherwise.
+    """
+
+    tokens: torch.Tensor
+    real: torch.Tensor
+    draft_probs: torch.Tensor | None
+    host_draft: Draft | None = None
+    exit_states: torch.Tensor | None = None
+    exit_layer: int = 0
+    source: str | None = None
+
+
+def _hybrid_chains(drafter: Drafter) -> bool:
+    """Whether ``drafter`` is the hybrid drafting chains (its early exit drafts no trees)."""
+    return type(drafter) is HybridDrafter and not drafter.tree_nodes
+
+
+def exit_layer_of(drafter: Drafter) -> int | None:
+    """The early exit's layer when the static round drafts for ``drafter`` there (a chain), else ``None``."""
+    if type(drafter) is EarlyExitDrafter and not drafter.tree_nodes:
+        return drafter.exit_layer
+    return None
 
 
 def _padded(draft_probs: torch.Tensor | None, rows: int) -> torch.Tensor | None:

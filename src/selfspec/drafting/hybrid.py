@@ -175,8 +175,13 @@ class HybridDrafter(Drafter):
         book.pending = []
         return book
 
-    def _choose_round(self, state: DecodeState, max_tokens: int) -> tuple[str, list[int]]:
-        """Settle the last round, look up a copy, and choose this round's source."""
+    def choose_round(self, state: DecodeState, max_tokens: int) -> tuple[str, list[int]]:
+        """Settle the last round, look up a copy, and choose this round's source: ``(kind, copied)``.
+
+        The caller drafts from ``kind`` (``copied`` when it is ``"lookup"``) and then calls
+        :meth:`note` with the drafted tokens, as :meth:`propose` does (the static round drafts
+        the early exit's chain itself).
+        """
         self.settle(state)
         copied = self.lookup_drafter.lookup(state, max_tokens)
         return (self.choose(state, copied, max_tokens) if copied else "early_exit"), copied
@@ -185,7 +190,7 @@ class HybridDrafter(Drafter):
         """A lookup draft when it is the better bet this round, else an early-exit draft."""
         if max_tokens <= 0:
             return Draft()
-        kind, copied = self._choose_round(state, max_tokens)
+        kind, copied = self.choose_round(state, max_tokens)
         draft = Draft(tokens=copied) if kind == "lookup" else self.early_exit.propose(state, max_tokens)
         self.note(state, kind, draft.tokens)
         if kind == "early_exit" and copied and self.graft_lookup and state.params.greedy and state.constraint is None:
@@ -202,7 +207,7 @@ class HybridDrafter(Drafter):
                 kinds.append("none")
                 known.append([])
                 continue
-            kind, copied = self._choose_round(state, budget)
+            kind, copied = self.choose_round(state, budget)
             kinds.append(kind)
             known.append(copied if kind == "lookup" else None)
         drafts = self.early_exit.draft_rows(states, budgets, known)

@@ -121,14 +121,19 @@ class _Writes:
 
 
 def _layers(
-    runner: ModelRunner, hidden: torch.Tensor, positions: torch.Tensor, plans: dict[str, AttentionPlan], cache: Any
+    runner: ModelRunner,
+    hidden: torch.Tensor,
+    positions: torch.Tensor,
+    plans: dict[str, AttentionPlan],
+    cache: Any,
+    layers: range | None = None,
 ) -> Any:
-    """Every lean layer over ``[1, q, hidden]`` at ``[q]`` positions; the last layer's output."""
+    """The lean layers ``layers`` (all of them by default) over ``[1, q, hidden]`` at ``[q]`` positions."""
     assert runner.fast_layers is not None
     cos, sin = runner.rotary(hidden, positions[None])
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [1, 1, q, head_dim]: broadcast over heads
-    for i, weights in enumerate(runner.fast_layers):
-        hidden = layer_forward(weights, hidden, cos, sin, plans[runner.layer_types[i]], cache, i)
+    for i in layers if layers is not None else range(runner.num_layers):
+        hidden = layer_forward(runner.fast_layers[i], hidden, cos, sin, plans[runner.layer_types[i]], cache, i)
     return hidden
 
 
@@ -182,6 +187,39 @@ def verify_step(
     positions = cache.length + torch.arange(width, device=tokens.device)  # [w]
     plans = _masked_plans(runner, positions, bucket)  # slot j holds position j
     hidden = _layers(runner, runner.embed(tokens), positions, plans, _Writes(cache, positions, bucket))
+    return hidden, _logits(runner, hidden)
+
+
+def exit_draft_step(
+    runner: ModelRunner, cache: DeviceKVCache, token: torch.Tensor, offset: torch.Tensor, exit_layer: int, bucket: int
+) -> torch.Tensor:
+    """The early exit's draft forward: layers ``[0, exit_layer)`` on one ``[1, 1]`` token, no host read.
+
+    The token sits at position ``length + offset`` (``offset``: a 0-d tensor, the draft step); its
+    keys and values go into that slot of the layers it runs, where the round's verify
+    (:func:`exit_verify_step`) and, once accepted, every later forward reads them: the early
+    exit's KV reuse. Returns the ``[1, 1, hidden]`` exit state.
+    """
+    positions = (cache.length + offset).view(1)
+    plans = _masked_plans(runner, positions, bucket)
+    writes = _Writes(cache, positions, bucket)
+    state: torch.Tensor = _layers(runner, runner.embed(token), positions, plans, writes, range(exit_layer))
+    return state
+
+
+def exit_verify_step(
+    runner: ModelRunner, cache: DeviceKVCache, exit_states: torch.Tensor, exit_layer: int, bucket: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`verify_step` that continues from the early exit: layers ``[exit_layer, L)`` on ``[1, w, hidden]``.
+
+    Row ``i`` is the exit state of the token at ``length + i`` (the last token, then the drafts),
+    whose first layers' keys and values :func:`exit_draft_step` already wrote.
+    """
+    width = exit_states.shape[1]
+    positions = cache.length + torch.arange(width, device=exit_states.device)
+    plans = _masked_plans(runner, positions, bucket)
+    writes = _Writes(cache, positions, bucket)
+    hidden = _layers(runner, exit_states, positions, plans, writes, range(exit_layer, runner.num_layers))
     return hidden, _logits(runner, hidden)
 
 
@@ -277,21 +315,42 @@ class StaticStep:
             self.compiled.clear()  # new buffers: new graphs
         return self.cache
 
-    def prepare(self, slots: int, widths: tuple[int, ...] = WIDTHS, kinds: tuple[str, ...] = ("greedy",)) -> None:
+    def prepare(
+        self,
+        slots: int,
+        widths: tuple[int, ...] = WIDTHS,
+        kinds: tuple[str, ...] = ("greedy",),
+        exit_layer: int | None = None,
+        adapter: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         """Compile (or trace) the steps a call of ``slots`` slots may use, ahead of its first round.
 
+        ``kinds``: ``"greedy"`` and/or ``"forward"`` (sampled rounds). With ``exit_layer``, the
+        early exit's steps instead: its draft steps (with ``adapter``) and its verify of each width.
         Each step runs once on padding at the cache's current length, which is restored after:
-        the cache's text is untouched.
+        the cache's text is untouched (a draft step's slots are past it).
         """
         cache = self.reserve(slots)
         bucket = bucket_for(slots)
         saved = cache.length.clone()
-        with torch.inference_mode():
+        device = self.runner.device
+        with torch.inference_mode():  # the rounds' tensors are inference tensors: so are these (no recompile)
+            zero = torch.zeros((), dtype=torch.long, device=device)
+            if exit_layer is not None:
+                token = torch.zeros(1, 1, dtype=torch.long, device=device)
+                self.exit_draft(token, zero, exit_layer, bucket, adapter=adapter)
+                self.exit_draft(token, zero, exit_layer, bucket, logits=False)
             for width in widths:
-                tokens = torch.zeros(1, width, dtype=torch.long, device=self.runner.device)
+                tokens = torch.zeros(1, width, dtype=torch.long, device=device)
+                states = torch.zeros(1, width, self.runner.config.hidden_size, dtype=self.runner.dtype, device=device)
                 for kind in kinds:
-                    if kind == "greedy":
-                        self.greedy(tokens, torch.zeros((), dtype=torch.long, device=tokens.device), bucket)
+                    if exit_layer is not None:
+                        if kind == "greedy":
+                            self.exit_greedy(tokens, states, zero, exit_layer, bucket)
+                        else:
+                            self.exit_forward(states, exit_layer, bucket)
+                    elif kind == "greedy":
+                        self.greedy(tokens, zero, bucket)
                     else:
                         self.forward(tokens, bucket)
                     cache.length.copy_(saved)
@@ -304,11 +363,73 @@ class StaticStep:
         """Verify ``[1, w]`` tokens: ``(hidden, logits)`` (a sampled round accepts outside the graph)."""
         return self._step("forward", tokens.shape[1], bucket)(tokens)
 
+    def exit_draft(
+        self,
+        token: torch.Tensor,
+        offset: torch.Tensor,
+        exit_layer: int,
+        bucket: int,
+        logits: bool = True,
+        adapter: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:func:`exit_draft_step` on a ``[1, 1]`` token: ``(exit state, [vocab] draft logits)``.
+
+        The LM head reads the exit state, or ``adapter`` of it (the early exit's trained adapter);
+        ``logits=False`` skips it (the chain's last token: only its state is needed). One
+        compiled step per exit layer, bucket, and adapter.
+        """
+        name = "exit_state" if not logits else "exit_draft" if adapter is None else f"exit_draft+adapter{id(adapter)}"
+        key = (f"{name}@{exit_layer}", 1, bucket)
+        if key not in self.compiled:
+            runner, cache = self.runner, self._cache()
+
+            def draft(token: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+                state = exit_draft_step(runner, cache, token, offset, exit_layer, bucket)
+                if not logits:
+                    return state, None
+                return state, _logits(runner, state if adapter is None else adapter(state))[0]
+
+            self.compiled[key] = self._maybe_compiled(draft)
+        return self.compiled[key](token, offset)
+
+    def exit_greedy(
+        self, tokens: torch.Tensor, exit_states: torch.Tensor, num_draft: torch.Tensor, exit_layer: int, bucket: int
+    ) -> tuple[torch.Tensor, ...]:
+        """:func:`exit_verify_step` and greedy acceptance: ``([accepted, next], hidden, logits)``."""
+        key = (f"exit_greedy@{exit_layer}", tokens.shape[1], bucket)
+        if key not in self.compiled:
+            runner, cache = self.runner, self._cache()
+
+            def greedy(tokens: torch.Tensor, exit_states: torch.Tensor, num_draft: torch.Tensor) -> tuple[Any, ...]:
+                hidden, logits = exit_verify_step(runner, cache, exit_states, exit_layer, bucket)
+                return accept_greedy_step(cache, tokens, num_draft, logits), hidden, logits
+
+            self.compiled[key] = self._maybe_compiled(greedy)
+        return self.compiled[key](tokens, exit_states, num_draft)
+
+    def exit_forward(self, exit_states: torch.Tensor, exit_layer: int, bucket: int) -> tuple[torch.Tensor, ...]:
+        """:func:`exit_verify_step`: ``(hidden, logits)`` (a sampled round accepts outside the graph)."""
+        key = (f"exit_forward@{exit_layer}", exit_states.shape[1], bucket)
+        if key not in self.compiled:
+            runner, cache = self.runner, self._cache()
+
+            def forward(exit_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                return exit_verify_step(runner, cache, exit_states, exit_layer, bucket)
+
+            self.compiled[key] = self._maybe_compiled(forward)
+        return self.compiled[key](exit_states)
+
+    def _cache(self) -> DeviceKVCache:
+        assert self.cache is not None, "reserve() before a step"
+        return self.cache
+
+    def _maybe_compiled(self, step: Callable[..., Any]) -> Callable[..., Any]:
+        return step if self.backend is None else _compiled(step, self.backend, self.runner.device)
+
     def _step(self, kind: str, width: int, bucket: int) -> Callable[..., Any]:
         key = (kind, width, bucket)
         if key not in self.compiled:
-            runner, cache = self.runner, self.cache
-            assert cache is not None, "reserve() before a step"
+            runner, cache = self.runner, self._cache()
 
             def forward(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                 return verify_step(runner, cache, tokens, bucket)
@@ -317,10 +438,7 @@ class StaticStep:
                 hidden, logits = verify_step(runner, cache, tokens, bucket)
                 return accept_greedy_step(cache, tokens, num_draft, logits), hidden, logits
 
-            step: Callable[..., Any] = greedy if kind == "greedy" else forward
-            if self.backend is not None:
-                step = _compiled(step, self.backend, runner.device)
-            self.compiled[key] = step
+            self.compiled[key] = self._maybe_compiled(greedy if kind == "greedy" else forward)
         return self.compiled[key]
 
 
@@ -330,7 +448,7 @@ def _compiled(step: Callable[..., Any], backend: str, device: torch.device) -> C
     Each ``(kind, width, bucket)`` gets its own compiled function; dynamo keys its cache on the
     step's code, so the limit on cached graphs per code object is raised to hold them all.
     """
-    limit = len(WIDTHS) * 2 * 8
+    limit = len(WIDTHS) * 4 * 8
     if torch._dynamo.config.recompile_limit < limit:
         torch._dynamo.config.recompile_limit = limit
     if torch._dynamo.config.accumulated_recompile_limit < limit * 4:
