@@ -38,7 +38,7 @@ from torch import nn
 from ...artifacts import BUNDLED_MODELS, EAGLE_HEADS, find_artifact, loose_name, model_cache
 from ...errors import ConfigurationError, ModelNotFoundError
 from ...modeling.attention import causal_allowed, format_mask
-from ...modeling.compat import cache_kwargs
+from ...modeling.compat import cache_keyword
 from ...modeling.runner import ModelRunner, runner_for
 
 #: Files of a saved head.
@@ -271,6 +271,7 @@ class EagleHead(nn.Module):
         layer_class: Any = type(target.layers[0])  # the target's own decoder-layer class
         self.fc = nn.Linear(2 * hidden, hidden, bias=True)
         self.layer = layer_class(layer_config, layer_idx=0)
+        self._keyword_of: tuple[type, str] | None = None  # (layer class, its cache keyword): see layer_output
         self.attn_implementation = target.attn_implementation
         if init_from_last_layer:
             self.layer.load_state_dict(target.layers[-1].state_dict())
@@ -361,9 +362,20 @@ class EagleHead(nn.Module):
             position_ids=step.position_ids,
             use_cache=True,
             position_embeddings=step.rotary,
-            **cache_kwargs(self.layer, step.cache),
+            **self._cache_kwargs(step.cache),
         )
         return out
+
+    def _cache_kwargs(self, cache: Any) -> dict[str, Any]:
+        """``{keyword: cache}`` for :attr:`layer`, read from its signature once per layer class.
+
+        Remembered here rather than looked up in :func:`~selfspec.modeling.compat.cache_keyword`'s
+        ``functools`` cache on every call, so a compiled draft step traces a plain attribute read.
+        """
+        layer_class = type(self.layer)
+        if self._keyword_of is None or self._keyword_of[0] is not layer_class:
+            self._keyword_of = (layer_class, cache_keyword(self.layer))
+        return {self._keyword_of[1]: cache}
 
     def predicted(self, out: torch.Tensor) -> torch.Tensor:
         """The layer's ``[B, q, H]`` output -> predicted features (the target's final norm: where features live)."""
