@@ -389,7 +389,9 @@ class StaticStep:
                     return state, None
                 return state, _logits(runner, state if adapter is None else adapter(state))[0]
 
-            self.compiled[key] = self._maybe_compiled(draft)
+            # no CUDA graphs: a round keeps every draft step's exit state, and a graph's replay
+            # would overwrite the last one's outputs (untried on a GPU: no device lent so far)
+            self.compiled[key] = self._maybe_compiled(draft, graphs=False)
         return self.compiled[key](token, offset)
 
     def exit_greedy(
@@ -423,8 +425,8 @@ class StaticStep:
         assert self.cache is not None, "reserve() before a step"
         return self.cache
 
-    def _maybe_compiled(self, step: Callable[..., Any]) -> Callable[..., Any]:
-        return step if self.backend is None else _compiled(step, self.backend, self.runner.device)
+    def _maybe_compiled(self, step: Callable[..., Any], graphs: bool = True) -> Callable[..., Any]:
+        return step if self.backend is None else _compiled(step, self.backend, self.runner.device, graphs)
 
     def _step(self, kind: str, width: int, bucket: int) -> Callable[..., Any]:
         key = (kind, width, bucket)
@@ -442,7 +444,7 @@ class StaticStep:
         return self.compiled[key]
 
 
-def _compiled(step: Callable[..., Any], backend: str, device: torch.device) -> Callable[..., Any]:
+def _compiled(step: Callable[..., Any], backend: str, device: torch.device, graphs: bool = True) -> Callable[..., Any]:
     """``torch.compile`` of one step: whole graph, static shapes; CUDA graphs with inductor on CUDA.
 
     Each ``(kind, width, bucket)`` gets its own compiled function; dynamo keys its cache on the
@@ -453,5 +455,5 @@ def _compiled(step: Callable[..., Any], backend: str, device: torch.device) -> C
         torch._dynamo.config.recompile_limit = limit
     if torch._dynamo.config.accumulated_recompile_limit < limit * 4:
         torch._dynamo.config.accumulated_recompile_limit = limit * 4
-    mode = "reduce-overhead" if backend == "inductor" and device.type == "cuda" else None
+    mode = "reduce-overhead" if graphs and backend == "inductor" and device.type == "cuda" else None
     return torch.compile(step, backend=backend, fullgraph=True, dynamic=False, mode=mode)
