@@ -85,6 +85,10 @@ def test_hybrid_chains_greedy_equal_generate() -> None:
     """The hybrid picks prompt lookup (host chain) or the early exit (device chain) per round, no graft."""
     model = make_model("qwen2", agreeing=False)  # early exits that agree poorly: copies win where the text repeats
     engine = static_engine(model, "hybrid", exit_layer=1, num_draft_tokens=4)
+    assert engine.static_round is not None
+    engine.static_round.prepare(len(REPEATED), 40, drafter=engine.drafter)  # both sources' steps, every width
+    prepared = {kind for kind, _, _ in engine.static_round.step.compiled}
+    assert prepared == {"greedy", "exit_greedy@1", "exit_draft@1", "exit_state@1"}, prepared
     for prompt in (REPEATED, RANDOM):
         out = engine.generate_ids(prompt, max_new_tokens=40)
         assert out.token_ids == reference_greedy(model, prompt, 40)
@@ -190,7 +194,7 @@ def test_early_exit_rounds_never_recompile() -> None:
     assert engine.static_round is not None
     prompt = [*RANDOM, *REPEATED]
     new_tokens = 200
-    engine.static_round.step.prepare(len(prompt) + new_tokens + WIDTHS[-1], widths=(1, 2, 3), exit_layer=1)
+    engine.static_round.prepare(len(prompt), new_tokens, drafter=engine.drafter)  # its exit steps, every width
     with torch._dynamo.config.patch(error_on_recompile=True):
         out = engine.generate_ids(prompt, max_new_tokens=new_tokens)
     assert out.token_ids == reference_greedy(model, prompt, new_tokens)

@@ -115,10 +115,23 @@ class StaticRounds:
     def __repr__(self) -> str:
         return f"StaticRounds({self.step!r})"
 
-    def prepare(self, prompt_tokens: int, max_new_tokens: int, sampled: bool = False) -> None:
-        """Compile every width's step for calls of this size now, so that no round waits for it."""
+    def prepare(
+        self, prompt_tokens: int, max_new_tokens: int, sampled: bool = False, drafter: Drafter | None = None
+    ) -> None:
+        """Compile every width's step for calls of this size now, so that no round waits for it.
+
+        With the engine's ``drafter`` (``engine.drafter``), an early exit's (or the hybrid's)
+        draft and verify steps too. The EAGLE head's draft step compiles on its first round.
+        """
         kinds = ("greedy", "forward") if sampled else ("greedy",)
-        self.step.prepare(prompt_tokens + max_new_tokens + WIDTHS[-1], kinds=kinds)
+        slots = prompt_tokens + max_new_tokens + WIDTHS[-1]
+        early_exit = drafter.early_exit if isinstance(drafter, HybridDrafter) and _hybrid_chains(drafter) else drafter
+        exit_layer = exit_layer_of(early_exit) if early_exit is not None else None
+        if exit_layer is None or early_exit is not drafter:  # the hybrid's lookup rounds verify every layer
+            self.step.prepare(slots, kinds=kinds)
+        if exit_layer is not None:
+            assert isinstance(early_exit, EarlyExitDrafter)
+            self.step.prepare(slots, kinds=kinds, exit_layer=exit_layer, adapter=early_exit.exit_adapter)
 
     def try_decode(
         self, drafter: Drafter, run: Generation, lock: threading.RLock, eos_token_ids: frozenset[int]
