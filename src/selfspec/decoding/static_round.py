@@ -93,7 +93,7 @@ def static_rounds(runner: ModelRunner, compile: bool | str) -> StaticRounds | No
 
 def static_round_reason(drafter: Drafter, run: Generation) -> str | None:
     """Why ``run`` takes the eager loop with this drafter, or ``None`` when the static round serves it."""
-    if not drafter.chain_only and exit_layer_of(drafter) is None and not _hybrid_chains(drafter):
+    if not drafter.chain_only and static_early_exit(drafter) is None:
         return f"drafter {drafter.name!r} drafts trees or runs the target's layers itself (not chain_only)"
     if run.constraint is not None:
         return "grammar-constrained calls run the eager loop"
@@ -125,13 +125,12 @@ class StaticRounds:
         """
         kinds = ("greedy", "forward") if sampled else ("greedy",)
         slots = prompt_tokens + max_new_tokens + WIDTHS[-1]
-        early_exit = drafter.early_exit if isinstance(drafter, HybridDrafter) and _hybrid_chains(drafter) else drafter
-        exit_layer = exit_layer_of(early_exit) if early_exit is not None else None
-        if exit_layer is None or early_exit is not drafter:  # the hybrid's lookup rounds verify every layer
+        early_exit = static_early_exit(drafter) if drafter is not None else None
+        if early_exit is None or early_exit is not drafter:  # the hybrid's lookup rounds verify every layer
             self.step.prepare(slots, kinds=kinds)
-        if exit_layer is not None:
-            assert isinstance(early_exit, EarlyExitDrafter)
-            self.step.prepare(slots, kinds=kinds, exit_layer=exit_layer, adapter=early_exit.exit_adapter)
+        if early_exit is not None:
+            exit_layer, adapter = early_exit.exit_layer, early_exit.exit_adapter
+            self.step.prepare(slots, kinds=kinds, exit_layer=exit_layer, adapter=adapter)
 
     def try_decode(
         self, drafter: Drafter, run: Generation, lock: threading.RLock, eos_token_ids: frozenset[int]
@@ -177,20 +176,14 @@ class StaticRounds:
         state, run = row.state, row.run
         started = time.perf_counter()
         budget = min(run.controller.budget(), run.max_new_tokens - row.emitted - 1, WIDTHS[-1] - 1)
-        rows, draft = self._draft(drafter, state, budget, bucket), Draft()
+        rows = self._draft(drafter, state, budget, bucket)
         drafted = time.perf_counter()
         tokens, width = rows.tokens, rows.tokens.shape[1]
+        exits = rows.exit_states, rows.exit_layer  # (None, 0): the forward runs every layer
         if state.params.greedy:
-            if rows.exit_states is None:
-                decided, hidden, logits = self.step.greedy(tokens, rows.real, bucket)
-            else:
-                exits = rows.exit_states, rows.real, rows.exit_layer
-                decided, hidden, logits = self.step.exit_greedy(tokens, *exits, bucket)
+            decided, hidden, logits = self.step.greedy(tokens, rows.real, bucket, *exits)
         else:
-            if rows.exit_states is None:
-                hidden, logits = self.step.forward(tokens, bucket)
-            else:
-                hidden, logits = self.step.exit_forward(rows.exit_states, rows.exit_layer, bucket)
+            hidden, logits = self.step.forward(tokens, bucket, *exits)
             target_probs = logits_to_probs(logits, state.params)
             draft_probs = _padded(rows.draft_probs, width - 1)
             decided = accept_sampled_step(tokens, rows.real, draft_probs, target_probs, run.generator)
@@ -216,17 +209,17 @@ class StaticRounds:
 
     def _draft(self, drafter: Drafter, state: DecodeState, budget: int, bucket: int) -> _Rows:
         """The round's draft as the step's rows: from the early exit, a device chain, or the host."""
-        if budget > 0 and _hybrid_chains(drafter):
-            assert isinstance(drafter, HybridDrafter)
+        early_exit = static_early_exit(drafter) if budget > 0 else None
+        if early_exit is not None and isinstance(drafter, HybridDrafter):
             kind, copied = drafter.choose_round(state, budget)  # the host's token history only: no read
             if kind == "lookup":
                 rows = self._host_rows(state, Draft(tokens=copied[:budget]))
             else:  # no lookup graft here: the static round verifies chains
-                rows = self._exit_draft(drafter.early_exit, state, budget, bucket)
+                rows = self._exit_draft(early_exit, state, budget, bucket)
             rows.source = kind
             return rows
-        if budget > 0 and exit_layer_of(drafter) is not None:
-            return self._exit_draft(drafter, state, budget, bucket)
+        if early_exit is not None:
+            return self._exit_draft(early_exit, state, budget, bucket)
         if budget > 0 and drafter.supports_device_chain:
             return self._device_rows(state, drafter.propose_device(state, budget))
         draft = truncate_chain(drafter.propose(state, budget), budget) if budget > 0 else Draft()
@@ -234,14 +227,13 @@ class StaticRounds:
             raise ConfigurationError(f"drafter {drafter.name!r} says chain_only but drafted a tree or exit states")
         return self._host_rows(state, draft)
 
-    def _exit_draft(self, drafter: Drafter, state: DecodeState, budget: int, bucket: int) -> _Rows:
+    def _exit_draft(self, drafter: EarlyExitDrafter, state: DecodeState, budget: int, bucket: int) -> _Rows:
         """The early exit's chain of ``budget`` tokens on the device, and every row's exit state.
 
         Each draft step runs layers ``[0, E)`` on one token (writing their keys and values at its
         slot) and the LM head on the exit state; after the chain one more step runs the last
         drafted token's layers, so the verify continues every row from layer ``E``.
         """
-        assert isinstance(drafter, EarlyExitDrafter)
         exit_layer, device = drafter.exit_layer, state.runner.device
         offsets = self._offsets(device)
         exit_states: list[torch.Tensor] = []
@@ -310,15 +302,15 @@ class _Rows:
     source: str | None = None
 
 
-def _hybrid_chains(drafter: Drafter) -> bool:
-    """Whether ``drafter`` is the hybrid drafting chains (its early exit drafts no trees)."""
-    return type(drafter) is HybridDrafter and not drafter.tree_nodes
+def static_early_exit(drafter: Drafter) -> EarlyExitDrafter | None:
+    """The early exit whose chains the static round drafts for ``drafter``, or ``None``.
 
-
-def exit_layer_of(drafter: Drafter) -> int | None:
-    """The early exit's layer when the static round drafts for ``drafter`` there (a chain), else ``None``."""
-    if type(drafter) is EarlyExitDrafter and not drafter.tree_nodes:
-        return drafter.exit_layer
+    ``drafter`` itself (an :class:`EarlyExitDrafter`) or the hybrid's (its early-exit rounds), when
+    it drafts chains (no ``tree_nodes``); ``None`` for every other drafter.
+    """
+    early_exit = drafter.early_exit if type(drafter) is HybridDrafter else drafter
+    if type(early_exit) is EarlyExitDrafter and not early_exit.tree_nodes:
+        return early_exit
     return None
 
 

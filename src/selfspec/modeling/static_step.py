@@ -176,17 +176,28 @@ def static_prefill(runner: ModelRunner, cache: DeviceKVCache, ids: torch.Tensor)
 
 
 def verify_step(
-    runner: ModelRunner, cache: DeviceKVCache, tokens: torch.Tensor, bucket: int
+    runner: ModelRunner, cache: DeviceKVCache, rows: torch.Tensor, bucket: int, exit_layer: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One fixed-width forward: ``[1, w]`` tokens at positions ``length ..`` over ``bucket`` slots.
+    """One fixed-width forward at positions ``length ..`` over ``bucket`` slots.
+
+    Args:
+        runner: the target's runner (lean layer path).
+        cache: the engine's cache; the forward writes positions ``length .. length + w - 1``.
+        rows: ``[1, w]`` token ids, or with ``exit_layer`` the early exit's ``[1, w, hidden]``
+            states at that layer (the last token, then the drafts), whose first layers' keys and
+            values :func:`exit_draft_step` already wrote: the forward runs layers ``[exit_layer, L)``.
+        bucket: the slots attended over.
+        exit_layer: the first layer to run (``0``: every layer, from the token ids).
 
     Returns:
         The ``[1, w, hidden]`` last-layer outputs and ``[w, vocab]`` float32 logits.
     """
-    width = tokens.shape[1]
-    positions = cache.length + torch.arange(width, device=tokens.device)  # [w]
+    width = rows.shape[1]
+    positions = cache.length + torch.arange(width, device=rows.device)  # [w]
     plans = _masked_plans(runner, positions, bucket)  # slot j holds position j
-    hidden = _layers(runner, runner.embed(tokens), positions, plans, _Writes(cache, positions, bucket))
+    hidden = rows if exit_layer else runner.embed(rows)
+    layers = range(exit_layer, runner.num_layers)
+    hidden = _layers(runner, hidden, positions, plans, _Writes(cache, positions, bucket), layers)
     return hidden, _logits(runner, hidden)
 
 
@@ -197,7 +208,7 @@ def exit_draft_step(
 
     The token sits at position ``length + offset`` (``offset``: a 0-d tensor, the draft step); its
     keys and values go into that slot of the layers it runs, where the round's verify
-    (:func:`exit_verify_step`) and, once accepted, every later forward reads them: the early
+    (:func:`verify_step` from ``exit_layer``) and, once accepted, every later forward reads them: the early
     exit's KV reuse. Returns the ``[1, 1, hidden]`` exit state.
     """
     positions = (cache.length + offset).view(1)
@@ -205,22 +216,6 @@ def exit_draft_step(
     writes = _Writes(cache, positions, bucket)
     state: torch.Tensor = _layers(runner, runner.embed(token), positions, plans, writes, range(exit_layer))
     return state
-
-
-def exit_verify_step(
-    runner: ModelRunner, cache: DeviceKVCache, exit_states: torch.Tensor, exit_layer: int, bucket: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`verify_step` that continues from the early exit: layers ``[exit_layer, L)`` on ``[1, w, hidden]``.
-
-    Row ``i`` is the exit state of the token at ``length + i`` (the last token, then the drafts),
-    whose first layers' keys and values :func:`exit_draft_step` already wrote.
-    """
-    width = exit_states.shape[1]
-    positions = cache.length + torch.arange(width, device=exit_states.device)
-    plans = _masked_plans(runner, positions, bucket)
-    writes = _Writes(cache, positions, bucket)
-    hidden = _layers(runner, exit_states, positions, plans, writes, range(exit_layer, runner.num_layers))
-    return hidden, _logits(runner, hidden)
 
 
 def accept_greedy_step(
@@ -342,26 +337,39 @@ class StaticStep:
                 self.exit_draft(token, zero, exit_layer, bucket, logits=False)
             for width in widths:
                 tokens = torch.zeros(1, width, dtype=torch.long, device=device)
-                states = torch.zeros(1, width, self.runner.config.hidden_size, dtype=self.runner.dtype, device=device)
+                exits: tuple[torch.Tensor | None, int] = (None, 0)
+                if exit_layer is not None:
+                    hidden = self.runner.config.hidden_size
+                    exits = (torch.zeros(1, width, hidden, dtype=self.runner.dtype, device=device), exit_layer)
                 for kind in kinds:
-                    if exit_layer is not None:
-                        if kind == "greedy":
-                            self.exit_greedy(tokens, states, zero, exit_layer, bucket)
-                        else:
-                            self.exit_forward(states, exit_layer, bucket)
-                    elif kind == "greedy":
-                        self.greedy(tokens, zero, bucket)
+                    if kind == "greedy":
+                        self.greedy(tokens, zero, bucket, *exits)
                     else:
-                        self.forward(tokens, bucket)
+                        self.forward(tokens, bucket, *exits)
                     cache.length.copy_(saved)
 
-    def greedy(self, tokens: torch.Tensor, num_draft: torch.Tensor, bucket: int) -> tuple[torch.Tensor, ...]:
-        """Verify ``[1, w]`` tokens and accept greedily: ``([accepted, next], hidden, logits)``."""
-        return self._step("greedy", tokens.shape[1], bucket)(tokens, num_draft)
+    def greedy(
+        self,
+        tokens: torch.Tensor,
+        num_draft: torch.Tensor,
+        bucket: int,
+        exit_states: torch.Tensor | None = None,
+        exit_layer: int = 0,
+    ) -> tuple[torch.Tensor, ...]:
+        """Verify ``[1, w]`` tokens and accept greedily: ``([accepted, next], hidden, logits)``.
 
-    def forward(self, tokens: torch.Tensor, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Verify ``[1, w]`` tokens: ``(hidden, logits)`` (a sampled round accepts outside the graph)."""
-        return self._step("forward", tokens.shape[1], bucket)(tokens)
+        With the early exit's ``exit_states`` (``[1, w, hidden]`` at ``exit_layer``), the forward
+        continues from them (:func:`verify_step`).
+        """
+        rows = tokens if exit_states is None else exit_states
+        return self._step("greedy", tokens.shape[1], bucket, exit_layer)(tokens, rows, num_draft)
+
+    def forward(
+        self, tokens: torch.Tensor, bucket: int, exit_states: torch.Tensor | None = None, exit_layer: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Verify ``[1, w]`` tokens (or exit states): ``(hidden, logits)`` (a sampled round accepts after it)."""
+        rows = tokens if exit_states is None else exit_states
+        return self._step("forward", tokens.shape[1], bucket, exit_layer)(rows)
 
     def exit_draft(
         self,
@@ -394,33 +402,6 @@ class StaticStep:
             self.compiled[key] = self._maybe_compiled(draft, graphs=False)
         return self.compiled[key](token, offset)
 
-    def exit_greedy(
-        self, tokens: torch.Tensor, exit_states: torch.Tensor, num_draft: torch.Tensor, exit_layer: int, bucket: int
-    ) -> tuple[torch.Tensor, ...]:
-        """:func:`exit_verify_step` and greedy acceptance: ``([accepted, next], hidden, logits)``."""
-        key = (f"exit_greedy@{exit_layer}", tokens.shape[1], bucket)
-        if key not in self.compiled:
-            runner, cache = self.runner, self._cache()
-
-            def greedy(tokens: torch.Tensor, exit_states: torch.Tensor, num_draft: torch.Tensor) -> tuple[Any, ...]:
-                hidden, logits = exit_verify_step(runner, cache, exit_states, exit_layer, bucket)
-                return accept_greedy_step(cache, tokens, num_draft, logits), hidden, logits
-
-            self.compiled[key] = self._maybe_compiled(greedy)
-        return self.compiled[key](tokens, exit_states, num_draft)
-
-    def exit_forward(self, exit_states: torch.Tensor, exit_layer: int, bucket: int) -> tuple[torch.Tensor, ...]:
-        """:func:`exit_verify_step`: ``(hidden, logits)`` (a sampled round accepts outside the graph)."""
-        key = (f"exit_forward@{exit_layer}", exit_states.shape[1], bucket)
-        if key not in self.compiled:
-            runner, cache = self.runner, self._cache()
-
-            def forward(exit_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-                return exit_verify_step(runner, cache, exit_states, exit_layer, bucket)
-
-            self.compiled[key] = self._maybe_compiled(forward)
-        return self.compiled[key](exit_states)
-
     def _cache(self) -> DeviceKVCache:
         assert self.cache is not None, "reserve() before a step"
         return self.cache
@@ -428,16 +409,17 @@ class StaticStep:
     def _maybe_compiled(self, step: Callable[..., Any], graphs: bool = True) -> Callable[..., Any]:
         return step if self.backend is None else _compiled(step, self.backend, self.runner.device, graphs)
 
-    def _step(self, kind: str, width: int, bucket: int) -> Callable[..., Any]:
-        key = (kind, width, bucket)
+    def _step(self, kind: str, width: int, bucket: int, exit_layer: int = 0) -> Callable[..., Any]:
+        """The ``greedy`` or ``forward`` step of this width and bucket (from ``exit_layer``: ``exit_<kind>@E``)."""
+        key = (f"exit_{kind}@{exit_layer}" if exit_layer else kind, width, bucket)
         if key not in self.compiled:
             runner, cache = self.runner, self._cache()
 
-            def forward(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-                return verify_step(runner, cache, tokens, bucket)
+            def forward(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                return verify_step(runner, cache, rows, bucket, exit_layer)
 
-            def greedy(tokens: torch.Tensor, num_draft: torch.Tensor) -> tuple[torch.Tensor, ...]:
-                hidden, logits = verify_step(runner, cache, tokens, bucket)
+            def greedy(tokens: torch.Tensor, rows: torch.Tensor, num_draft: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                hidden, logits = verify_step(runner, cache, rows, bucket, exit_layer)
                 return accept_greedy_step(cache, tokens, num_draft, logits), hidden, logits
 
             self.compiled[key] = self._maybe_compiled(greedy if kind == "greedy" else forward)
