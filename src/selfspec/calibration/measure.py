@@ -354,8 +354,9 @@ def measure_costs(
     curve that is not monotonic beyond 3% is measured again with more repeats, up to ``retries``
     times. Then the draft costs are made monotonic (running maximum: a deeper exit is never
     cheaper), while a verify curve that is still not monotonic is kept as measured: it is the
-    hardware's (fp32 GEMMs on an AMD EPYC: 3 rows cost 1.99 steps, 4 rows 1.50) and the planner
-    chooses the draft lengths that pay on it. What happened is recorded in ``checks``, with the
+    hardware's (fp32 GEMMs on an AMD EPYC: 3 rows cost 2.07 steps, 4 rows 1.50): the loop pads a
+    shorter verify to the cheapest measured width (:meth:`~selfspec.core.speed.CostModel.padded`)
+    and the planner prices draft lengths that way. What happened is recorded in ``checks``, with the
     machine's load average (per core) before and after.
     """
     runner = engine.runner

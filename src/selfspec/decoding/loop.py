@@ -32,6 +32,7 @@ import torch
 from ..core.acceptance import Acceptance, accept_greedy, accept_sampled
 from ..core.constraints import apply_mask, draft_masks
 from ..core.sampling import logits_to_probs
+from ..core.speed import CostModel
 from ..core.tree import TreeAcceptance, accept_tree_greedy, accept_tree_sampled, tree_depths
 from ..drafting.base import DecodeState, Draft, Drafter, choose_token
 from ..drafting.fitting import fit_tree, truncate_chain
@@ -178,12 +179,27 @@ def score(drafter: Drafter, rows: Sequence[Row], drafts: list[Draft]) -> list[to
         logits = [target[b, : len(d) + 1] for b, d in enumerate(drafts)]
     else:
         logits = [
-            score_tree(state, d, drafter.needs_hidden)
+            score_tree(row.state, d, drafter.needs_hidden, verify_width(row, d))
             if d.parents is not None
-            else score_chain(state, d, drafter.needs_hidden)
-            for state, d in zip(states, drafts, strict=True)
+            else score_chain(row.state, d, drafter.needs_hidden, verify_width(row, d))
+            for row, d in zip(rows, drafts, strict=True)
         ]
     return logits
+
+
+def verify_width(row: Row, draft: Draft) -> int:
+    """How many drafts the row's verify runs as: the draft's own length, or a cheaper wider one.
+
+    Where the calibrated verify curve says a wider forward costs less
+    (:meth:`~selfspec.core.speed.CostModel.padded`), and the cache has the room, the draft is
+    verified padded to that width. Without a calibrated curve (fixed settings), never padded.
+    """
+    costs = row.run.controller.costs
+    if not draft.tokens or not isinstance(costs, CostModel):
+        return len(draft)
+    width = costs.padded(len(draft))
+    room = row.state.cache.max_length - row.state.position - 1
+    return width if width <= room else len(draft)
 
 
 def constrain(

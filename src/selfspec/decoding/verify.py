@@ -12,6 +12,8 @@ The acceptance maths that reads these logits is pure and lives in :mod:`selfspec
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..core.tree import TreeMask, tree_attention, tree_depths
@@ -77,40 +79,51 @@ def prefill_row(
     return hidden, runner.logits(hidden)[0]
 
 
-def score_chain(state: DecodeState, draft: Draft, keep_hidden: bool = False) -> torch.Tensor:
+def score_chain(state: DecodeState, draft: Draft, keep_hidden: bool = False, pad_to: int = 0) -> torch.Tensor:
     """Target logits ``[k + 1, vocab]`` for ``last_token`` and every draft token of a chain.
 
     With ``keep_hidden``, ``state.last_hidden`` becomes the ``[1, k + 1, hidden]`` output states
-    (the loop keeps the accepted position's).
+    (the loop keeps the accepted position's). With ``pad_to > k`` the forward runs ``pad_to + 1``
+    rows, the draft followed by filler rows whose outputs are dropped (a wider forward can cost
+    less: :meth:`~selfspec.core.speed.CostModel.padded`); their cache slots lie past the draft and
+    the commit crops them.
     """
     runner, cache, device = state.runner, state.cache, state.runner.device
     assert isinstance(cache, StaticKVCache)
     num_draft = len(draft)
-    positions = torch.arange(state.position, state.position + num_draft + 1, device=device)
+    pad = max(pad_to - num_draft, 0) if num_draft > 0 else 0
+    positions = torch.arange(state.position, state.position + num_draft + 1 + pad, device=device)
+    capture = None
     if draft.exit_states is not None and num_draft > 0:
         # the drafter ran layers [0, E) on last_token and drafts 1..k-1; finish the last one
         exit_layer = draft.exit_layer
         cache.crop_to(state.position + num_draft, range(exit_layer))  # drop shallow KV beyond a truncation
         last = torch.full((1, 1), draft.tokens[-1], device=device)
-        last_state = runner.run_layers(runner.embed(last), 0, exit_layer, positions[-1:], cache)
-        exit_states = torch.cat([draft.exit_states[:, :num_draft], last_state], dim=1)
+        last_state = runner.run_layers(runner.embed(last), 0, exit_layer, positions[num_draft : num_draft + 1], cache)
+        filler = [last_state.expand(-1, pad, -1)] if pad else []
+        exit_states = torch.cat([draft.exit_states[:, :num_draft], last_state, *filler], dim=1)
         hidden = runner.run_layers(exit_states, exit_layer, runner.num_layers, positions, cache)
     else:
-        ids = device_ids([[state.last_token, *draft.tokens]], device)
+        filler = [draft.tokens[-1]] * pad if pad else []
+        ids = device_ids([[state.last_token, *draft.tokens, *filler]], device)
         capture = feature_capture(state.feature_layers if keep_hidden else None)
         hidden = runner.run_layers(runner.embed(ids), 0, runner.num_layers, positions, cache, capture=capture)
-        return _scored(state, hidden, keep_hidden, capture)
-    return _scored(state, hidden, keep_hidden)
+    return _scored(state, hidden, keep_hidden, capture, rows=num_draft + 1)
 
 
-def score_tree(state: DecodeState, draft: Draft, keep_hidden: bool = False) -> torch.Tensor:
+def score_tree(state: DecodeState, draft: Draft, keep_hidden: bool = False, pad_to: int = 0) -> torch.Tensor:
     """Target logits ``[n + 1, vocab]`` for the root and every node of a tree, in one target forward.
 
     With early-exit states, only the nodes the drafter did not expand run layers ``[0, E)``
     here; every node then runs ``[E, L)``. The cache afterwards holds the root at slot ``P``
-    and node ``i`` at slot ``P + 1 + i`` in every layer.
+    and node ``i`` at slot ``P + 1 + i`` in every layer. With ``pad_to > n``, filler children of
+    the root follow the nodes (as :func:`score_chain` pads a chain); their rows are dropped.
     """
     assert draft.parents is not None
+    rows = len(draft.tokens) + 1
+    if pad_to > len(draft.tokens) > 0:
+        pad = pad_to - len(draft.tokens)
+        draft = replace(draft, tokens=[*draft.tokens, *[state.last_token] * pad], parents=[*draft.parents, *[-1] * pad])
     runner, cache, device = state.runner, state.cache, state.runner.device
     assert isinstance(cache, StaticKVCache)
     start = state.position
@@ -137,23 +150,29 @@ def score_tree(state: DecodeState, draft: Draft, keep_hidden: bool = False) -> t
         hidden = runner.run_layers(
             runner.embed(ids), 0, runner.num_layers, positions, cache, tree=full, capture=capture
         )
-        return _scored(state, hidden, keep_hidden, capture)
-    return _scored(state, hidden, keep_hidden)
+        return _scored(state, hidden, keep_hidden, capture, rows=rows)
+    return _scored(state, hidden, keep_hidden, rows=rows)
 
 
 def _scored(
-    state: DecodeState, hidden: torch.Tensor, keep_hidden: bool, capture: dict[int, torch.Tensor | None] | None = None
+    state: DecodeState,
+    hidden: torch.Tensor,
+    keep_hidden: bool,
+    capture: dict[int, torch.Tensor | None] | None = None,
+    rows: int | None = None,
 ) -> torch.Tensor:
-    """The logits of a verify forward's output ``hidden``.
+    """The logits of a verify forward's output ``hidden`` (its first ``rows`` rows; the rest were filler).
 
     With ``keep_hidden`` its states are kept for the drafter: the captured feature layers' for
-    EAGLE-3 (``capture``), else the output states.
+    EAGLE-3 (``capture``), else the output states. The LM head runs over every row, filler
+    included (its kernel is part of what made the wider forward cheaper).
     """
+    kept = slice(None, rows)
     if capture is not None:
-        state.last_hidden = drafter_states(hidden, state.feature_layers, capture)
+        state.last_hidden = drafter_states(hidden, state.feature_layers, capture)[:, kept]
     elif keep_hidden:
-        state.last_hidden = hidden
-    return state.runner.logits(hidden)
+        state.last_hidden = hidden[:, kept]
+    return state.runner.logits(hidden)[kept]
 
 
 def score_rows(states: list[DecodeState], drafts: list[Draft]) -> torch.Tensor:
