@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 from tiny_models import make_model, reference_greedy
 
 import selfspec.decoding.loop as loop
@@ -81,7 +80,9 @@ def test_no_padding_without_a_curve_or_without_room(widths) -> None:
     fixed.generate_ids(PROMPT, max_new_tokens=12)
     assert widths and all(w == k for k, w in widths)  # fixed settings: no calibrated curve
     widths.clear()
-    engine = SpeculativeEngine(model, drafter="early_exit", exit_layer=2, num_draft_tokens=2, calibration={"costs": PADDING})
-    out = engine.generate_ids(PROMPT, max_new_tokens=3)  # the cache has room for the budget, not for a pad to 6
+    engine = SpeculativeEngine(
+        model, drafter="early_exit", exit_layer=2, num_draft_tokens=2, calibration={"costs": PADDING}
+    )
+    out = engine.generate_ids(PROMPT, max_new_tokens=3)  # the cache holds the prompt and 3 tokens: no room to pad
     assert out.token_ids == reference_greedy(model, PROMPT, 3)
-    assert torch.tensor([w - k for k, w in widths]).le(6).all()
+    assert widths and all(w == k for k, w in widths)
