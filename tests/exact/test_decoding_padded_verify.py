@@ -8,13 +8,14 @@ cache slots are cropped: greedy text still equals ``generate`` and sampled text 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from tiny_models import make_model, reference_greedy
 
 import selfspec.decoding.loop as loop
-from selfspec import SpeculativeEngine
+from selfspec import Draft, SpeculativeEngine
 from selfspec.drafting.eagle.head import EagleHead
 
 PROMPT = [5, 17, 33, 8, 9, 41, 3, 60, 22, 14, 5, 17, 33, 8, 9]  # repeats: prompt lookup drafts
@@ -74,15 +75,26 @@ def test_padded_verify_keeps_sampled_text(name: str, widths) -> None:
     assert any(w > k for k, w in widths)
 
 
-def test_no_padding_without_a_curve_or_without_room(widths) -> None:
+def test_no_padding_without_a_curve(widths) -> None:
     model = make_model("llama")
     fixed = SpeculativeEngine(model, drafter="early_exit", exit_layer=2, num_draft_tokens=2, calibration={})
     fixed.generate_ids(PROMPT, max_new_tokens=12)
     assert widths and all(w == k for k, w in widths)  # fixed settings: no calibrated curve
-    widths.clear()
+
+
+def test_the_cache_keeps_room_to_pad_to_the_end_and_nothing_pads_past_it(widths) -> None:
+    model = make_model("llama")
     engine = SpeculativeEngine(
         model, drafter="early_exit", exit_layer=2, num_draft_tokens=2, calibration={"costs": PADDING}
     )
-    out = engine.generate_ids(PROMPT, max_new_tokens=3)  # the cache holds the prompt and 3 tokens: no room to pad
+    out = engine.generate_ids(PROMPT, max_new_tokens=3)  # the last rounds draft 1 token: still padded
     assert out.token_ids == reference_greedy(model, PROMPT, 3)
-    assert widths and all(w == k for k, w in widths)
+    drafted = [(k, w) for k, w in widths if k > 0]
+    assert drafted and all(w == 6 for _, w in drafted)
+    costs = engine.controller.costs
+    for room, expected in ((10, 6), (6, 6), (5, 1)):  # slots left after the last token
+        row = SimpleNamespace(
+            run=SimpleNamespace(controller=SimpleNamespace(costs=costs)),
+            state=SimpleNamespace(cache=SimpleNamespace(max_length=100), position=99 - room),
+        )
+        assert loop.verify_width(row, Draft(tokens=[7])) == expected  # type: ignore[arg-type]

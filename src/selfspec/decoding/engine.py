@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..core.bounds import check_prompt_chars, check_tools_size, text_chars
+from ..core.speed import CostModel
 from ..drafting import Drafter, drafter_spec
 from ..drafting.auto import Plan, plan_of, sampled_drafts_pay, uncalibrated_plan
 from ..drafting.exit_adapter.adapter import ExitAdapter
@@ -484,7 +485,10 @@ class SpeculativeEngine:
             return (yield from static)
         # a tree drafter's nodes need slots beyond the text (a drafter may say how many)
         tree_slots = self.tree_nodes or getattr(self.drafter, "tree_nodes", None) or 0
-        cache, pooled = self._caches.take(len(run.prompt_ids) + run.max_new_tokens + tree_slots)
+        pad_slots = (
+            run.controller.costs.longest if isinstance(run.controller.costs, CostModel) else 0
+        )  # padded verifies
+        cache, pooled = self._caches.take(len(run.prompt_ids) + run.max_new_tokens + max(tree_slots, pad_slots))
         failed = True
         try:
             finish = yield from decode(self.runner, self.drafter, run, cache, self._lock, self.eos_token_ids)

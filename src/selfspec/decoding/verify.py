@@ -100,12 +100,11 @@ def score_chain(state: DecodeState, draft: Draft, keep_hidden: bool = False, pad
         cache.crop_to(state.position + num_draft, range(exit_layer))  # drop shallow KV beyond a truncation
         last = torch.full((1, 1), draft.tokens[-1], device=device)
         last_state = runner.run_layers(runner.embed(last), 0, exit_layer, positions[num_draft : num_draft + 1], cache)
-        filler = [last_state.expand(-1, pad, -1)] if pad else []
-        exit_states = torch.cat([draft.exit_states[:, :num_draft], last_state, *filler], dim=1)
+        fill_states = [last_state.expand(-1, pad, -1)] if pad else []
+        exit_states = torch.cat([draft.exit_states[:, :num_draft], last_state, *fill_states], dim=1)
         hidden = runner.run_layers(exit_states, exit_layer, runner.num_layers, positions, cache)
     else:
-        filler = [draft.tokens[-1]] * pad if pad else []
-        ids = device_ids([[state.last_token, *draft.tokens, *filler]], device)
+        ids = device_ids([[state.last_token, *draft.tokens, *(draft.tokens[-1:] * pad)]], device)
         capture = feature_capture(state.feature_layers if keep_hidden else None)
         hidden = runner.run_layers(runner.embed(ids), 0, runner.num_layers, positions, cache, capture=capture)
     return _scored(state, hidden, keep_hidden, capture, rows=num_draft + 1)
@@ -124,6 +123,7 @@ def score_tree(state: DecodeState, draft: Draft, keep_hidden: bool = False, pad_
     if pad_to > len(draft.tokens) > 0:
         pad = pad_to - len(draft.tokens)
         draft = replace(draft, tokens=[*draft.tokens, *[state.last_token] * pad], parents=[*draft.parents, *[-1] * pad])
+    assert draft.parents is not None
     runner, cache, device = state.runner, state.cache, state.runner.device
     assert isinstance(cache, StaticKVCache)
     start = state.position
