@@ -143,3 +143,14 @@ STOCK_PROMPT_SETS: dict[str, list[Any]] = {
 
 #: Other names accepted for a category of the built-in sets.
 CATEGORY_ALIASES: dict[str, str] = {"chat": "multi_turn_chat", "multi_turn_chat": "chat"}
+
+
+def as_plain_text(messages: list[dict[str, Any]]) -> str:
+    """Chat messages as plain-text turns, ending where the assistant answers.
+
+    For base checkpoints without a chat template (Gemma 3 270M): each message is a ``User: ...``
+    or ``Assistant: ...`` paragraph, and a last ``Assistant:`` follows, so the built-in chat prompt
+    sets run on them too.
+    """
+    turns = [f"{str(m.get('role', 'user')).capitalize()}: {m.get('content', '')}" for m in messages]
+    return "\n\n".join([*turns, "Assistant:"])

@@ -64,8 +64,19 @@ def test_chat_streams_answers(model_dir, monkeypatch, capsys) -> None:
     monkeypatch.setattr("sys.stdin", io.StringIO("Hello world!\n\n"))
     assert (
         main(
-            ["chat", "--model", str(model_dir), "--max-new-tokens", "6", "--drafter", "early_exit", "--exit-layer", "2",
-             "--num-draft-tokens", "2"]
+            [
+                "chat",
+                "--model",
+                str(model_dir),
+                "--max-new-tokens",
+                "6",
+                "--drafter",
+                "early_exit",
+                "--exit-layer",
+                "2",
+                "--num-draft-tokens",
+                "2",
+            ]
         )
         == 0
     )
@@ -362,3 +373,23 @@ def test_missing_matplotlib_is_reported_not_silent(tmp_path, monkeypatch, caplog
         paths = write_report(report, tmp_path, "r")
     assert [p.suffix for p in paths] == [".json", ".md"]
     assert "matplotlib is not installed" in caplog.text
+
+
+def test_bench_runs_the_chat_prompt_sets_on_a_base_model_without_a_chat_template(tmp_path) -> None:
+    """A base checkpoint (no chat template, like Gemma 3 270M) gets the stock sets as plain-text turns."""
+    from selfspec.prompts import STOCK_PROMPT_SETS, as_plain_text
+
+    tokenizer = make_tokenizer()
+    tokenizer.chat_template = None
+    model = make_model("llama", dtype=torch.float32, vocab_size=len(tokenizer), max_position_embeddings=2048)
+    model.save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    args = ["bench", "--model", str(tmp_path / "base"), "--max-new-tokens", "4", "--repeats", "1", "--no-calibrate"]
+    args += ["--methods", "plain", "--categories", "chat", "--temperatures", "--out", str(tmp_path), "--name", "b"]
+    assert main(args) == 0
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert {run["category"] for run in report["runs"]} == {"chat"}
+    text = as_plain_text(STOCK_PROMPT_SETS["chat"][1])
+    assert text.startswith("User: I want to learn to cook.") and text.endswith(
+        "\n\nUser: What equipment do I need for those?\n\nAssistant:"
+    )

@@ -30,7 +30,7 @@ from ..drafting.registry import registered
 from ..errors import ConfigurationError
 from ..modeling.loading import DEMO_DRAFT_MODEL, DEMO_MODEL, load_model_and_tokenizer
 from ..modeling.realmodels import display_name
-from ..prompts import CATEGORY_ALIASES, PROMPT_SETS, STOCK_PROMPT_SETS
+from ..prompts import CATEGORY_ALIASES, PROMPT_SETS, STOCK_PROMPT_SETS, as_plain_text
 from .store import machine_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -297,6 +297,10 @@ def filter_methods(methods: list[Method], chosen: Sequence[str] | None) -> list[
 
 
 def _encode(engine: SpeculativeEngine, prompt: Any) -> list[int]:
+    """A prompt's token ids; chat messages become plain-text turns for a model without a chat template."""
+    tokenizer = engine.tokenizer
+    if not isinstance(prompt, str) and tokenizer is not None and getattr(tokenizer, "chat_template", None) is None:
+        prompt = as_plain_text(prompt)
     return engine.encode_prompt(prompt)
 
 
