@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 
@@ -379,7 +380,7 @@ def test_bench_runs_the_chat_prompt_sets_on_a_base_model_without_a_chat_template
     """A base checkpoint (no chat template, like Gemma 3 270M) gets the stock sets as plain-text turns."""
     from selfspec.prompts import STOCK_PROMPT_SETS, as_plain_text
 
-    tokenizer = make_tokenizer()
+    tokenizer = copy.deepcopy(make_tokenizer())  # the shared one keeps its template
     tokenizer.chat_template = None
     model = make_model("llama", dtype=torch.float32, vocab_size=len(tokenizer), max_position_embeddings=2048)
     model.save_pretrained(tmp_path / "base")
