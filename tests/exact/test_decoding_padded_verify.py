@@ -58,7 +58,6 @@ def test_padded_verify_keeps_greedy_text_equal_to_generate(arch: str, name: str,
     padded = [(k, w) for k, w in widths if w > k]
     assert padded, f"no verify was padded: {widths}"
     assert all(w in (3, 6) for _, w in padded)
-    assert out.stats.num_accepted <= out.stats.num_drafted  # filler rows are never counted as drafts
 
 
 @pytest.mark.parametrize("name", ["prompt_lookup", "early_exit", "eagle"])

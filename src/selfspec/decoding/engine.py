@@ -485,9 +485,8 @@ class SpeculativeEngine:
             return (yield from static)
         # a tree drafter's nodes need slots beyond the text (a drafter may say how many)
         tree_slots = self.tree_nodes or getattr(self.drafter, "tree_nodes", None) or 0
-        pad_slots = (
-            run.controller.costs.longest if isinstance(run.controller.costs, CostModel) else 0
-        )  # padded verifies
+        # a padded verify (CostModel.padded) needs at most the calibrated curve's longest length
+        pad_slots = run.controller.costs.longest if isinstance(run.controller.costs, CostModel) else 0
         cache, pooled = self._caches.take(len(run.prompt_ids) + run.max_new_tokens + max(tree_slots, pad_slots))
         failed = True
         try:
