@@ -7,6 +7,8 @@ overlapping. Counted on CPU with a ``TorchDispatchMode`` (``aten.item``, ``aten.
 prompt lookup make one read per round (the accepted count and the next token together), plus two
 per call (the prefill's first token, the sampling seed). The aten ops per round are bounded too, a
 proxy for kernel launches on a GPU (measured: 56 a layer and 34 a forward on the fp32 fast path).
+The CPU-only exact-argmax head (:mod:`selfspec.modeling.argmax_head`) is turned off here: it never
+runs on a GPU, and a CPU has no queue to drain.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ def count(
 def test_one_host_read_per_round(drafter: str, monkeypatch: pytest.MonkeyPatch) -> None:
     model = make_model("llama", agreeing=True, dtype=torch.float32)
     engine = SpeculativeEngine(model, None, drafter=drafter, num_draft_tokens=4, calibration={})
+    # what a GPU round reads: the exact-argmax head runs on CPUs only, where a read drains no queue
+    engine.runner.argmax_screen = False
     prompt = list(range(10, 30)) * 2  # repeated text: lookup drafts land
     engine.generate_ids(prompt, max_new_tokens=8)  # warm up
     out, counter = count(engine, prompt, monkeypatch)

@@ -134,6 +134,7 @@ def first_row(
         pending_hidden=hidden if drafter.needs_committed_hidden else None,
         row=row,
         feature_layers=drafter.feature_layers,  # EAGLE-3 taps (issue 30): the verifier keeps these layers' inputs
+        argmax_only=run.params.greedy and run.constraint is None and run.top_logprobs is None,
     )
     return Row(state, run)
 

@@ -165,14 +165,15 @@ def _scored(
 
     With ``keep_hidden`` its states are kept for the drafter: the captured feature layers' for
     EAGLE-3 (``capture``), else the output states. The LM head runs over every row, filler
-    included (its kernel is part of what made the wider forward cheaper).
+    included (its kernel is part of what made the wider forward cheaper); where only an argmax
+    reads the logits (``state.argmax_only``), the runner's exact-argmax head may answer.
     """
     kept = slice(None, rows)
     if capture is not None:
         state.last_hidden = drafter_states(hidden, state.feature_layers, capture)[:, kept]
     elif keep_hidden:
         state.last_hidden = hidden[:, kept]
-    return state.runner.logits(hidden)[kept]
+    return state.runner.logits(hidden, state.argmax_only)[kept]
 
 
 def score_rows(states: list[DecodeState], drafts: list[Draft]) -> torch.Tensor:

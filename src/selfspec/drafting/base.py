@@ -100,6 +100,9 @@ class DecodeState:
         row: this generation's row in a batched cache (``0`` alone).
         feature_layers: the drafter's :attr:`Drafter.feature_layers` (``None``: the last layer's
             output is what ``last_hidden`` / ``pending_hidden`` hold).
+        argmax_only: only an argmax reads the verifier's logits (greedy, no grammar, no
+            log-probabilities): the runner may take it from its exact-argmax head
+            (:mod:`selfspec.modeling.argmax_head`).
     """
 
     runner: ModelRunner
@@ -115,6 +118,7 @@ class DecodeState:
     pending_hidden: torch.Tensor | None = None
     row: int = 0
     feature_layers: tuple[int, ...] | None = None
+    argmax_only: bool = False
     _memory: dict[int, Any] = field(default_factory=dict, repr=False)
 
     def memory(self, owner: object, factory: Callable[[], T]) -> T:

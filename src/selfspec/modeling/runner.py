@@ -26,6 +26,7 @@ from torch import nn
 
 from ..core.tree import TreeMask
 from ..errors import ConfigurationError, UnsupportedArchitectureError
+from .argmax_head import ArgmaxHead
 from .attention import (
     FULL,
     PREFILL,
@@ -143,6 +144,11 @@ class ModelRunner:
         #: verify rows attend one query per call, each with a decode's call (batch-invariant
         #: attention, :mod:`selfspec.modeling.attention`): on by default in half precision.
         self.row_exact: bool = row_exact_default(self.dtype)
+        #: greedy steps that need only the argmax take it from :class:`ArgmaxHead` (a float32 head
+        #: on a CPU with native bf16; exact, cheaper); ``False`` always runs the full head.
+        self.argmax_screen: bool = True
+        self._argmax_head: ArgmaxHead | None = None
+        self._argmax_built = False
 
     def __repr__(self) -> str:
         return (
@@ -170,22 +176,37 @@ class ModelRunner:
         """``[1, q]`` token ids -> ``[1, q, hidden]`` input states."""
         return self.embed_tokens(input_ids)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, argmax_only: bool = False) -> torch.Tensor:
         """``[1, q, hidden]`` states -> ``[q, vocab]`` float32 logits (final norm + LM head).
 
         Logits are cast to float32 as transformers' ``generate`` does before choosing a token.
+        ``argmax_only``: see :meth:`row_logits`.
         """
-        return self.row_logits(hidden)[0]
+        return self.row_logits(hidden, argmax_only)[0]
 
-    def row_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    @property
+    def argmax_head(self) -> ArgmaxHead | None:
+        """The exact-argmax head (:mod:`selfspec.modeling.argmax_head`), built on first use, or ``None``."""
+        if not self._argmax_built:
+            self._argmax_built = True
+            self._argmax_head = ArgmaxHead.build(self.lm_head) if self.final_logit_softcapping is None else None
+        return self._argmax_head
+
+    def row_logits(self, hidden: torch.Tensor, argmax_only: bool = False) -> torch.Tensor:
         """``[m, q, hidden]`` -> ``[m, q, vocab]`` float32 logits (final norm, LM head, softcap).
 
         With :attr:`row_exact`, a plain LM head whose weight is not row-invariant runs one
         position at a time for one row (each position gets the bits a one-token decode gets;
-        batched rows are not made exact).
+        batched rows are not made exact). With ``argmax_only`` (a greedy step whose logits only
+        an argmax reads: no grammar mask, no log-probabilities) and :attr:`argmax_screen`, the
+        :class:`ArgmaxHead` answers where it applies: exact logits at the few candidates for
+        the maximum, ``-inf`` elsewhere.
         """
         normed = self.norm(hidden)
         head = self.lm_head
+        screen = self.argmax_head if argmax_only and self.argmax_screen else None
+        if screen is not None:
+            return screen.logits(normed)
         if self.row_exact and type(head) is nn.Linear and normed.shape[0] == 1 and normed.shape[-2] > 1:
             logits = linear_rows(normed, head.weight, head.bias, exact_rows=True)
         else:
