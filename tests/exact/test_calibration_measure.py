@@ -80,6 +80,37 @@ def test_measured_costs_record_the_load_and_keep_a_verify_curve_up_to_32_drafts(
     assert len(checks["load_per_core"]) == 2 and "monotonic" in checks
 
 
+def test_a_screened_runner_gets_a_second_curve_for_rounds_that_read_every_logit(tmp_path, monkeypatch) -> None:
+    """Greedy rounds take the argmax from the exact-argmax head; sampling pays the full head: two curves."""
+    from selfspec.calibration.measure import CalibrationResult, measure_costs
+
+    engine = SpeculativeEngine(make_model("llama", dtype=torch.float32), None, drafter="none", calibration={})
+    if engine.runner.argmax_head is None:
+        pytest.skip("no exact-argmax head on this CPU (it needs native bf16)")
+    sampled: dict[int, float] = {}
+    _, verify, _ = measure_costs(engine, list(range(1, 30)), [1], [1, 2, 12], repeats=2, sampled=sampled)
+    assert sorted(sampled) == sorted(verify) == [1, 2, 12] and all(v > 0 for v in sampled.values())
+    engine.runner.argmax_screen = False  # one curve only: every round pays the full head
+    unscreened: dict[int, float] = {}
+    measure_costs(engine, list(range(1, 30)), [1], [1, 2], repeats=1, sampled=unscreened)
+    assert unscreened == {}
+    # saved with the plan's costs, read back by the sampling controllers only
+    result = CalibrationResult(
+        1, 1, 1.0, verify_cost={1: 1.2, 2: 1.5}, sampled_verify_cost={1: 1.6, 2: 1.9}, step_seconds=0.2, dtype="float32"
+    )
+    saved = result.to_json()
+    assert saved["costs"]["verify_sampled"] == {"1": 1.6, "2": 1.9}
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    save_calibration("org/model", saved)
+    loaded = load_calibration("org/model")
+    assert loaded is not None and loaded["costs"]["verify_sampled"] == {"1": 1.6, "2": 1.9}
+    controller = DraftController(2, adaptive=True, costs=loaded["costs"])
+    assert isinstance(controller.costs, CostModel) and controller.costs.verify_cost(1) == 1.2
+    sampling = controller.for_sampling().costs
+    assert isinstance(sampling, CostModel) and sampling.verify_cost(1) == 1.6
+    assert "verify_sampled" not in CalibrationResult(1, 1, 1.0, verify_cost={1: 1.2}).to_json()["costs"]
+
+
 def test_calibrations_are_keyed_by_device_type_and_dtype(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
     cpu = save_calibration("org/model", {"exit_layer": 2, "device": "cpu", "dtype": "float32"})

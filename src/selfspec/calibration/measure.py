@@ -113,6 +113,9 @@ class CalibrationResult:
         agreement: greedy agreement of each exit layer with the last layer.
         draft_cost: cost of one draft step at each exit layer, relative to a plain step.
         verify_cost: cost of verifying ``k`` drafts (``k + 1`` tokens), relative to a plain step.
+        sampled_verify_cost: the same for a round whose logits are all read (sampling, a grammar,
+            log-probabilities), where greedy rounds take the argmax from the exact-argmax head
+            (:mod:`selfspec.modeling.argmax_head`) and cost less; empty where they cost the same.
         step_seconds: median seconds of one plain one-token step.
         figures: what the registered drafters' calibrations saved (top-level ``selfspec.json``
             entries, by the drafter that saved them; e.g. an EAGLE head's figures).
@@ -139,6 +142,7 @@ class CalibrationResult:
     agreement: dict[int, float] = field(default_factory=dict)
     draft_cost: dict[int, float] = field(default_factory=dict)
     verify_cost: dict[int, float] = field(default_factory=dict)
+    sampled_verify_cost: dict[int, float] = field(default_factory=dict)
     step_seconds: float = 0.0
     figures: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -172,8 +176,10 @@ class CalibrationResult:
             del data["tree_speed"], data["tree_nodes"]
         else:
             data["tree_speed"] = {k: round(v, 2) for k, v in self.tree_speed.items()}
-        for key in ("agreement", "draft_cost", "verify_cost"):
+        for key in ("agreement", "draft_cost", "verify_cost", "sampled_verify_cost"):
             data[key] = {str(k): round(v, 4) for k, v in data[key].items()}
+        if not self.sampled_verify_cost:
+            del data["sampled_verify_cost"]
         data["expected_speedup"] = round(self.expected_speedup, 3)
         data["plan"] = self.plan.to_json()
         data["sampled_plan"] = None if self.sampled_plan is None else self.sampled_plan.to_json()
@@ -184,6 +190,8 @@ class CalibrationResult:
             "draft": round(self.plan_draft_cost, 4),
             "verify": {str(k): round(v, 4) for k, v in self.verify_cost.items()},
         }
+        if self.sampled_verify_cost:
+            data["costs"]["verify_sampled"] = {str(k): round(v, 4) for k, v in self.sampled_verify_cost.items()}
         data["source"] = "calibrate"
         data["created"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
         data["hardware"] = f"{platform.machine()} {self.device} {self.dtype} {torch.get_num_threads()} threads"
@@ -347,6 +355,7 @@ def measure_costs(
     repeats: int = 7,
     retries: int = 1,
     checks: dict[str, Any] | None = None,
+    sampled: dict[int, float] | None = None,
 ) -> tuple[dict[int, float], dict[int, float], float]:
     """Relative costs of a draft step per exit layer and of a verify per draft length.
 
@@ -358,6 +367,11 @@ def measure_costs(
     shorter verify to the cheapest measured width (:meth:`~selfspec.core.speed.CostModel.padded`)
     and the planner prices draft lengths that way. What happened is recorded in ``checks``, with the
     machine's load average (per core) before and after.
+
+    Greedy steps take their argmax from the runner's exact-argmax head where it has one
+    (:mod:`selfspec.modeling.argmax_head`), so the plain step and the verify curve are measured
+    that way; ``sampled`` (a dict, filled in place) then receives the curve of rounds that read
+    every logit (sampling), relative to such a plain step, measured in the same interleaved runs.
     """
     runner = engine.runner
     device = runner.device
@@ -369,28 +383,36 @@ def measure_costs(
         ids = torch.tensor([prompt_ids], device=device)
         runner.run_layers(runner.embed(ids), 0, runner.num_layers, torch.arange(length, device=device), cache)
 
-        def step(end_layer: int, num_tokens: int) -> Callable[[], None]:
+        screened = runner.argmax_screen and runner.argmax_head is not None
+
+        def step(end_layer: int, num_tokens: int, argmax_only: bool = False) -> Callable[[], None]:
             tokens = torch.tensor([(prompt_ids * (num_tokens // len(prompt_ids) + 1))[-num_tokens:]], device=device)
             positions = torch.arange(length, length + num_tokens, device=device)
 
             def run() -> None:
                 hidden = runner.run_layers(runner.embed(tokens), 0, end_layer, positions, cache)
-                runner.logits(hidden)
+                runner.logits(hidden, argmax_only)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 cache.crop_to(length)
 
             return run
 
-        variants: dict[Any, Callable[[], None]] = {("full", 1): step(runner.num_layers, 1)}
+        variants: dict[Any, Callable[[], None]] = {("full", 1): step(runner.num_layers, 1, screened)}
         variants.update({("draft", layer): step(layer, 1) for layer in layers})
-        variants.update({("verify", k): step(runner.num_layers, k + 1) for k in draft_lengths})
+        variants.update({("verify", k): step(runner.num_layers, k + 1, screened) for k in draft_lengths})
+        if screened and sampled is not None:
+            variants[("sampled", 0)] = step(runner.num_layers, 1)
+            variants.update({("sampled", k): step(runner.num_layers, k + 1) for k in draft_lengths})
         checks.setdefault("remeasured", 0)
         for attempt in range(retries + 1):
             seconds = _interleaved_fastest(variants, repeats * (attempt + 1))
             full = seconds[("full", 1)]
             draft = {layer: seconds[("draft", layer)] / full for layer in layers}
             verify = {k: seconds[("verify", k)] / full for k in draft_lengths}
+            if ("sampled", 0) in seconds and sampled is not None:
+                sampled.clear()
+                sampled.update({k: seconds[("sampled", k)] / seconds[("sampled", 0)] for k in draft_lengths})
             if _monotonic(draft) and _monotonic({0: 1.0, **verify}):
                 checks["monotonic"] = True
                 break
@@ -582,6 +604,7 @@ class MeasureContext:
     step_seconds: float = 0.0
     exit_adapter_layer: int | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    sampled_verify_cost: dict[int, float] = field(default_factory=dict)
     best_exit: tuple[int, int, float] = (1, 1, 0.0)
 
     def __post_init__(self) -> None:
@@ -759,7 +782,7 @@ def measure_sampled_plan(
     Each calibration prompt is decoded at ``temperature`` (fixed seeds) with the plan's drafter at
     its fixed draft length; the rounds' accepted lengths are exact counts of lossless rejection
     sampling (no timing). Their predicted speed on the calibrated costs (the candidate's draft
-    cost, the verify curve) decides: plain decoding unless it beats it by
+    cost, the verify curve of rounds that read every logit) decides: plain decoding unless it beats it by
     :data:`~selfspec.drafting.auto.PLAIN_MARGIN`.
 
     Args:
@@ -781,7 +804,7 @@ def measure_sampled_plan(
         exit_adapter=engine.config.exit_adapter,
         calibration={**calibration, "plan": plan.to_json()},
     )
-    costs = CostModel(chosen.draft_cost, context.verify_cost)
+    costs = CostModel(chosen.draft_cost, context.sampled_verify_cost or context.verify_cost)
     tokens = drafted = accepted = 0
     cost = 0.0
     for seed, ids in enumerate(context.prompt_ids):
@@ -894,7 +917,10 @@ def calibrate(
     draft_lengths = verify_lengths(max_draft_tokens, window)
     cost_prompt = (prompt_ids[0] * (200 // len(prompt_ids[0]) + 1))[: min(200, window - max(draft_lengths) - 2)]
     checks: dict[str, Any] = {}
-    draft_cost, verify_cost, step_seconds = measure_costs(engine, cost_prompt, layers, draft_lengths, checks=checks)
+    sampled_verify_cost: dict[int, float] = {}
+    draft_cost, verify_cost, step_seconds = measure_costs(
+        engine, cost_prompt, layers, draft_lengths, checks=checks, sampled=sampled_verify_cost
+    )
     bar.update()
     bar.set_postfix_str("the drafters' own measurements")
     context = MeasureContext(
@@ -909,6 +935,7 @@ def calibrate(
         step_seconds=step_seconds,
         exit_adapter_layer=None if exit_adapter is None else exit_adapter.exit_layer,
         options=options,
+        sampled_verify_cost=sampled_verify_cost,
     )
     figures = measure_drafters(context, methods, deadline)
     bar.update()
@@ -941,6 +968,7 @@ def calibrate(
         agreement=agreement,
         draft_cost=draft_cost,
         verify_cost=verify_cost,
+        sampled_verify_cost=sampled_verify_cost,
         step_seconds=step_seconds,
         figures=saved,
         notes=notes,

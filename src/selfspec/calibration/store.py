@@ -271,10 +271,11 @@ def calibration_problem(data: dict[str, Any]) -> str | None:
         costs = data["costs"]
         if not isinstance(costs, dict) or not _is_number(costs.get("draft", 0.0), 0.0):
             return f"costs is {costs!r:.80}, not {{'draft': cost >= 0, 'verify': {{...}}}}"
-        problem = _curve_problem("costs.verify", costs.get("verify") or {}, positive=True)
-        if problem is not None:
-            return problem
-    for name, positive in (("verify_cost", True), ("draft_cost", False)):
+        for curve in ("verify", "verify_sampled"):
+            problem = _curve_problem(f"costs.{curve}", costs.get(curve) or {}, positive=True)
+            if problem is not None:
+                return problem
+    for name, positive in (("verify_cost", True), ("sampled_verify_cost", True), ("draft_cost", False)):
         if name in data:
             problem = _curve_problem(name, data[name], positive=positive)
             if problem is not None:

@@ -89,12 +89,17 @@ class CostModel:
         return max(self.verify, default=0)
 
     @classmethod
-    def from_json(cls, data: Any) -> CostModel | None:
-        """Read ``{"draft": c, "verify": {"k": v}}`` (as saved in ``selfspec.json``); ``None`` if malformed."""
+    def from_json(cls, data: Any, sampled: bool = False) -> CostModel | None:
+        """Read ``{"draft": c, "verify": {"k": v}}`` (as saved in ``selfspec.json``); ``None`` if malformed.
+
+        ``sampled``: the curve of rounds that read every logit, ``"verify_sampled"``, where the
+        file has one (greedy rounds then cost less: :mod:`selfspec.modeling.argmax_head`).
+        """
         if not isinstance(data, dict):
             return None
         try:
-            verify = {int(k): float(v) for k, v in dict(data.get("verify") or {}).items()}
+            curve = data.get("verify_sampled") if sampled and data.get("verify_sampled") else data.get("verify")
+            verify = {int(k): float(v) for k, v in dict(curve or {}).items()}
             return cls(float(data.get("draft", 0.0)), verify)
         except (TypeError, ValueError):
             return None

@@ -69,6 +69,8 @@ class DraftController:
             controller adapts the length only.
         sampling_drafts: ``False`` when calibration found that sampled drafts do not pay (the
             plan's sampled replay): the sampling controllers decode plainly.
+        sampled_costs: the costs of rounds that read every logit, for the sampling controllers
+            (``None``: ``costs``); greedy rounds may cost less (:mod:`selfspec.modeling.argmax_head`).
     """
 
     num_draft_tokens: int
@@ -77,9 +79,11 @@ class DraftController:
     timed: bool = True
     costs: CostModel | dict[str, Any] | None = None
     sampling_drafts: bool = True
+    sampled_costs: CostModel | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.costs, dict):
+            self.sampled_costs = self.sampled_costs or CostModel.from_json(self.costs, sampled=True)
             self.costs = CostModel.from_json(self.costs)
         self.current = self.num_draft_tokens
         longest = self.costs.longest if isinstance(self.costs, CostModel) else 0
@@ -171,9 +175,8 @@ class DraftController:
         """
         if not self.sampling_drafts:
             return DraftController(0, adaptive=False, timed=False)
-        return DraftController(
-            self.num_draft_tokens, self.adaptive, self.max_draft_tokens, timed=False, costs=self.costs
-        )
+        costs = self.sampled_costs if self.sampled_costs is not None else self.costs
+        return DraftController(self.num_draft_tokens, self.adaptive, self.max_draft_tokens, timed=False, costs=costs)
 
     def __repr__(self) -> str:
         return (
