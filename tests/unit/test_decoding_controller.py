@@ -79,3 +79,23 @@ def test_sampling_drafts_nothing_where_calibration_found_sampled_drafts_do_not_p
     assert fresh.budget() == 0 and not fresh.adaptive
     shared.record(0, 0, 1, 1.0)  # greedy calls: a plain step measured, then drafts
     assert shared.budget() == 3
+
+
+def test_a_pause_for_drafts_that_did_not_pay_ends_with_its_call() -> None:
+    controller = DraftController(4, adaptive=True, timed=False, costs=CostModel(0.5, {4: 1.5}))
+    while controller.budget() > 0:
+        controller.record(4, 1, 2, seconds=0.0)  # one draft lands a round: 1.75 steps a token
+    assert controller.fallback_left == FALLBACK_ROUNDS
+    controller.start_call()  # another text: speculation is judged afresh
+    assert controller.fallback_left == 0 and controller.budget() == 4
+    while controller.budget() > 0:
+        controller.record(4, 1, 2, seconds=0.0)
+    assert controller.fallback_left == 2 * FALLBACK_ROUNDS  # the doubled pause carried over
+
+
+def test_a_pause_for_drafts_that_never_land_carries_over_to_the_next_call() -> None:
+    controller = DraftController(4, adaptive=True, timed=False, costs=CostModel(0.5, {4: 1.8}))
+    for _ in range(WINDOW):
+        controller.record(controller.budget(), 0, 1, 0.0)
+    controller.start_call()
+    assert controller.fallback_left == MAX_FALLBACK_ROUNDS and controller.budget() == 0

@@ -14,8 +14,10 @@ sampled text follows the model's distribution exactly.
   Each failed probe doubles the pause (up to :data:`MAX_FALLBACK_ROUNDS`); a probe that pays
   resets it. A window in which not one draft token was accepted pauses for
   :data:`MAX_FALLBACK_ROUNDS` at once: drafts that never land (a stock model's early exit, sampled
-  drafts far from the target) stop after one short probe. The pauses carry over from one call to
-  the next (the controller is the engine's).
+  drafts far from the target) stop after one short probe. That pause carries over from one call
+  to the next (the controller is the engine's); a pause for drafts that landed but did not pay
+  ends with its call, since the next call's text may copy (a chat answer's pause must not keep a
+  following RAG answer from its copies), while the longer next pause (the doubling) carries over.
 - **Untimed** (sampling: a fresh controller per call, so a seed always gives the same text): the
   same rule on *predicted* time, from the measured acceptance of this call and the calibrated
   costs (``costs``: draft cost per token and verify cost per draft length, relative to one plain
@@ -94,6 +96,7 @@ class DraftController:
         self.fallback_left = 0
         self.fallbacks = 0
         self.pause = FALLBACK_ROUNDS
+        self.landed_none = False  # the current pause is for drafts that never landed
         self.acceptance = AcceptanceEstimate()
 
     @property
@@ -141,7 +144,8 @@ class DraftController:
             return
         spec = sum(s for s, _ in self.spec_window) / sum(n for _, n in self.spec_window)
         if spec > plain * MARGIN:
-            if not any(n > 1 for _, n in self.spec_window):  # not one draft landed: a long pause at once
+            self.landed_none = not any(n > 1 for _, n in self.spec_window)
+            if self.landed_none:  # not one draft landed: a long pause at once
                 self.pause = MAX_FALLBACK_ROUNDS
             self.fallback_left = self.pause
             self.fallbacks += 1
@@ -154,12 +158,17 @@ class DraftController:
     def start_call(self) -> None:
         """A new generation starts from the calibrated length and a fresh acceptance estimate.
 
-        The pauses and the plain-step timing carry over (they describe the machine); the draft
-        length and acceptance describe the last call's text (a long copy in a RAG answer must not
-        make the next call's first draft 32 tokens long).
+        The plain-step timing carries over (it describes the machine), and so does a pause for
+        drafts that never landed (they describe the drafter) and the length of the next pause; the
+        draft length, the acceptance and a pause for drafts that landed but did not pay describe
+        the last call's text (a long copy in a RAG answer must not make the next call's first draft
+        32 tokens long; a chat answer's pause must not keep the next answer from its copies).
         """
         self.current = self.num_draft_tokens
         self.acceptance = AcceptanceEstimate()
+        if self.fallback_left > 0 and not self.landed_none:  # that text did not pay; this one may
+            self.fallback_left = 0
+            self.spec_window.clear()
 
     @property
     def spec_seconds_per_token(self) -> float | None:
