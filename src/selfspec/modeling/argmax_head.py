@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .hardware import native_dtypes
+
 logger = logging.getLogger(__name__)
 
 #: bf16's unit roundoff (8 significant bits).
@@ -94,8 +96,6 @@ class ArgmaxHead:
         weight = head.weight.detach()
         if weight.dtype != torch.float32 or weight.device.type != "cpu":
             return None
-        from .loading import native_dtypes  # loading imports the runner, which imports this module
-
         if torch.bfloat16 not in native_dtypes(weight.device):
             return None
         built = cls(weight)
