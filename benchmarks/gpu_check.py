@@ -19,7 +19,9 @@ measurement, so a timeout still leaves what was measured:
 3. ``llama8b``: a Llama-3-8B-shaped model with random weights (bf16 on CUDA, SDPA, no EOS), an
    oracle drafter (:class:`OracleDrafter`: the known greedy continuation, each token kept with
    probability ``alpha``, the first miss ends the run) at forced acceptance 0.6 / 0.8 / 1.0 with 8
-   drafts a round: tokens/s for plain eager (``drafter="none", compile=False``), speculative eager,
+   drafts a round (first, per linear weight of layer 0 and the LM head, the block widths whose
+   rows differ from the rows computed alone, and the engine's probe verdict): tokens/s for plain
+   eager (``drafter="none", compile=False``), speculative eager,
    transformers' eager ``generate``, then plain graphed (``compile=True``) and speculative graphed,
    with their compile times apart; kernels and device time per forward (``torch.profiler``) of
    the eager static step of widths 1 and 9 (the compiled ones in ``profile_compiled``).
@@ -73,6 +75,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 import transformers
 
 from selfspec import SpeculativeEngine
@@ -670,6 +673,7 @@ def llama8b_section(check: Check, out: dict[str, Any]) -> None:
         return result
 
     # the eager runs first (seconds each), then the two compiles (the least predictable part)
+    guarded(check, out, "row_invariance", lambda: row_invariance(model))
     guarded(check, out, "plain_eager", lambda: plain(False))
     guarded(check, out, "speculative_eager", lambda: speculative(False))
     guarded(check, out, "hf_eager", lambda: hf_eager(check, model, prompt, new_tokens, references.get("eager")))
@@ -683,6 +687,37 @@ def llama8b_section(check: Check, out: dict[str, Any]) -> None:
     check.kept["profile_tokens_for"] = len(prompt) + oracle_new
     guarded(check, out, "profile", lambda: profile_steps(check, len(prompt) + oracle_new, compiled=False))
     summarize_llama(out)
+
+
+def row_invariance(model: Any, widths: tuple[int, ...] = (2, 3, 5, 9, 16, 17), blocks: int = 4) -> dict[str, Any]:
+    """Per linear weight of layer 0 and the LM head: at which widths a block's rows differ from the rows alone.
+
+    The eager loop's half-precision verify is exact only where each linear layer it batches is
+    row-invariant (:func:`selfspec.modeling.attention.linear_is_row_invariant`, whose verdict is
+    recorded too); the first GPU check saw speculative text leave the plain loop's at token 6.
+    """
+    from selfspec.modeling.attention import linear_is_row_invariant
+
+    layer = model.model.layers[0]
+    weights = {name: module.weight for name, module in layer.named_modules() if isinstance(module, torch.nn.Linear)}
+    weights["lm_head"] = model.lm_head.weight
+    generator = torch.Generator(device=model.device).manual_seed(0)
+    result: dict[str, Any] = {}
+    with torch.no_grad():
+        for name, weight in weights.items():
+            differing = []
+            for width in widths:
+                x = torch.randn(blocks, width, weight.shape[1], generator=generator, device=weight.device)
+                x = x.to(weight.dtype)
+                alone = torch.stack([torch.cat([F.linear(row[None], weight) for row in block]) for block in x])
+                if not torch.equal(F.linear(x, weight), alone):
+                    differing.append(width)
+            result[name] = {
+                "shape": list(weight.shape),
+                "widths_differing": differing,
+                "probe_says_invariant": linear_is_row_invariant(weight),
+            }
+    return result
 
 
 def compile_record(engine: SpeculativeEngine) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from test_core_acceptance import PROMPT as DIST_PROMPT
 from test_core_acceptance import chi_square_pvalue, exact_distribution, make_distribution_model, sampled_counts
 from test_decoding_sync_budget import PER_CALL, count
 from tiny_models import make_model, reference_greedy
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import selfspec.decoding.static_round as static_round
 from selfspec import SpeculativeEngine
@@ -185,6 +186,53 @@ def test_one_host_read_per_round(drafter: str, temperature: float, monkeypatch: 
     drafted = out.stats.num_drafted if temperature or drafter == "eagle" else out.stats.num_accepted
     assert drafter == "none" or drafted > 0
     assert counter.reads <= rounds + PER_CALL, (counter.reads, rounds)
+
+
+class _Mutations(TorchDispatchMode):
+    """Records the storages an in-place op writes that the recorded code did not create itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.created: set[int] = set()
+        self.written: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        for index, argument in enumerate(func._schema.arguments):
+            if argument.alias_info is not None and argument.alias_info.is_write:
+                value = kwargs.get(argument.name, args[index] if index < len(args) else None)
+                if isinstance(value, torch.Tensor):
+                    self.written.add(value.untyped_storage().data_ptr())
+        out = func(*args, **kwargs)
+        if all(r.alias_info is None for r in func._schema.returns):  # a new tensor, not a view or an in-place op
+            for leaf in torch.utils._pytree.tree_leaves(out):
+                if isinstance(leaf, torch.Tensor):
+                    self.created.add(leaf.untyped_storage().data_ptr())
+        return out
+
+
+@pytest.mark.parametrize("width", [1, 5])
+def test_a_step_mutates_only_the_caches_static_buffers(width: int) -> None:
+    """On CUDA a graphed step runs without graphs if it writes an input that is not a static address.
+
+    The first GPU check found the device length unmarked (every round launched its kernels one by
+    one): every storage a greedy or sampled step writes must be one of ``static_buffers()``.
+    """
+    model = make_model("llama", agreeing=True, dtype=torch.float32)
+    engine = static_engine(model, num_draft_tokens=4)
+    assert engine.static_round is not None
+    step = engine.static_round.step
+    step.backend = None  # a dispatch mode cannot wrap a traced call: the same step, run eagerly
+    engine.generate_ids(REPEATED, max_new_tokens=8)
+    cache = step._cache()
+    static = {buffer.untyped_storage().data_ptr() for buffer in cache.static_buffers()}
+    tokens, num_draft = torch.tensor([REPEATED[:width]]), torch.tensor(width - 1)
+    greedy, sampled = step.greedy, step.forward
+    for run in (lambda: greedy(tokens, num_draft, cache.max_length), lambda: sampled(tokens, cache.max_length)):
+        with torch.inference_mode(), _Mutations() as recorded:
+            run()
+        foreign = recorded.written - recorded.created
+        assert foreign and foreign <= static, (foreign, static)
 
 
 def test_early_exit_rounds_never_recompile() -> None:

@@ -32,9 +32,10 @@ host once per forward and reused by every layer.
 Linear layers: on the same CPUs, oneDNN's bf16 matmul gives a row the bits it gets alone only
 while the reduction is short: measured, ``in_features <= 1024`` is row-invariant, but with
 ``in_features`` > 1024 (SmolLM2's ``down_proj``: 1,536) a block of two or more rows takes
-another path and some rows differ. :func:`linear_rows` therefore probes each weight once (a
-block of rows against the rows alone, cached per shape) and, in a batch-invariant forward,
-computes a weight that fails the probe one row at a time.
+another path and some rows differ. :func:`linear_rows` therefore probes each weight shape once
+(blocks of every verify width against the rows alone, on data that shows any other summation
+order; cached) and, in a batch-invariant forward, computes a weight that fails the probe one row
+at a time.
 
 The price: a row costs what a one-token decode's attention costs (on this CPU in bf16 that
 call is slow: ~0.3 ms per layer at 300 keys, ~3 ms at 1,400), so a verify of ``q`` rows pays
@@ -166,24 +167,43 @@ def causal_allowed(num_queries: int, num_cached: int, batch: int, device: torch.
     return allowed.tril(num_cached)[None].expand(batch, -1, -1)
 
 
-_ROW_INVARIANT: dict[tuple[tuple[int, ...], torch.dtype, str], bool] = {}
+_ROW_INVARIANT: dict[tuple[tuple[int, ...], torch.dtype, str, bool], bool] = {}
+
+#: block widths the probe compares with single rows (chain verifies of 1-32 drafts)
+PROBE_WIDTHS = (2, 3, 4, 5, 8, 9, 16, 17, 33)
 
 
 def linear_is_row_invariant(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether ``F.linear`` with this weight gives each row of a block the bits it gets alone.
+    """Whether ``F.linear`` with a weight of this shape gives each row of a block the bits it gets alone.
 
-    Probed once per weight shape, dtype and device (three random blocks of 16 rows, each
-    compared with its rows computed one at a time) and cached.
+    Probed once per weight shape, dtype, device and bias, and cached. The probe is built so that
+    any difference in summation order shows. Random data would hide most of it: the output's
+    rounding masks a different order of the float32 sums, and on these CPUs a bf16
+    ``256 x 1088`` block of two random rows differs from its rows alone in about one case in
+    seven. So the probe's weight is ``[u, -u]`` and its rows ``[a, a]`` (random ``u``, ``a``):
+    each output is a sum of exact products that cancels to about zero, so any other order of
+    the sums leaves another tiny value, and half precision represents tiny values as exactly as
+    large ones. Its rows are computed one at a time, then in a block of every width of
+    :data:`PROBE_WIDTHS` (a kernel library may pick its algorithm by the number of rows); the
+    shape is row-invariant only if every block equals its rows. The zero bias keeps the biased
+    call's code path.
     """
-    key = (tuple(weight.shape), weight.dtype, weight.device.type)
+    key = (tuple(weight.shape), weight.dtype, weight.device.type, bias is not None)
     if key not in _ROW_INVARIANT:
+        out_features, in_features = weight.shape
+        half = in_features // 2
         generator = torch.Generator(device=weight.device).manual_seed(0)
         with torch.no_grad():
-            blocks = torch.randn(3, 16, weight.shape[1], generator=generator, device=weight.device)
-            blocks = blocks.to(weight.dtype)
-            alone = [torch.cat([F.linear(row[None], weight, bias) for row in block]) for block in blocks]
+            u = torch.randn(out_features, half, generator=generator, device=weight.device)
+            a = torch.randn(max(PROBE_WIDTHS), half, generator=generator, device=weight.device)
+            probe = torch.zeros_like(weight)
+            probe[:, :half], probe[:, half : 2 * half] = u, -u
+            rows = weight.new_zeros(len(a), in_features)
+            rows[:, :half], rows[:, half : 2 * half] = a, a
+            zero = None if bias is None else torch.zeros_like(bias)
+            alone = torch.cat([F.linear(row[None], probe, zero) for row in rows])
             _ROW_INVARIANT[key] = all(
-                torch.equal(F.linear(block, weight, bias), rows) for block, rows in zip(blocks, alone, strict=True)
+                torch.equal(F.linear(rows[:width], probe, zero), alone[:width]) for width in PROBE_WIDTHS
             )
     return _ROW_INVARIANT[key]
 

@@ -93,8 +93,18 @@ class DeviceKVCache:
         self.values = [torch.zeros_like(k) for k in self.keys]
         self.length = torch.zeros((), dtype=torch.long, device=device)
         if device.type == "cuda":  # graph-captured steps read and write these in place
-            for buffer in (*self.keys, *self.values):
+            for buffer in self.static_buffers():
                 torch._dynamo.mark_static_address(buffer)
+
+    def static_buffers(self) -> list[torch.Tensor]:
+        """Every tensor a step mutates in place: the keys, the values and the length.
+
+        On CUDA each is marked a static address: inductor runs a step that mutates any other input
+        without CUDA graphs ("skipping cudagraphs due to mutated inputs"). The first GPU check
+        (H100, 2026-12-05) found the length unmarked, and every static-round step launched its
+        kernels one by one.
+        """
+        return [*self.keys, *self.values, self.length]
 
     def __repr__(self) -> str:
         return f"DeviceKVCache(num_layers={self.num_layers}, max_length={self.max_length})"
@@ -398,7 +408,7 @@ class StaticStep:
                 return state, _logits(runner, state if adapter is None else adapter(state))[0]
 
             # no CUDA graphs: a round keeps every draft step's exit state, and a graph's replay
-            # would overwrite the last one's outputs (untried on a GPU: no device lent so far)
+            # would overwrite the last one's outputs (untried on a GPU)
             self.compiled[key] = self._maybe_compiled(draft, graphs=False)
         return self.compiled[key](token, offset)
 
