@@ -1245,7 +1245,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(int(os.environ.get("GPU_CHECK_THREADS", torch.get_num_threads())))
     check = Check(args)
-    check.results["args"] = {k: v for k, v in vars(args).items()}
+    check.results["args"] = {k: v for k, v in vars(args).items() if k != "out"}  # the output folder: a local path
     for name in SECTIONS:
         if name in args.sections:
             check.run_section(name, BODIES[name])
