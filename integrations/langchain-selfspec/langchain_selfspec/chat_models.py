@@ -276,7 +276,8 @@ class ChatSpeculative(BaseChatModel):
     """``None`` (full precision), ``"4bit"`` (bitsandbytes NF4) or ``"8bit"``."""
 
     dtype: str = "auto"
-    """Weights dtype: ``"auto"`` (float32 on CPU, the checkpoint's half precision on GPU) or a name."""
+    """Weights dtype: ``"auto"`` (the checkpoint's half precision where the hardware computes it natively:
+    GPUs, CPUs with AMX or AVX512-BF16; float32 elsewhere) or a name such as ``"float32"``."""
 
     device: str = "auto"
     """``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda[:N]"``."""

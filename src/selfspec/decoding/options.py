@@ -303,7 +303,9 @@ class EngineOptions:
     dtype: str | torch.dtype = field(
         default="auto",
         metadata=cli(
-            "weights dtype: auto (float32 on CPU, half precision on GPU) or a name such as bfloat16",
+            "weights dtype: auto (the checkpoint's half precision where the hardware computes it natively: GPUs, "
+            "CPUs with AMX or AVX512-BF16; float32 elsewhere and for quantized GGUF files) or a name such as "
+            "float32 or bfloat16",
             "--dtype",
             verbs=LOAD_VERBS,
         ),

@@ -198,7 +198,10 @@ class SpeculativeLLM(FunctionCallingLLM):
     device: str = Field(default="auto", description="'auto' (CUDA when available), 'cpu' or 'cuda[:N]'.")
     dtype: str = Field(
         default="auto",
-        description="'auto' (float32 on CPU, the checkpoint's dtype on GPU) or a name such as 'bfloat16'.",
+        description=(
+            "'auto' (the checkpoint's half precision where the hardware computes it natively: GPUs, CPUs with "
+            "AMX or AVX512-BF16; float32 elsewhere) or a name such as 'float32' or 'bfloat16'."
+        ),
     )
     trust_remote_code: bool = Field(default=False, description="Allow checkpoints that ship their own Python code.")
     allow_pickle: bool = Field(default=False, description="Allow .bin (pickle) weights when no safetensors exist.")
