@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from verify_cost import interleaved
+from verify_cost import interleaved, model_curve
 
 RESULTS = Path(__file__).parent / "results"
 ROWS = (1, 2, 3, 4)
@@ -234,6 +234,38 @@ def drafter_sweep(engine: Any, prompts: list[list[int]], tokens: int, repeats: i
     return rows
 
 
+def block_forward_curves(engine: Any, repeats: int, max_k: int = 4) -> dict[str, dict[int, float]]:
+    """A verify's decoder layers (``k`` drafts, relative to one plain step) with ``F.linear`` and with ``(W @ x.T).T``.
+
+    The second swaps the fast path's multi-row float32 products for the formulation that is fastest
+    in isolation, to see whether it makes a forward cheaper (it is not exact either).
+    """
+    from selfspec.modeling import fastpath
+
+    loaded = fastpath.linear_rows
+
+    def transposed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, exact: bool) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if exact or rows == 1:
+            return loaded(x, weight, bias, exact)
+        y = torch.mm(weight, x.reshape(rows, -1).t()).t()
+        return (y if bias is None else y + bias).reshape(*x.shape[:-1], weight.shape[0])
+
+    curves: dict[str, list[dict[int, float]]] = {"F.linear": [], "(W @ x.T).T": []}
+    try:
+        for _ in range(2):  # alternate the two, twice
+            for label, fn in (("F.linear", loaded), ("(W @ x.T).T", transposed)):
+                fastpath.linear_rows = fn
+                curves[label].append(model_curve(engine, 200, max_k, repeats)["layers"])
+    finally:
+        fastpath.linear_rows = loaded
+    plain = statistics.median(c[0] for c in curves["F.linear"])
+    return {
+        label: {k: round(statistics.median(c[k] for c in runs) / plain, 3) for k in range(max_k + 1)}
+        for label, runs in curves.items()
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model folder or .gguf (default: SmolLM2-135M-Instruct)")
@@ -263,6 +295,7 @@ def main() -> None:
     modes = cbwr_modes(shapes)
     prompt_ids = [engine.encode_prompt(prompt) for prompt in STOCK_PROMPT_SETS["summarization"]]
     step = matmul_share(engine, prompt_ids[0], args.tokens)
+    blocks = block_forward_curves(engine, max(3, args.repeats // 2))
     sweep = drafter_sweep(engine, prompt_ids, args.tokens, args.sweep_repeats)
     result = {
         "model": display_name(model),
@@ -284,6 +317,7 @@ def main() -> None:
         "formulation_us": times,
         "cbwr_exact_row_counts": modes,
         "plain_step": step,
+        "layers_cost_by_block_formulation": blocks,
         "summarization_sweep": sweep,
     }
     out = Path(args.out)
@@ -333,6 +367,18 @@ def markdown(result: dict[str, Any]) -> str:
     for mode, by_shape in result["cbwr_exact_row_counts"].items():
         lines.append(f"| {mode} | " + " | ".join(", ".join(map(str, w)) or "none" for w in by_shape.values()) + " |")
     lines += [
+        "",
+        "In the model's forward (the decoder layers of a verify of k drafts, 200 cached positions, relative to "
+        "one plain step; the fast path's multi-row float32 products swapped):",
+        "",
+        "| formulation | "
+        + " | ".join(f"k={k}" for k in result["layers_cost_by_block_formulation"]["F.linear"])
+        + " |",
+        "|---|" + "---:|" * len(result["layers_cost_by_block_formulation"]["F.linear"]),
+        *(
+            f"| {label} | " + " | ".join(f"{v:.2f}" for v in curve.values()) + " |"
+            for label, curve in result["layers_cost_by_block_formulation"].items()
+        ),
         "",
         "## The plain step",
         "",
