@@ -34,6 +34,13 @@ def _head(vocab: int = 4096, hidden: int = 192, offset: int = 10, seed: int = 0)
     return head
 
 
+def _built(head: nn.Linear) -> ArgmaxHead:
+    """The head's :class:`ArgmaxHead` (its build-time self-check passed)."""
+    screen = ArgmaxHead.build(head)
+    assert screen is not None
+    return screen
+
+
 def _check_row(screen: ArgmaxHead, head: nn.Linear, x: torch.Tensor) -> int:
     """Assert the screened row's argmax and candidate bits match the full one-row call; return the candidates."""
     full = head(x[None, None])[0, 0]  # the one-token call a decode step (and generate) makes
@@ -47,8 +54,7 @@ def _check_row(screen: ArgmaxHead, head: nn.Linear, x: torch.Tensor) -> int:
 @native_bf16
 def test_argmax_and_candidate_bits_match_the_full_head_on_random_rows() -> None:
     head = _head()
-    screen = ArgmaxHead.build(head)
-    assert screen is not None
+    screen = _built(head)
     generator = torch.Generator().manual_seed(1)
     scales = (0.1, 1.0, 30.0) * 40
     counts = [_check_row(screen, head, torch.randn(192, generator=generator) * scale) for scale in scales]
@@ -65,8 +71,7 @@ def test_near_ties_and_exact_ties_resolve_as_the_full_head_does() -> None:
     with torch.no_grad():  # a later row equal to the best (an exact tie: the first index wins), one a hair below
         weight[best + 7] = weight[best]
         weight[best - 5] = weight[best] * (1 - 1e-6)
-    screen = ArgmaxHead.build(head)
-    assert screen is not None
+    screen = _built(head)
     assert _check_row(screen, head, x) >= 3  # the three (near-)tied rows are all candidates
     with torch.no_grad():  # an earlier exact tie now wins (the screen sees the in-place change)
         weight[best - 3] = weight[best]
@@ -76,8 +81,7 @@ def test_near_ties_and_exact_ties_resolve_as_the_full_head_does() -> None:
 @native_bf16
 def test_several_positions_and_a_non_finite_row() -> None:
     head = _head()
-    screen = ArgmaxHead.build(head)
-    assert screen is not None
+    screen = _built(head)
     generator = torch.Generator().manual_seed(3)
     states = torch.randn(1, 5, 192, generator=generator)
     states[0, 2] = math.inf  # its screen overflows: that row gets the full head
@@ -92,8 +96,7 @@ def test_several_positions_and_a_non_finite_row() -> None:
 @native_bf16
 def test_weights_changed_in_place_are_screened_afresh() -> None:
     head = _head()
-    screen = ArgmaxHead.build(head)
-    assert screen is not None
+    screen = _built(head)
     x = torch.randn(192, generator=torch.Generator().manual_seed(4))
     _check_row(screen, head, x)
     with torch.no_grad():

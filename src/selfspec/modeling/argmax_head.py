@@ -73,7 +73,7 @@ class ArgmaxHead:
         gamma = fan_in * FP32_UNIT / (1 - fan_in * FP32_UNIT)
         self.scale = (2 * BF16_UNIT + BF16_UNIT**2 + 2 * gamma * (1 + BF16_UNIT) ** 2) * (1 + SLACK)
         self.out_scale = BF16_UNIT / (1 - BF16_UNIT) * (1 + SLACK)
-        self.scaled_norms = self.scale * weight.norm(dim=-1) * (1 + SLACK)  # [vocab]
+        self.scaled_norms = self.scale * weight.norm(dim=-1)  # [vocab]; ``scale`` carries the slack
         self.largest_norm = float(self.scaled_norms.max())
         self.flushed = fan_in * SMALLEST_NORMAL * 2 * (float(weight.abs().max()) + 1.0)
         self.version = weight._version
