@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from selfspec import SpeculativeEngine
-from selfspec.modeling.argmax_head import ArgmaxHead
+from selfspec.modeling.argmax_head import FP32_SCREEN_ROWS, ArgmaxHead
 from selfspec.modeling.loading import native_dtypes
 
 native_bf16 = pytest.mark.skipif(
@@ -91,6 +91,28 @@ def test_several_positions_and_a_non_finite_row() -> None:
     for position in (0, 1, 3, 4):
         assert int(screened[0, position].argmax()) == int(full[0, position].argmax())
     assert torch.allclose(screened[0, 2], full[0, 2], equal_nan=True)
+
+
+@native_bf16
+def test_one_or_two_rows_are_screened_in_float32_and_keep_fewer_candidates() -> None:
+    head = _head()
+    screen = _built(head)
+    generator = torch.Generator().manual_seed(5)
+    states = torch.randn(24, 3, 192, generator=generator) * torch.tensor([0.1, 1.0, 30.0]).repeat(8)[:, None, None]
+    kept: dict[int, list[int]] = {1: [], 2: [], 3: []}
+    for rows in (1, 2, 3):
+        assert (screen._screen(states[0, :rows]).out_scale == 0.0) == (rows <= FP32_SCREEN_ROWS)
+        for block in states[:, :rows]:
+            screened = screen.logits(block[None])[0]
+            for position, x in enumerate(block):
+                full = head(x[None, None])[0, 0]  # each position's one-row call
+                finite = torch.isfinite(screened[position])
+                assert int(screened[position].argmax()) == int(full.argmax())
+                assert torch.equal(screened[position][finite], full[finite])
+                kept[rows].append(int(finite.sum()))
+    float32_kept = sum(kept[1] + kept[2]) / len(kept[1] + kept[2])
+    bf16_kept = sum(kept[3]) / len(kept[3])
+    assert float32_kept <= bf16_kept, (float32_kept, bf16_kept)
 
 
 @native_bf16
