@@ -43,8 +43,12 @@ def _built(head: nn.Linear) -> ArgmaxHead:
 
 def _check_row(screen: ArgmaxHead, head: nn.Linear, x: torch.Tensor) -> int:
     """Assert the screened row's argmax and candidate bits match the full one-row call; return the candidates."""
+    return _check_screened(screen.logits(x[None, None])[0, 0], head, x)
+
+
+def _check_screened(screened: torch.Tensor, head: nn.Linear, x: torch.Tensor) -> int:
+    """Assert screened logits give the argmax and candidate bits of ``x``'s one-row call; return the candidates."""
     full = head(x[None, None])[0, 0]  # the one-token call a decode step (and generate) makes
-    screened = screen.logits(x[None, None])[0, 0]
     kept = torch.isfinite(screened)
     assert int(screened.argmax()) == int(full.argmax())
     assert torch.equal(screened[kept], full[kept]), "a candidate's value differs from the full head's bits"
@@ -105,11 +109,7 @@ def test_one_or_two_rows_are_screened_in_float32_and_keep_fewer_candidates() -> 
         for block in states[:, :rows]:
             screened = screen.logits(block[None])[0]
             for position, x in enumerate(block):
-                full = head(x[None, None])[0, 0]  # each position's one-row call
-                finite = torch.isfinite(screened[position])
-                assert int(screened[position].argmax()) == int(full.argmax())
-                assert torch.equal(screened[position][finite], full[finite])
-                kept[rows].append(int(finite.sum()))
+                kept[rows].append(_check_screened(screened[position], head, x))
     float32_kept = sum(kept[1] + kept[2]) / len(kept[1] + kept[2])
     bf16_kept = sum(kept[3]) / len(kept[3])
     assert float32_kept <= bf16_kept, (float32_kept, bf16_kept)

@@ -148,10 +148,10 @@ class ArgmaxHead:
                 ids = torch.randint(0, vocab, (count,), generator=generator)
                 if not torch.equal(self._exact(x[0], ids), full[ids]):
                     return False
+            flushed = self.flushed * (float(x.abs().max()) + 1.0)
             for block in (x, x.expand(FP32_SCREEN_ROWS + 1, hidden)):  # the float32 screen, then the bf16 one
                 screen = self._screen(block)
                 screened = screen.logits[0].float()
-                flushed = self.flushed * (float(x.abs().max()) + 1.0)
                 bound = self._bounds(screen, screened, torch.arange(vocab), float(screen.norms[0]), flushed)
                 if not bool(((screened - full).abs() <= bound).all()):
                     return False
