@@ -50,6 +50,8 @@ def test_every_tool_choice_spelling(choice: Any, normalized: Any, forced: str | 
     [
         ("nope", NAMES, "not one of the tools"),
         ({"function": {}}, NAMES, "names no function"),
+        ({"type": "banana", "function": {"name": "sing"}}, NAMES, "type 'banana' is not supported"),
+        ({"type": None, "name": "sing"}, NAMES, "type None is not supported"),
         (3, NAMES, "must be 'auto', 'none', 'any', 'required'"),
         ("any", [], "needs at least one tool"),
         (True, [], "needs at least one tool"),

@@ -218,7 +218,8 @@ def normalize_tool_choice(choice: Any, names: Sequence[str]) -> ToolChoice:
     The one normaliser of every front door (``selfspec serve``, both adapters, local and
     endpoint). Accepted: ``None``/``"auto"``/``False`` (the model decides), ``"none"``,
     ``"any"``/``"required"``/``True`` (some tool must be called), a tool's name, or
-    ``{"type": "function", "function": {"name": ...}}`` (also ``{"name": ...}``).
+    ``{"type": "function", "function": {"name": ...}}`` (also ``{"name": ...}``); a dict whose
+    ``type`` is not ``"function"`` is refused, as OpenAI refuses it.
 
     Raises:
         ValueError: a forced choice without tools, an unknown name or an unknown value.
@@ -228,6 +229,8 @@ def normalize_tool_choice(choice: Any, names: Sequence[str]) -> ToolChoice:
     if choice == "none":
         return "none"
     if isinstance(choice, Mapping):
+        if choice.get("type", "function") != "function":
+            raise ValueError(f"tool_choice type {choice.get('type')!r} is not supported (only 'function')")
         function = choice.get("function") if isinstance(choice.get("function"), Mapping) else choice
         name = function.get("name") if isinstance(function, Mapping) else None
         if not isinstance(name, str):
