@@ -146,6 +146,8 @@ class EngineConfig:
         exit_layer, num_draft_tokens, drafter = options.exit_layer, options.num_draft_tokens, options.drafter
         tree_nodes, draft_model, eagle_head = options.tree_nodes, options.draft_model, options.eagle_head
         medusa_heads, draft_confidence = options.medusa_heads, options.draft_confidence
+        if drafter == "auto" and eagle_head == "auto":  # the plan considers the head "auto" finds: the default
+            eagle_head = None
         check_arguments(exit_layer, num_draft_tokens, "none", tree_nodes)
         _check_auto_exit_layer(drafter, exit_layer)
         adapter_module = engine_exit_adapter(options.exit_adapter, runner, name_or_path, exit_layer, drafter)

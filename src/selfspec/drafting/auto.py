@@ -76,8 +76,15 @@ class Plan:
         return f"{what}: {self.reason}" if self.reason else what
 
     def advice(self, name_or_path: str, has_head: bool) -> str:
-        """How to get more speed when the plan drafts little: train an EAGLE head (``""`` otherwise)."""
-        if self.method not in ("none", "prompt_lookup") or has_head or not name_or_path:
+        """How to get more speed: fetch the published EAGLE head the table names, else train one (``""``: none)."""
+        if has_head or not name_or_path:
+            return ""
+        from .eagle.catalog import missing_head_advice  # a published head for this model that is not here
+
+        published = missing_head_advice(name_or_path)
+        if published:
+            return published
+        if self.method not in ("none", "prompt_lookup"):
             return ""
         return (
             f"for more speed, `selfspec train-eagle --model {name_or_path} --minutes 20` trains an EAGLE head for "

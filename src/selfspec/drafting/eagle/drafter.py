@@ -325,11 +325,14 @@ def engine_eagle_head(engine: Any, eagle_head: Any = None) -> EagleHead:
     if choice is None or choice == "auto":
         folder = find_eagle_head(engine.name_or_path, runner)
         if folder is None:
+            from .catalog import explain_missing_head  # raises a refused published head's reason
+
+            published = explain_missing_head(engine.name_or_path, runner)
             where = "in the user cache, beside this model (its eagle_head/ folder), or among the heads selfspec ships"
             raise ConfigurationError(
                 f"drafter='eagle' needs a trained head: none was found {where}. Train one with "
                 "`selfspec train-eagle --model M` (a few minutes), or pass eagle_head= the folder of a head "
-                "trained for this model."
+                f"trained for this model.{f' Or: {published}.' if published else ''}"
             )
         choice = folder
     if isinstance(choice, EagleHead):

@@ -549,14 +549,21 @@ def find_eagle_head(name_or_path: str, model: Any = None) -> Path | None:
     Looks in :func:`head_folder_for` (the user cache), then, read only, in a local model folder's
     ``eagle_head/`` (a published head) and where earlier versions saved heads
     (:func:`~selfspec.artifacts.find_artifact`: a selfspec head, or a published EAGLE-1/2/3 or
-    ``speculators`` head folder put there), then in the heads shipped with selfspec
-    (:data:`SHIPPED_HEADS`), whose target name must match the model's name (ignoring folders,
-    case and GGUF quantization tags) and, when ``model`` is given, whose shapes must fit it.
+    ``speculators`` head folder put there), then a published head of the table for the model
+    (:func:`~selfspec.drafting.eagle.catalog.find_published_head`, checked against ``model``),
+    then in the heads shipped with selfspec (:data:`SHIPPED_HEADS`), whose target name must match
+    the model's name (ignoring folders, case and GGUF quantization tags) and, when ``model`` is
+    given, whose shapes must fit it.
     Returns ``None`` when there is none.
     """
     own = find_artifact(name_or_path, EAGLE_HEADS, _holds_head, beside=(EAGLE_SUBFOLDER,))
     if own is not None:
         return own
+    from .catalog import find_published_head  # a published head of the table, checked (fetched when online)
+
+    published = find_published_head(name_or_path, model)
+    if published is not None:
+        return published
     key = loose_name(name_or_path) if name_or_path else ""
     if not key or not SHIPPED_HEADS.is_dir():
         return None

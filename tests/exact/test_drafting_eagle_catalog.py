@@ -1,0 +1,159 @@
+"""``eagle_head="auto"`` finds a published head in the table, checks it, loads it from a local hub folder.
+
+A tiny float32 Llama is saved under a hub-like name; a random EAGLE-3 head for it, in vLLM's
+``speculators`` layout, is written into a local folder that serves as the hub
+(``SELFSPEC_HEAD_HUB``), laid out either as ``<root>/<owner>/<name>/`` or as huggingface_hub's
+own cache (``models--owner--name/refs/main`` + ``snapshots/<commit>/``, read by huggingface_hub
+offline); an extra table (``SELFSPEC_HEAD_CATALOG``) names the pairing. Then:
+``from_pretrained(..., eagle_head="auto")`` loads that head and decodes greedily token for token
+as transformers' ``generate`` in float32; ``drafter="auto"`` measures it; a head whose config
+does not fit (verifier name, hidden size, vocabulary, tapped layers) is refused with the field
+and both values; with no copy and the hub offline, decoding goes on and the plan names the head
+and the command that fetches it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_drafting_eagle_eagle3 import LAYERS, draft_vocab, random_eagle3, speculators_config, write
+from tiny_models import make_model, reference_greedy
+
+from selfspec import SpeculativeEngine
+from selfspec.drafting.eagle import catalog
+from selfspec.drafting.eagle.catalog import CATALOG_ENV, HUB_ENV, HeadMismatchError
+from selfspec.drafting.eagle.eagle3 import Eagle3Head
+from selfspec.errors import ConfigurationError
+
+TARGET = "selfspec-tests/tiny-llama-hubtest"
+HEAD_REPO = "selfspec-tests/tiny-llama-hubtest-speculator.eagle3"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+PROMPTS = ([5, 9, 3, 17, 4, 8], [60, 61, 7])
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Any:
+    """The tiny Llama (hidden 32, 6 layers, vocab 96) in float32, as the user loads it."""
+    return make_model("llama", agreeing=True, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory, tiny) -> Path:
+    folder = tmp_path_factory.mktemp("models") / TARGET.split("/")[1]
+    tiny.save_pretrained(folder)
+    return folder
+
+
+def head_config(tiny: Any, **changes: Any) -> dict[str, Any]:
+    """The head's speculators config.json, naming the tiny model as its verifier."""
+    config = speculators_config(tiny, LAYERS, 64, False)
+    config["speculators_config"]["verifier"]["name_or_path"] = TARGET
+    return {**config, **changes}
+
+
+def write_hub(root: Path, tiny: Any, layout: str, config: dict[str, Any]) -> Path:
+    """The head in a local hub folder: ``<root>/<repo>/`` (plain) or a huggingface_hub cache (hf-cache)."""
+    weights = random_eagle3(tiny, LAYERS, draft_vocab(tiny, 64))
+    if layout == "plain":
+        return write(root / HEAD_REPO, weights, config)
+    repo = root / f"models--{HEAD_REPO.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(COMMIT, encoding="utf-8")
+    return write(repo / "snapshots" / COMMIT, weights, config)
+
+
+@pytest.fixture
+def table(tmp_path, monkeypatch) -> Path:
+    """An extra table naming the pairing, and an empty local hub; both through their variables."""
+    path = tmp_path / "heads.json"
+    path.write_text(json.dumps({"version": 1, "heads": [{"target": TARGET, "repo_id": HEAD_REPO}]}), encoding="utf-8")
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    monkeypatch.setenv(CATALOG_ENV, str(path))
+    monkeypatch.setenv(HUB_ENV, str(hub))
+    monkeypatch.setattr(catalog, "_SAID", set())  # each test sees its own warnings
+    return hub
+
+
+@pytest.mark.parametrize("layout", ["plain", "hf-cache"])
+def test_auto_finds_checks_and_loads_the_published_head(table, tiny, model_folder, layout) -> None:
+    folder = write_hub(table, tiny, layout, head_config(tiny))
+    resolution = catalog.resolve_published_head(str(model_folder), tiny)
+    assert resolution is not None and resolution.status == "found" and resolution.folder == folder
+    engine = SpeculativeEngine.from_pretrained(
+        str(model_folder), drafter="eagle", eagle_head="auto", dtype=torch.float32, num_draft_tokens=3
+    )
+    head = engine.drafter.head  # type: ignore[attr-defined]
+    assert isinstance(head, Eagle3Head) and Path(head.source) == folder
+    for prompt in PROMPTS:
+        out = engine.generate_ids(prompt, max_new_tokens=24)
+        assert out.token_ids == reference_greedy(tiny, prompt, 24)
+        assert out.stats.num_drafted > 0  # the found head drafted
+
+
+def test_drafter_auto_measures_the_found_head(table, tiny, model_folder) -> None:
+    """``drafter="auto"`` considers the found head like the shipped one: calibration measures it."""
+    folder = write_hub(table, tiny, "plain", head_config(tiny))
+    engine = SpeculativeEngine.from_pretrained(
+        str(model_folder), eagle_head="auto", dtype=torch.float32, calibration_budget=60
+    )
+    assert engine.calibration["eagle"]["head"] == str(folder)
+    assert engine.calibration["eagle"]["accepted_per_round"]
+    out = engine.generate_ids(PROMPTS[0], max_new_tokens=16)
+    assert out.token_ids == reference_greedy(tiny, PROMPTS[0], 16)
+
+
+MISMATCHES = {
+    "verifier": ({"speculators_config": {"verifier": {"name_or_path": "meta-llama/Llama-3.1-8B-Instruct"}}},
+                 "meta-llama/Llama-3.1-8B-Instruct"),
+    "hidden size": ({"target_hidden_size": 64}, 64),
+    "vocabulary": ({"transformer_layer_config": {"vocab_size": 128}}, 128),
+    "tapped layers": ({"eagle_aux_hidden_state_layer_ids": [1, 3, 9]}, [1, 3, 9]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("field", list(MISMATCHES))
+def test_a_mismatched_head_is_refused_with_the_field_and_both_values(table, tiny, model_folder, field, caplog) -> None:
+    changes, head_value = MISMATCHES[field]
+    config = head_config(tiny)
+    for key, value in changes.items():
+        config[key] = {**config[key], **value} if isinstance(value, dict) else value
+    write_hub(table, tiny, "plain", config)
+    with pytest.raises(HeadMismatchError) as refused:
+        SpeculativeEngine.from_pretrained(str(model_folder), drafter="eagle", eagle_head="auto", dtype=torch.float32)
+    error = refused.value
+    model_value = {"verifier": str(model_folder), "hidden size": 32, "vocabulary": 96, "tapped layers": "layers 0..6"}
+    assert (error.field, error.head_value, error.model_value) == (field, head_value, model_value[field])
+    assert isinstance(error, ConfigurationError) and f"{field} {head_value!r}" in str(error) and HEAD_REPO in str(error)
+    # drafter="auto" goes on without it (and says why, once)
+    with caplog.at_level(logging.WARNING, logger="selfspec"):
+        engine = SpeculativeEngine.from_pretrained(str(model_folder), dtype=torch.float32, calibrate=False)
+        assert catalog.find_published_head(str(model_folder), engine.runner.model) is None
+    assert any("refuses" in r.getMessage() and field in r.getMessage() for r in caplog.records)
+    assert engine.generate_ids(PROMPTS[0], max_new_tokens=12).token_ids == reference_greedy(tiny, PROMPTS[0], 12)
+
+
+def test_offline_without_a_copy_the_plan_names_the_head_and_its_fetch_command(table, tiny, model_folder) -> None:
+    assert catalog.hub_offline()  # the test session is offline (conftest)
+    resolution = catalog.resolve_published_head(str(model_folder), tiny)
+    assert resolution is not None and resolution.status == "missing" and resolution.folder is None
+    command = f"hf download {HEAD_REPO} --include '*.json' --include '*.safetensors' --local-dir {table / HEAD_REPO}"
+    assert resolution.fetch_command == command
+    engine = SpeculativeEngine.from_pretrained(
+        str(model_folder), eagle_head="auto", dtype=torch.float32, calibrate=False
+    )
+    assert engine.plan is not None
+    advice = engine.plan.advice(engine.name_or_path, has_head=False)
+    assert HEAD_REPO in advice and command in advice and "offline" in advice
+    assert engine.generate_ids(PROMPTS[1], max_new_tokens=12).token_ids == reference_greedy(tiny, PROMPTS[1], 12)
+    with pytest.raises(ConfigurationError, match="fetch it with `hf download"):
+        SpeculativeEngine.from_pretrained(str(model_folder), drafter="eagle", eagle_head="auto", dtype=torch.float32)
+    # the command's folder is where the resolver looks: a copy put there is found
+    write_hub(table, tiny, "plain", head_config(tiny))
+    found = catalog.resolve_published_head(str(model_folder), tiny)
+    assert found is not None and found.status == "found" and found.folder == table / HEAD_REPO
