@@ -157,3 +157,16 @@ def test_offline_without_a_copy_the_plan_names_the_head_and_its_fetch_command(ta
     write_hub(table, tiny, "plain", head_config(tiny))
     found = catalog.resolve_published_head(str(model_folder), tiny)
     assert found is not None and found.status == "found" and found.folder == table / HEAD_REPO
+
+
+def test_a_hub_that_cannot_be_reached_leaves_the_head_missing(table, tiny, model_folder, monkeypatch) -> None:
+    """Fetching when the hub cannot be reached (huggingface_hub's own offline refusal stands in for no
+    network: the fetch runs its real calls) leaves the head missing, with why, and asks once per process."""
+    monkeypatch.setattr(catalog, "hub_offline", lambda: False)
+    monkeypatch.setattr(catalog, "_UNREACHABLE", {})
+    resolution = catalog.resolve_published_head(str(model_folder), tiny)
+    assert resolution is not None and resolution.status == "missing", resolution
+    assert resolution.reason.startswith("the hub was not reached") and HEAD_REPO in catalog._UNREACHABLE
+    again = catalog.resolve_published_head(str(model_folder), tiny)
+    assert again is not None and again.status == "missing" and again.reason == resolution.reason
+    assert not (table / HEAD_REPO / "model.safetensors").exists()
