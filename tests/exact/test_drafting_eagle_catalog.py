@@ -9,18 +9,24 @@ offline); an extra table (``SELFSPEC_HEAD_CATALOG``) names the pairing. Then:
 as transformers' ``generate`` in float32; ``drafter="auto"`` measures it; a head whose config
 does not fit (verifier name, hidden size, vocabulary, tapped layers) is refused with the field
 and both values; with no copy and the hub offline, decoding goes on and the plan names the head
-and the command that fetches it.
+and the command that fetches it. Online, huggingface_hub's real client fetches the head from a
+stand-in for the hub on localhost (``tests/fake_hub.py``): the config first (a head that does not
+fit is refused before its weights are asked for), then a size line and the weights.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from fake_hub import FakeHub
 from test_drafting_eagle_eagle3 import LAYERS, draft_vocab, random_eagle3, speculators_config, write
 from tiny_models import make_model, reference_greedy
 
@@ -170,3 +176,57 @@ def test_a_hub_that_cannot_be_reached_leaves_the_head_missing(table, tiny, model
     again = catalog.resolve_published_head(str(model_folder), tiny)
     assert again is not None and again.status == "missing" and again.reason == resolution.reason
     assert not (table / HEAD_REPO / "model.safetensors").exists()
+
+
+#: Loads the model with eagle_head="auto" in a fresh, online process (huggingface_hub reads
+#: HF_HUB_OFFLINE and HF_ENDPOINT at import) and prints the head it used and the greedy ids.
+FETCHING = r"""
+import json, logging, sys, torch
+torch.set_num_threads(1)
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="LOG %(message)s")
+from selfspec import SpeculativeEngine
+folder, prompt = sys.argv[1], json.loads(sys.argv[2])
+try:
+    engine = SpeculativeEngine.from_pretrained(folder, drafter="eagle", eagle_head="auto", dtype=torch.float32)
+except Exception as error:
+    print("RESULT " + json.dumps({"error": type(error).__name__, "message": str(error)}))
+else:
+    ids = engine.generate_ids(prompt, max_new_tokens=16).token_ids
+    print("RESULT " + json.dumps({"source": engine.drafter.head.source, "ids": ids}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fits", [True, False], ids=["fits", "mismatch"])
+def test_online_the_head_is_fetched_config_first(tmp_path, tiny, model_folder, fits) -> None:
+    folder = write_hub(
+        tmp_path / "written", tiny, "plain", head_config(tiny, **({} if fits else {"target_hidden_size": 64}))
+    )
+    files = {name: (folder / name).read_bytes() for name in ("config.json", "model.safetensors")}
+    files["README.md"] = b"a model card (not fetched)"
+    table = tmp_path / "heads.json"
+    table.write_text(json.dumps({"version": 1, "heads": [{"target": TARGET, "repo_id": HEAD_REPO}]}), encoding="utf-8")
+    cache = tmp_path / "hf-cache"
+    with FakeHub(HEAD_REPO, COMMIT, files) as hub:
+        env = {k: v for k, v in os.environ.items() if k != HUB_ENV}
+        env.update(HF_HUB_OFFLINE="0", HF_ENDPOINT=hub.endpoint, HF_HUB_CACHE=str(cache), HF_HUB_DISABLE_TELEMETRY="1")
+        env[CATALOG_ENV] = str(table)
+        run = subprocess.run(
+            [sys.executable, "-c", FETCHING, str(model_folder), json.dumps(PROMPTS[0])],
+            env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout.split("RESULT ", 1)[1])
+    weights = f"GET /{HEAD_REPO}/resolve/{COMMIT}/model.safetensors"
+    assert f"GET /{HEAD_REPO}/resolve/main/config.json" in hub.requests  # the config first
+    assert not any("README.md" in r for r in hub.requests)  # only the head's files
+    if not fits:
+        assert result["error"] == "HeadMismatchError" and "hidden size 64" in result["message"], result
+        assert weights not in hub.requests  # refused before its weights were asked for
+        return
+    snapshot = cache / f"models--{HEAD_REPO.replace('/', '--')}" / "snapshots" / COMMIT
+    assert Path(result["source"]) == snapshot and weights in hub.requests
+    assert result["ids"] == reference_greedy(tiny, PROMPTS[0], 16)
+    size = sum(len(body) for name, body in files.items() if name != "README.md")
+    assert f"fetching the published EAGLE head {HEAD_REPO} (main, unpinned) for {TARGET}: 2 file(s)" in run.stdout
+    assert catalog._size(size) in run.stdout

@@ -459,9 +459,10 @@ def fetch_head(entry: PublishedHead, model: Any, name_or_path: str, hub: Path | 
         )
     pending = [info for info in files if info.will_download]
     logger.warning(
-        "fetching the published EAGLE head %s for %s: %d file(s), %s to download%s",
-        entry.label, entry.target, len(pending), _size(sum(info.file_size or 0 for info in pending)),
-        f" into {hub / entry.repo_id}" if hub is not None else " into the huggingface_hub cache",
+        "fetching the published EAGLE head %s for %s: %d file(s), %s (%s to download) into %s",
+        entry.label, entry.target, len(files), _size(sum(info.file_size or 0 for info in files)),
+        _size(sum(info.file_size or 0 for info in pending)),
+        hub / entry.repo_id if hub is not None else "the huggingface_hub cache",
     )  # fmt: skip
     folder = snapshot_download(entry.repo_id, revision=entry.revision, allow_patterns=list(HEAD_FILES), **target)
     return Path(str(folder))
