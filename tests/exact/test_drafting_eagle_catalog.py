@@ -83,6 +83,9 @@ def table(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv(CATALOG_ENV, str(path))
     monkeypatch.setenv(HUB_ENV, str(hub))
     monkeypatch.setattr(catalog, "_SAID", set())  # each test sees its own warnings
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))  # not this machine's cache
     return hub
 
 

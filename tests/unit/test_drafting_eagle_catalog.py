@@ -32,6 +32,14 @@ LLAMA_8B = SimpleNamespace(
 )
 
 
+@pytest.fixture(autouse=True)
+def empty_hf_cache(tmp_path, monkeypatch) -> None:
+    """huggingface_hub's own cache is an empty folder: what this machine holds does not change a test."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+
+
 def speculators_head(**changes: object) -> dict[str, object]:
     return {
         "speculators_model_type": "eagle3",
@@ -138,3 +146,17 @@ def test_fetch_command_and_advice(tmp_path, monkeypatch) -> None:
     assert Plan(method="prompt_lookup").advice("meta-llama/Llama-3.1-8B-Instruct", has_head=True) == ""
     assert "train-eagle" in Plan(method="prompt_lookup").advice("HuggingFaceTB/SmolLM2-135M-Instruct", has_head=False)
     assert catalog._size(1_520_000_000) == "1.52 GB" and catalog._size(999) == "999 B"
+
+
+def test_with_no_copy_the_resolution_is_missing_and_names_the_command(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(HUB_ENV, str(tmp_path))  # an empty local hub
+    name = "meta-llama/Llama-3.1-8B-Instruct"
+    missing = catalog.resolve_published_head(name, LLAMA_8B)  # offline (conftest)
+    assert missing is not None and missing.status == "missing" and not missing.usable
+    assert missing.entry == PUBLISHED_HEADS[0] and missing.reason == "offline: no local copy"
+    assert missing.fetch_command == PUBLISHED_HEADS[0].fetch_command(tmp_path)
+    monkeypatch.setattr(catalog, "hub_offline", lambda: False)  # online, but fetching is turned off
+    monkeypatch.setenv(catalog.FETCH_ENV, "0")
+    off = catalog.resolve_published_head(name, LLAMA_8B)
+    assert off is not None and off.status == "missing" and "SELFSPEC_HEAD_FETCH=0" in off.reason
+    assert catalog.resolve_published_head("HuggingFaceTB/SmolLM2-135M-Instruct", LLAMA_8B) is None

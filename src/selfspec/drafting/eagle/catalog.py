@@ -17,7 +17,8 @@ Where the head is looked for (:func:`local_copy`):
    huggingface_hub cache (``<root>/models--<owner>--<name>/snapshots/<commit>/``): a local
    folder that serves as the hub (tests, air-gapped machines);
 2. huggingface_hub's own cache (``HF_HUB_CACHE``), read offline;
-3. the hub itself, when huggingface_hub is not offline (``HF_HUB_OFFLINE``): the head's
+3. the hub itself, when huggingface_hub is not offline (``HF_HUB_OFFLINE``) and
+   ``SELFSPEC_HEAD_FETCH`` is not ``0``: the head's
    ``config.json`` is fetched and checked first, then a size line is logged and the weights are
    fetched with huggingface_hub's progress bar (:func:`fetch_head`).
 
@@ -55,6 +56,8 @@ CATALOG_VERSION = 1
 HUB_ENV = "SELFSPEC_HEAD_HUB"
 #: A JSON file of further table entries, consulted before :data:`PUBLISHED_HEADS`.
 CATALOG_ENV = "SELFSPEC_HEAD_CATALOG"
+#: ``0`` / ``false``: never fetch a head from the hub (local copies are still found and checked).
+FETCH_ENV = "SELFSPEC_HEAD_FETCH"
 #: The files of a head that are fetched (config and safetensors weights; never pickle).
 HEAD_FILES = ("*.json", "*.safetensors")
 #: The head layouts selfspec reads (:func:`~selfspec.drafting.eagle.published.load_published_head`).
@@ -518,6 +521,10 @@ def resolve_published_head(name_or_path: str, model: Any, *, fetch: bool = True)
     entry = entries[0]
     if not fetch or hub_offline():
         return HeadResolution(entry, "missing", reason="offline: no local copy", hub=hub)
+    if os.environ.get(FETCH_ENV, "").strip().lower() in ("0", "false", "no", "off"):
+        return HeadResolution(
+            entry, "missing", reason=f"no local copy, and {FETCH_ENV}={os.environ[FETCH_ENV]}", hub=hub
+        )
     if entry.repo_id in _UNREACHABLE:  # asked once in this process already
         return HeadResolution(entry, "missing", reason=_UNREACHABLE[entry.repo_id], hub=hub)
     try:
