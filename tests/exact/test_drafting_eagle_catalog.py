@@ -149,6 +149,8 @@ def test_a_mismatched_head_is_refused_with_the_field_and_both_values(table, tiny
 
 def test_offline_without_a_copy_the_plan_names_the_head_and_its_fetch_command(table, tiny, model_folder) -> None:
     assert catalog.hub_offline()  # the test session is offline (conftest)
+    (table / HEAD_REPO).mkdir(parents=True)  # what an interrupted fetch leaves: the config, no weights
+    (table / HEAD_REPO / "config.json").write_text(json.dumps(head_config(tiny)), encoding="utf-8")
     resolution = catalog.resolve_published_head(str(model_folder), tiny)
     assert resolution is not None and resolution.status == "missing" and resolution.folder is None
     command = f"hf download {HEAD_REPO} --include '*.json' --include '*.safetensors' --local-dir {table / HEAD_REPO}"
@@ -163,6 +165,7 @@ def test_offline_without_a_copy_the_plan_names_the_head_and_its_fetch_command(ta
     with pytest.raises(ConfigurationError, match="fetch it with `hf download"):
         SpeculativeEngine.from_pretrained(str(model_folder), drafter="eagle", eagle_head="auto", dtype=torch.float32)
     # the command's folder is where the resolver looks: a copy put there is found
+    (table / HEAD_REPO / "config.json").unlink()
     write_hub(table, tiny, "plain", head_config(tiny))
     found = catalog.resolve_published_head(str(model_folder), tiny)
     assert found is not None and found.status == "found" and found.folder == table / HEAD_REPO

@@ -326,8 +326,18 @@ def _cached_snapshot(entry: PublishedHead, cache_dir: Path | None) -> Path | Non
     return path if (path / "config.json").is_file() else None
 
 
+def _holds_head(folder: Path) -> bool:
+    """A ``config.json`` and weights (a config alone, from an interrupted fetch, is not a copy)."""
+    weights = ("*.safetensors", "model.safetensors.index.json", "*.bin")
+    return (folder / "config.json").is_file() and any(any(folder.glob(pattern)) for pattern in weights)
+
+
 def local_copy(entry: PublishedHead, hub: Path | None = None) -> Path | None:
-    """The head's folder on this machine: in the local hub (either layout), else huggingface_hub's cache."""
+    """The head's folder here (with a ``config.json``): in the local hub, else huggingface_hub's cache.
+
+    The local hub is read in either layout; the plain one (``<hub>/<owner>/<name>/``) holds one
+    version, whatever the entry's revision. The weights may be absent (an interrupted fetch).
+    """
     if hub is not None:
         plain = hub / entry.repo_id
         if (plain / "config.json").is_file():
@@ -480,6 +490,12 @@ def _checked(
     entry: PublishedHead, folder: Path, model: Any, name_or_path: str, status: str, hub: Path | None
 ) -> HeadResolution:
     """A resolution of a local folder: ``status`` when it fits the model, else ``"refused"`` with why."""
+    if not _holds_head(folder):  # its config alone (an interrupted fetch): checked, then fetched again
+        try:
+            check_head_config(_read_json(folder / "config.json"), model, entry.label, name_or_path)
+        except ConfigurationError as error:
+            return HeadResolution(entry, "refused", folder, str(error), error, hub)
+        return HeadResolution(entry, "missing", folder, reason="its config is here, its weights are not", hub=hub)
     try:
         check_head_folder(folder, model, entry.label, name_or_path)
     except (ConfigurationError, UnsafeCheckpointError, ModelNotFoundError) as error:
@@ -515,7 +531,8 @@ def resolve_published_head(name_or_path: str, model: Any, *, fetch: bool = True)
         resolution = _checked(entry, folder, model, name_or_path, "found", hub)
         if resolution.usable:
             return resolution
-        first_refusal = first_refusal or resolution
+        if resolution.status == "refused":
+            first_refusal = first_refusal or resolution
     if first_refusal is not None:
         return first_refusal
     entry = entries[0]
@@ -606,7 +623,7 @@ def missing_head_advice(name_or_path: str) -> str:
     """
     entries = entries_for(name_or_path) if name_or_path else []
     hub = hub_folder()
-    if not entries or any(local_copy(entry, hub) is not None for entry in entries):
+    if not entries or any(_holds_head(folder) for folder in filter(None, (local_copy(e, hub) for e in entries))):
         return ""
     reason = "offline: no local copy" if hub_offline() else "no local copy"
     return missing_sentence(HeadResolution(entries[0], "missing", reason=reason, hub=hub))
