@@ -35,6 +35,7 @@ if TYPE_CHECKING:
         register_drafter,
     )
     from .errors import (
+        ArtifactWriteError,
         ConfigurationError,
         CorruptCheckpointError,
         GenerationMemoryError,
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
         QuantizationError,
         SamplingError,
         SelfSpecError,
+        UnsafeCachePathError,
         UnsafeCheckpointError,
         UnsupportedArchitectureError,
     )
@@ -72,6 +74,7 @@ _LAZY: dict[str, str] = {
     "list_drafters": ".drafting",
     "register_drafter": ".drafting",
     "SpeculativeEngine": ".decoding.engine",
+    "ArtifactWriteError": ".errors",
     "ConfigurationError": ".errors",
     "CorruptCheckpointError": ".errors",
     "GenerationMemoryError": ".errors",
@@ -81,6 +84,7 @@ _LAZY: dict[str, str] = {
     "QuantizationError": ".errors",
     "SamplingError": ".errors",
     "SelfSpecError": ".errors",
+    "UnsafeCachePathError": ".errors",
     "UnsafeCheckpointError": ".errors",
     "UnsupportedArchitectureError": ".errors",
     "GenerationRequest": ".decoding.generation",
@@ -100,6 +104,7 @@ _LAZY: dict[str, str] = {
 __all__ = [
     "DEMO_MODEL",
     "SUPPORTED_ARCHITECTURES",
+    "ArtifactWriteError",
     "ConfigurationError",
     "CorruptCheckpointError",
     "DecodeState",
@@ -128,6 +133,7 @@ __all__ = [
     "SelfSpecError",
     "SpeculativeEngine",
     "TokenConstraint",
+    "UnsafeCachePathError",
     "UnsafeCheckpointError",
     "UnsupportedArchitectureError",
     "__version__",

@@ -67,6 +67,22 @@ class CorruptCheckpointError(SelfSpecError, OSError):
     """A checkpoint file exists but cannot be read (truncated, corrupt); the message names the file."""
 
 
+class ArtifactWriteError(SelfSpecError, OSError):
+    """An artifact could not be saved (a read-only folder, a full disk); the message names the file.
+
+    Nothing is written in place, so the previous file (if any) is still there, whole; ``errno`` is
+    the cause's (``errno.EROFS``, ``errno.ENOSPC``, ...) and ``filename`` the file that was saved.
+    """
+
+    def __str__(self) -> str:
+        """``[Errno 28] could not save <file>: ...``: the message names the file once."""
+        return f"[Errno {self.errno}] {self.strerror}" if self.errno is not None else super().__str__()
+
+
+class UnsafeCachePathError(SelfSpecError, OSError):
+    """A path inside the user cache leads out of it through a symbolic link; nothing is written there."""
+
+
 class UnsafeCheckpointError(SelfSpecError, ValueError):
     """The checkpoint would need pickle (``.bin``) or remote code, which is refused by default."""
 

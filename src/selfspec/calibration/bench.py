@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from ..artifacts import atomic_path, atomic_write_text
 from ..decoding.engine import SpeculativeEngine
 from ..drafting import list_drafters
 from ..drafting.planning import BenchRow
@@ -666,14 +667,15 @@ def write_report(report: BenchReport, out_dir: str | Path, name: str = "bench") 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{name}.json", out / f"{name}.md"]
-    paths[0].write_text(json.dumps(report.to_json(), indent=2) + "\n", encoding="utf-8")
+    atomic_write_text(paths[0], json.dumps(report.to_json(), indent=2) + "\n")
     settings = report.settings
     header = (
         f"# selfspec benchmark: {settings['model']} on {settings['device']} ({settings['dtype']}, "
         f"{settings['threads']} thread(s))\n\n{settings['max_new_tokens']} new tokens, {settings['repeats']} repeats, "
         f"methods interleaved in one process; {settings['date']}.\n\n" + _context_lines(settings)
     )
-    paths[1].write_text(
+    atomic_write_text(
+        paths[1],
         header
         + format_table(report)
         + "\n\n## Speedup per category (greedy)\n\n"
@@ -689,7 +691,6 @@ def write_report(report: BenchReport, out_dir: str | Path, name: str = "bench") 
             "the rest of the loop)",
             format_profile_table(report),
         ),
-        encoding="utf-8",
     )
     try:
         paths.append(_plot(report, out / f"{name}.png"))
@@ -768,6 +769,7 @@ def _plot(report: BenchReport, path: Path) -> Path:
     )
     ax.legend(fontsize=7, ncol=3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with atomic_path(path) as partial:
+        fig.savefig(partial, dpi=110, format="png")
     plt.close(fig)
     return path

@@ -41,7 +41,7 @@ from ..drafting.planning import PLAIN, Candidate, DrafterCalibration
 from ..drafting.registry import registered
 from ..errors import ConfigurationError
 from .precision import describe_precision, measure_precision
-from .store import load_per_core, machine_fingerprint, save_calibration
+from .store import load_per_core, machine_fingerprint, save_or_keep_calibration
 
 logger = logging.getLogger(__name__)
 
@@ -989,8 +989,8 @@ def calibrate(
     logger.info("calibrated %s: %s", engine.name_or_path or "the model", plan.summary())
     if sampled_plan is not None:
         logger.info("when sampling: %s", sampled_plan.summary())
-    if save and engine.name_or_path:
-        save_calibration(engine.name_or_path, result.to_json())
+    if save and engine.name_or_path:  # kept in memory for the process when the cache cannot be written
+        save_or_keep_calibration(engine.name_or_path, result.to_json())
     return result
 
 
@@ -1044,7 +1044,37 @@ def calibrate_on_first_load(
     plan. The progress bar shows on a terminal only (:func:`show_progress`). Shorter continuations
     than :func:`calibrate`'s default; ``engine`` is reconfigured in place from what was measured.
     ``budget`` bounds the time (seconds, ``None``: no limit; see :func:`calibrate`).
+
+    One process at a time measures a model (:func:`~selfspec.calibration.store.calibration_lock`):
+    a second one says that the first is measuring, waits, and uses the plan it saved.
     """
+    from .store import calibration_lock
+
+    runner = engine.runner
+    with calibration_lock(engine.name_or_path, runner.device, runner.dtype) as lock:
+        if lock.waited and _measured_meanwhile(engine, lock.holder_pid):
+            return
+        _measure_on_first_load(engine, trees=trees, budget=budget)
+
+
+def _measured_meanwhile(engine: SpeculativeEngine, holder_pid: int | None) -> bool:
+    """Configure ``engine`` from the calibration another process saved while this one waited, if it did."""
+    from .store import load_calibration
+
+    saved = load_calibration(engine.name_or_path, device=engine.runner.device, dtype=engine.runner.dtype)
+    if saved is None:
+        return False
+    engine.configure(saved)
+    if head_found_since(engine):  # the other process measured without a head this one sees
+        return False
+    measured_by = f"pid {holder_pid}" if holder_pid else "another process"
+    plan = engine.plan.summary() if engine.plan is not None else "no plan"
+    logger.warning("using the calibration %s measured: %s", measured_by, plan)
+    return True
+
+
+def _measure_on_first_load(engine: SpeculativeEngine, *, trees: bool, budget: float | None) -> None:
+    """Measure, save and configure (:func:`calibrate_on_first_load` once it holds the lock)."""
     import time
 
     from .store import calibration_path

@@ -7,19 +7,27 @@ model folder. Each file records :data:`CALIBRATION_VERSION`, the selfspec versio
 was measured on; a file from another version, another machine, device type or dtype is not used
 (the next load measures afresh), and an unreadable one is ignored the same way. The file shipped
 beside a bundled model is used on any machine of the device type and dtype it was measured in.
+
+A calibration is saved atomically (:func:`selfspec.artifacts.atomic_write_text`: a reader sees the
+old file or the new one, whole). One that cannot be saved (a read-only cache, a full disk) is kept
+in memory for the process (:func:`save_or_keep_calibration`: the next load in the process uses it,
+and one warning says where it could not be saved and why). :func:`calibration_lock` lets one
+process at a time measure a model: another one waits for it and then uses what it saved.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import platform
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..artifacts import BUNDLED_MODELS, model_cache
+from ..artifacts import BUNDLED_MODELS, ArtifactLock, artifact_lock, atomic_write_text, model_cache
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +115,9 @@ def load_calibration(
     """
     if not name_or_path:
         return None
+    kept = _KEPT.get(calibration_path(name_or_path, device, dtype) or Path())
+    if kept is not None:  # measured by this process, which could not save it
+        return dict(kept)
     for path in _candidates(name_or_path, device, dtype):
         if not path.is_file():
             continue
@@ -195,28 +206,123 @@ def _selfspec_version() -> str:
 def save_calibration(
     name_or_path: str | os.PathLike[str], data: dict[str, Any], *, path: str | os.PathLike[str] | None = None
 ) -> Path:
-    """Write a calibration and return its path (logged).
+    """Write a calibration atomically and return its path (logged).
 
     The file is stamped with :data:`CALIBRATION_VERSION`, the selfspec version and this machine, and
     goes to :func:`calibration_path` for the device and dtype recorded in ``data`` unless ``path``
-    names another file (the only way a calibration lands inside a model folder).
+    names another file (the only way a calibration lands inside a model folder). It is written
+    beside the target and renamed over it, so a reader sees the old file or the new one, whole.
+
+    Raises:
+        ArtifactWriteError: the file cannot be written (read-only cache, full disk); it names the
+            file, and the previous calibration there is unchanged.
+        UnsafeCachePathError: a symbolic link inside the cache leads out of it.
     """
+    target = _target(name_or_path, data, path)
+    stamped = _stamped(data)
+    atomic_write_text(target, json.dumps(stamped, indent=2, sort_keys=True) + "\n")
+    _KEPT.pop(target, None)
+    logger.info("saved the calibration of %s to %s", name_or_path, target)
+    return target
+
+
+#: Calibrations this process measured but could not save, by :func:`calibration_path`.
+_KEPT: dict[Path, dict[str, Any]] = {}
+#: The files this process could not save a calibration to, with the reason (warned once each).
+_UNSAVED: dict[Path, str] = {}
+
+
+def save_or_keep_calibration(
+    name_or_path: str | os.PathLike[str], data: dict[str, Any], *, path: str | os.PathLike[str] | None = None
+) -> Path | None:
+    """:func:`save_calibration`, or, when the cache cannot be written, keep the calibration in memory.
+
+    A kept calibration is what :func:`load_calibration` returns for the model in this process
+    (so the measurement is not repeated by the next load); one warning per file says where it
+    could not be saved and why. The next process measures again.
+
+    Returns:
+        The file written, or ``None`` when it was kept in memory (:func:`unsaved_reason` says why).
+    """
+    target = _target(name_or_path, data, path)
+    try:
+        return save_calibration(name_or_path, data, path=target)
+    except OSError as error:
+        _KEPT[target] = _stamped(data)
+        reason = str(error)
+        if target not in _UNSAVED:
+            logger.warning(
+                "%s; the calibration of %s is kept in memory for this process only (the next one measures "
+                "again). Point SELFSPEC_CACHE at a writable folder with free space to keep it.",
+                reason, name_or_path,
+            )  # fmt: skip
+        _UNSAVED[target] = reason
+        return None
+
+
+def unsaved_reason(path: str | os.PathLike[str] | None) -> str | None:
+    """Why this process could not save a calibration to ``path`` (``None``: it did not fail)."""
+    return None if path is None else _UNSAVED.get(Path(path))
+
+
+def _target(name_or_path: str | os.PathLike[str], data: dict[str, Any], path: str | os.PathLike[str] | None) -> Path:
+    """The file a calibration is saved to: ``path``, else :func:`calibration_path` for its device and dtype."""
     device, dtype = data.get("device", "cpu"), data.get("dtype", "float32")
     target = Path(path) if path is not None else calibration_path(name_or_path, device, dtype)
     if target is None:
         raise ValueError("cannot save a calibration for a model without a name or path")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    data = {
+    return target
+
+
+def _stamped(data: dict[str, Any]) -> dict[str, Any]:
+    """The calibration as saved: its device type and dtype, the format and selfspec versions, the machine."""
+    return {
         **data,
-        "device": _kind(device),
-        "dtype": _dtype(dtype),
+        "device": _kind(data.get("device", "cpu")),
+        "dtype": _dtype(data.get("dtype", "float32")),
         "version": CALIBRATION_VERSION,
         "selfspec_version": _selfspec_version(),
         "machine": data.get("machine") or machine_fingerprint(),
     }
-    target.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    logger.info("saved the calibration of %s to %s", name_or_path, target)
-    return target
+
+
+#: How long a first load waits for another process measuring the same model (twice the default
+#: time budget), before it measures too.
+CALIBRATION_WAIT = 600.0
+
+
+@contextlib.contextmanager
+def calibration_lock(
+    name_or_path: str | os.PathLike[str] | None,
+    device: Any = "cpu",
+    dtype: Any = "float32",
+    *,
+    wait: float | None = None,
+) -> Iterator[ArtifactLock]:
+    """Measure a model's calibration in one process at a time (a lock file beside it in the cache).
+
+    A process that finds another one measuring says so once (``already being measured by pid N,
+    waiting``) and waits up to ``wait`` seconds (default :data:`CALIBRATION_WAIT`); then the block
+    runs, and ``waited`` tells it to look for the calibration the other process saved. Without a
+    name, on a platform without ``fcntl`` or in a cache that cannot be written, nothing is locked.
+    """
+    where = calibration_path(name_or_path, device, dtype)
+    if where is None:
+        yield ArtifactLock(held=False)
+        return
+    limit = CALIBRATION_WAIT if wait is None else wait
+
+    def say_waiting(pid: int | None) -> None:
+        logger.warning(
+            "the calibration of %s on %s %s is already being measured by %s, waiting (up to %.0f s) to use its plan",
+            name_or_path, _kind(device), _dtype(dtype), f"pid {pid}" if pid else "another process", limit,
+        )  # fmt: skip
+
+    with artifact_lock(where.with_name(where.name + ".lock"), wait=limit, on_wait=say_waiting) as lock:
+        if lock.timed_out:
+            holder = f"pid {lock.holder_pid}" if lock.holder_pid else "another process"
+            logger.warning("%s still measures %s after %.0f s; measuring here too", holder, name_or_path, limit)
+        yield lock
 
 
 # ------------------------------------------------------------------------------- validation

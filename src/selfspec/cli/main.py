@@ -164,8 +164,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         print(f"tokens/s by tree nodes ({speeds}); chosen tree_nodes={result.tree_nodes}")
     if not args.no_save:
         from ..calibration import calibration_path
+        from ..calibration.store import unsaved_reason
 
-        print(f"saved to {calibration_path(engine.name_or_path, engine.runner.device, engine.runner.dtype)}")
+        where = calibration_path(engine.name_or_path, engine.runner.device, engine.runner.dtype)
+        reason = unsaved_reason(where)
+        print(f"not saved ({reason}): kept for this process only" if reason else f"saved to {where}")
     return 0
 
 

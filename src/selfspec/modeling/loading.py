@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import shutil
 import struct
 import warnings
 from pathlib import Path
@@ -13,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..artifacts import BUNDLED_MODELS, dequantized_places
+from ..artifacts import BUNDLED_MODELS, atomic_folder, dequantized_places
 from ..errors import (
     ConfigurationError,
     CorruptCheckpointError,
@@ -210,8 +209,6 @@ def ensure_dequantized(folder: str, gguf_file: str, *, trust_remote_code: bool =
         MissingDependencyError: the ``gguf`` package is missing (and nothing is cached).
         UnsupportedArchitectureError: the file's architecture is not supported.
     """
-    import tempfile
-
     from transformers import AutoModelForCausalLM
 
     target = dequantized_folder(folder, gguf_file)
@@ -236,15 +233,11 @@ def ensure_dequantized(folder: str, gguf_file: str, *, trust_remote_code: bool =
         raise ModelNotFoundError(f"could not load the weights of {gguf_file}: {exc}") from exc
     _drop_gguf_marker(model)
     tokenizer = _load_tokenizer(folder, trust_remote_code=trust_remote_code, gguf_file=gguf_file)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".converting-", dir=target.parent) as tmp:
+    with atomic_folder(target) as tmp:  # written aside, flushed, then swapped in (a half-written copy is replaced)
         model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        (Path(tmp) / "SOURCE").write_text(f"{Path(folder) / gguf_file}\n", encoding="utf-8")
-        if target.exists():  # a half-written copy from an interrupted run
-            shutil.rmtree(target)
-        os.replace(tmp, target)
+        (tmp / "SOURCE").write_text(f"{Path(folder) / gguf_file}\n", encoding="utf-8")
     logger.warning("dequantized %s once into %s (later loads read it from there)", gguf_file, target)
     return target
 

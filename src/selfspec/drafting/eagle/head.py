@@ -35,7 +35,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...artifacts import BUNDLED_MODELS, EAGLE_HEADS, find_artifact, loose_name, model_cache
+from ...artifacts import (
+    BUNDLED_MODELS,
+    EAGLE_HEADS,
+    atomic_path,
+    atomic_write_text,
+    find_artifact,
+    loose_name,
+    make_folder,
+    model_cache,
+)
 from ...errors import ConfigurationError, ModelNotFoundError
 from ...modeling.attention import causal_allowed, format_mask
 from ...modeling.compat import cache_keyword
@@ -428,13 +437,14 @@ class EagleHead(nn.Module):
         from safetensors.torch import save_file
 
         path = Path(folder)
-        path.mkdir(parents=True, exist_ok=True)
+        make_folder(path)
         tensors = {k: v.detach().to(dtype).cpu().contiguous() for k, v in self.state_dict().items()}
         if self.draft_token_ids is not None:
             tensors["draft_token_ids"] = self.draft_token_ids.detach().cpu().to(torch.int64).contiguous()
-        save_file(tensors, str(path / HEAD_WEIGHTS), metadata={"format": HEAD_FORMAT})
+        with atomic_path(path / HEAD_WEIGHTS) as partial:  # each file written aside and renamed into place
+            save_file(tensors, str(partial), metadata={"format": HEAD_FORMAT})
         text = json.dumps(asdict(self.head_config), indent=2, sort_keys=True) + "\n"
-        (path / HEAD_CONFIG).write_text(text, encoding="utf-8")
+        atomic_write_text(path / HEAD_CONFIG, text)
         return path
 
 

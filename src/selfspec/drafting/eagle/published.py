@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...artifacts import atomic_path, atomic_write_text, make_folder
 from ...errors import ConfigurationError, ModelNotFoundError
 from . import files as eagle_files
 from .files import PUBLISHED_CONFIG, PUBLISHED_WEIGHTS, _read_config, _weight_files, _weight_shapes
@@ -119,12 +120,13 @@ class PublishedEagleHead(EagleHead):
         from safetensors.torch import save_file
 
         path = Path(folder)
-        path.mkdir(parents=True, exist_ok=True)
+        make_folder(path)
         tensors = {
             name.replace("layer.", "layers.0.", 1): value.detach().to(dtype).cpu().contiguous()
             for name, value in self.state_dict().items()
         }
-        save_file(tensors, str(path / PUBLISHED_WEIGHTS))
+        with atomic_path(path / PUBLISHED_WEIGHTS) as partial:
+            save_file(tensors, str(partial))
         layer_config = self.layer.self_attn.config
         config = {
             "architectures": ["LlamaForCausalLM"],
@@ -135,7 +137,7 @@ class PublishedEagleHead(EagleHead):
             "rope_theta": layer_config.rope_parameters["rope_theta"],
             "rope_scaling": _rope_scaling(layer_config),
         }
-        (path / PUBLISHED_CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        atomic_write_text(path / PUBLISHED_CONFIG, json.dumps(config, indent=2) + "\n")
         return path
 
 

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from ...artifacts import atomic_path, atomic_write_text, make_folder
+
 logger = logging.getLogger(__name__)
 
 DATA = "data"
@@ -33,13 +35,10 @@ _SAMPLE_TENSORS = ("ids", "features", "log_norm", "argmax")
 def _write(folder: Path, name: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
     from safetensors.torch import save_file
 
-    folder.mkdir(parents=True, exist_ok=True)
-    weights, info = folder / f"{name}.safetensors", folder / f"{name}.json"
-    partial_weights, partial_info = weights.with_suffix(".safetensors.partial"), info.with_suffix(".json.partial")
-    save_file({key: value.detach().cpu().contiguous().clone() for key, value in tensors.items()}, partial_weights)
-    partial_info.write_text(json.dumps(meta), encoding="utf-8")
-    partial_weights.replace(weights)
-    partial_info.replace(info)
+    make_folder(folder)
+    with atomic_path(folder / f"{name}.safetensors") as partial:
+        save_file({key: value.detach().cpu().contiguous().clone() for key, value in tensors.items()}, partial)
+    atomic_write_text(folder / f"{name}.json", json.dumps(meta))
 
 
 def _read(folder: Path, name: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:

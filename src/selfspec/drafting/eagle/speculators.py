@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from ...artifacts import atomic_path, atomic_write_text, make_folder
 from ...errors import ConfigurationError
 from .eagle3 import Eagle3Head, Eagle3Spec, build_eagle3_head, default_feature_layers
 from .head import EagleHead
@@ -202,7 +203,7 @@ def save_speculators_eagle3(
     from safetensors.torch import save_file
 
     path = Path(folder).expanduser()
-    path.mkdir(parents=True, exist_ok=True)
+    make_folder(path)
     tensors = {
         name.replace("midlayer.", "layers.0.", 1): value.detach().to(dtype).cpu().contiguous()
         for name, value in head.published_state().items()
@@ -216,8 +217,9 @@ def save_speculators_eagle3(
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[ids] = True
     tensors["t2d"] = t2d
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with atomic_path(path / "model.safetensors") as partial:
+        save_file(tensors, str(partial), metadata={"format": "pt"})
     tokens = speculative_tokens or head.spec.extra.get("speculative_tokens") or 3
     config = speculators_config(head, verifier, verifier_architectures or [], int(tokens))
-    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    atomic_write_text(path / "config.json", json.dumps(config, indent=2) + "\n")
     return path

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from ...artifacts import atomic_write_text
 from ...errors import ConfigurationError
 from ...modeling.compat import cache_kwargs
 from .. import training
@@ -740,5 +741,5 @@ def save_trained_head(result: EagleTrainResult, out: str | Path) -> Path:
     else:
         path = head.save(out)
     record = {"figures": result.figures, "history": result.history}
-    (path / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    atomic_write_text(path / RECORD_FILE, json.dumps(record, indent=2) + "\n")
     return path

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...artifacts import EXIT_ADAPTERS, find_artifact, model_cache
+from ...artifacts import EXIT_ADAPTERS, atomic_path, atomic_write_text, find_artifact, make_folder, model_cache
 from ...errors import ConfigurationError
 from ..registry import drafters_with, names_in_words
 
@@ -130,11 +130,12 @@ class ExitAdapter(nn.Module):
         from safetensors.torch import save_file
 
         out = Path(folder)
-        out.mkdir(parents=True, exist_ok=True)
+        make_folder(out)
         tensors = {k: v.detach().float().cpu().contiguous() for k, v in self.state_dict().items()}
-        save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": FORMAT})
+        with atomic_path(out / WEIGHTS_FILE) as partial:  # each file written aside and renamed into place
+            save_file(tensors, str(partial), metadata={"format": FORMAT})
         data = {"format": FORMAT, "version": 1, **asdict(self.config)}
-        (out / CONFIG_FILE).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        atomic_write_text(out / CONFIG_FILE, json.dumps(data, indent=2) + "\n")
         for name in (WEIGHTS_FILE, CONFIG_FILE):
             (out / name).chmod(0o644)  # safetensors writes owner-only files
         return out

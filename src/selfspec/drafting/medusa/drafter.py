@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...artifacts import MEDUSA_HEADS, find_artifact, model_cache
+from ...artifacts import MEDUSA_HEADS, atomic_path, atomic_write_text, find_artifact, make_folder, model_cache
 from ...core.sampling import SamplingParams, logits_to_probs, sample
 from ...errors import ConfigurationError, ModelNotFoundError, UnsafeCheckpointError
 from ..base import DecodeState, Draft, Drafter, draft_autoregressively
@@ -136,14 +136,15 @@ class MedusaHeads(nn.Module):
         }
 
     def save(self, folder: str | os.PathLike[str], dtype: torch.dtype = torch.float16) -> Path:
-        """Write ``config.json`` and ``medusa_lm_head.safetensors`` into ``folder``."""
+        """Write ``config.json`` and ``medusa_lm_head.safetensors`` into ``folder`` (each atomically)."""
         from safetensors.torch import save_file
 
         path = Path(folder)
-        path.mkdir(parents=True, exist_ok=True)
+        make_folder(path)
         tensors = {k: v.to(dtype).cpu() for k, v in self.medusa_state_dict().items()}
-        save_file(tensors, str(path / MEDUSA_SAFETENSORS), metadata={"format": "pt"})
-        (path / MEDUSA_CONFIG).write_text(json.dumps(self.config_json(), indent=2) + "\n", encoding="utf-8")
+        with atomic_path(path / MEDUSA_SAFETENSORS) as partial:
+            save_file(tensors, str(partial), metadata={"format": "pt"})
+        atomic_write_text(path / MEDUSA_CONFIG, json.dumps(self.config_json(), indent=2) + "\n")
         return path
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ...artifacts import atomic_write_text
 from ...errors import ConfigurationError
 from .. import training
 from .drafter import MedusaHeads
@@ -269,5 +270,5 @@ def save_medusa_training(
         "heldout_head_accuracy": [round(x, 4) for x in result.head_accuracy],
         **(extra or {}),
     }
-    (path / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n", encoding="utf-8")
+    atomic_write_text(path / METADATA_FILE, json.dumps(metadata, indent=2) + "\n")
     return path
