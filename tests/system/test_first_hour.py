@@ -36,6 +36,37 @@ def test_short_names_and_display_names(tmp_path: Path, monkeypatch: pytest.Monke
         fetch_model("smollm2", offline=True)
 
 
+def test_a_mistyped_short_name_fails_at_once_with_a_guess(tmp_path: Path) -> None:
+    """The engine's typed error, and the CLI's answer in a few seconds without one connection to the hub."""
+    import os
+    import socket
+    import sys
+    import time
+
+    with pytest.raises(ModelNotFoundError, match=rf"did you mean {SMOLLM2!r}\?.*short names: .*gemma-3-270m"):
+        SpeculativeEngine.from_pretrained("smollm2-135m-instuct")
+    with socket.socket() as hub:  # a hub that would answer: any request to it shows up as a connection
+        hub.bind(("127.0.0.1", 0))
+        hub.listen(8)
+        hub.setblocking(False)
+        env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+        env.update(HF_ENDPOINT=f"http://127.0.0.1:{hub.getsockname()[1]}", HF_HUB_CACHE=str(tmp_path))
+        cli = [sys.executable, "-m", "selfspec"]
+        started = time.perf_counter()
+        subprocess.run([*cli, "--version"], env=env, capture_output=True, check=True, timeout=60)
+        startup = time.perf_counter() - started  # importing torch: the floor of every selfspec command
+        started = time.perf_counter()
+        typo = [*cli, "generate", "--model", "smollm2-135m-instuct", "hi"]
+        result = subprocess.run(typo, env=env, capture_output=True, text=True, timeout=60)
+        elapsed = time.perf_counter() - started
+        with pytest.raises(BlockingIOError):
+            hub.accept()  # nobody called the hub
+    assert result.returncode == 2, result.stderr
+    assert f"did you mean {SMOLLM2!r}?" in result.stderr and "short names: " in result.stderr
+    assert "Retrying" not in result.stderr and "Traceback" not in result.stderr
+    assert elapsed < 5.0 or elapsed < startup + 2.0, (elapsed, startup)  # under load the import alone can take 5 s
+
+
 @pytest.fixture(scope="module")
 def smollm2_engine(smollm2_path: Path) -> SpeculativeEngine:
     """SmolLM2 loaded by its short name, through the shared engine registry (the adapters reuse it)."""

@@ -68,7 +68,39 @@ def resolve_model_path(name_or_path: str | os.PathLike[str]) -> str:
             f"no model folder at {name!r}: the path does not exist or is not a folder. Pass an "
             f"existing folder with config.json and *.safetensors, a hub id, or {DEMO_MODEL!r}."
         )
+    if "/" not in name:
+        check_short_name(name)
     return name
+
+
+def check_short_name(name: str) -> None:
+    """Refuse at once, offline, a bare name (no ``/``) that is no short name selfspec knows.
+
+    A bare name reads as a short name (``"smollm2-135m-instruct"``, ``"selfspec-demo"``); a hub id
+    is ``"org/name"``. A mistyped short name would otherwise go to the hub, which retries for tens
+    of seconds before it fails. A bare legacy hub id (``"gpt2"``) still loads when the local hub
+    cache holds it.
+
+    Raises:
+        ModelNotFoundError: the name, a "did you mean" when one is close, and the short names.
+    """
+    from .realmodels import REAL_MODELS, unknown_name_message
+
+    known = (*REAL_MODELS, DEMO_MODEL, DEMO_DRAFT_MODEL)
+    if name in known or _in_hub_cache(name):
+        return
+    raise ModelNotFoundError(
+        f"{unknown_name_message(name, known)}; a hub id is written 'org/name' (e.g. 'HuggingFaceTB/SmolLM2-135M')"
+    )
+
+
+def _in_hub_cache(name: str) -> bool:
+    """Whether the local Hugging Face hub cache holds a model repository called ``name`` (no network)."""
+    try:
+        from huggingface_hub import constants
+    except ImportError:  # pragma: no cover - transformers depends on it
+        return False
+    return (Path(constants.HF_HUB_CACHE) / f"models--{name}").is_dir()
 
 
 def resolve_real_model(name_or_path: str | os.PathLike[str]) -> str | os.PathLike[str]:
@@ -466,11 +498,9 @@ def load_model_and_tokenizer(
         checkpoint has none. For a GGUF checkpoint (a real model's short name included) the
         resolved path is the ``.gguf`` file.
     """
-    from transformers import AutoModelForCausalLM
-
     path, gguf = split_gguf(resolve_real_model(name_or_path) if gguf_file is None else name_or_path, gguf_file)
     if gguf is None:
-        path = resolve_model_path(path)
+        path = resolve_model_path(path)  # a bad name fails here, before transformers is imported
         shown = path
     else:  # loaded from its dequantized copy in the user cache; named by the .gguf file
         shown = str(Path(path) / gguf) if Path(path).is_dir() else f"{path}/{gguf}"
@@ -484,6 +514,8 @@ def load_model_and_tokenizer(
         logger.info("running %s in %s: the checkpoint's precision, native on this CPU (pass dtype='float32' for "
                     "float32)", shown, str(torch_dtype).replace("torch.", ""))  # fmt: skip
     quant = quantization_config(quantization, config, torch_device, torch_dtype)
+    from transformers import AutoModelForCausalLM
+
     if quantization == "8bit":
         silence_bitsandbytes_warnings()
     attn = "eager" if config.model_type == "gemma2" else "sdpa"

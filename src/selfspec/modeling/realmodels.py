@@ -17,6 +17,7 @@ Run ``python -m selfspec.modeling.realmodels [NAME ...]`` to fetch models and pr
 from __future__ import annotations
 
 import argparse
+import difflib
 import hashlib
 import logging
 import os
@@ -168,6 +169,35 @@ def is_real_model(name: object) -> bool:
     return isinstance(name, str) and name in REAL_MODELS
 
 
+def suggest_name(name: str, known: tuple[str, ...] | None = None) -> str | None:
+    """The known short name closest to a mistyped ``name`` (``None`` when none is close).
+
+    A name is close when it is a prefix of one (``"smollm2"``) or similar enough by
+    :func:`difflib.get_close_matches` (``"smollm2-135m-instuct"``); case does not matter.
+
+    Args:
+        name: what the user wrote.
+        known: the names to choose from (default: the keys of :data:`REAL_MODELS`).
+    """
+    names = tuple(REAL_MODELS) if known is None else known
+    text = name.strip().lower()
+    if not text:
+        return None
+    prefixed = [known_name for known_name in names if known_name.startswith(text)]
+    if len(prefixed) == 1:
+        return prefixed[0]
+    close = difflib.get_close_matches(text, names, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def unknown_name_message(name: str, known: tuple[str, ...] | None = None) -> str:
+    """What to tell a user whose model name is no short name: a "did you mean" and the list of names."""
+    names = tuple(REAL_MODELS) if known is None else known
+    guess = suggest_name(name, names)
+    hint = f"did you mean {guess!r}? " if guess else ""
+    return f"{name!r} is not a model selfspec knows: {hint}short names: {', '.join(names)}"
+
+
 def model_path(name: str = DEFAULT_REAL_MODEL) -> Path:
     """Where ``name``'s checkpoint file is (or will be) in the cache; nothing is fetched."""
     spec = _spec(name)
@@ -265,7 +295,7 @@ def _spec(name: str) -> RealModel:
     try:
         return REAL_MODELS[name]
     except (KeyError, TypeError):
-        raise ModelNotFoundError(f"unknown real model {name!r}; known: {', '.join(sorted(REAL_MODELS))}") from None
+        raise ModelNotFoundError(f"unknown real model: {unknown_name_message(str(name))}") from None
 
 
 def _wants_progress() -> bool:
