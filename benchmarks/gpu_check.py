@@ -405,6 +405,12 @@ def cudagraph_log() -> Iterator[list[str]]:
         logger.removeHandler(handler)
 
 
+def compiled_steps(engine: SpeculativeEngine) -> list[list[Any]]:
+    """The engine's compiled static steps, ``[kind, width, bucket]`` each."""
+    assert engine.static_round is not None
+    return [list(key) for key in sorted(engine.static_round.step.compiled)]
+
+
 def cudagraph_skips() -> int:
     from torch._dynamo.utils import counters
 
@@ -483,6 +489,9 @@ def graphs_section(check: Check, out: dict[str, Any]) -> None:
     step = engine.static_round.step  # type: ignore[union-attr]
     slots = call_slots(check)
     skips = cudagraph_skips()
+    if check.cuda:
+        with contextlib.suppress(Exception):  # inductor's "skipping cudagraphs due to ..." is a perf hint
+            torch._logging.set_logs(perf_hints=True)
     with cudagraph_log() as lines:
         started = time.perf_counter()
         step.prepare(slots, widths=(1,))
@@ -495,9 +504,9 @@ def graphs_section(check: Check, out: dict[str, Any]) -> None:
                 once()
         out["replay_w1"] = launches(check, once)
         check.save()
-        prompt = prompt_of(check)
-        engine.generate_ids(prompt, max_new_tokens=8)  # warm the call path
-        tokens = 8
+        tokens = 8  # a short call with the forced calls' slots (a longer prompt): the same bucket, no compile
+        prompt = prompt_of(check, check.args.prompt_len + check.args.new_tokens - tokens, seed=2)
+        engine.generate_ids(prompt, max_new_tokens=tokens)  # warm the call path
 
         def call() -> None:
             engine.generate_ids(prompt, max_new_tokens=tokens)
@@ -507,6 +516,7 @@ def graphs_section(check: Check, out: dict[str, Any]) -> None:
     if counted.get("graph_launch_calls") is not None:
         out["call"]["graph_launches_per_round"] = round(counted["graph_launch_calls"] / (tokens - 1), 2)
     out["cudagraph_skips"] = cudagraph_skips() - skips
+    out["compiled_steps"] = compiled_steps(engine)
     out["cudagraph_log"] = lines[:10]
     if not check.cuda:
         out["graphs_recorded"] = None
@@ -545,6 +555,7 @@ def widths_section(check: Check, out: dict[str, Any]) -> None:
     base = rows["w1"]["ms"]
     out["relative_to_w1"] = {name: round(row["ms"] / base, 3) for name, row in rows.items()}
     check.kept["w1_ms"] = base
+    out["compiled_steps"] = compiled_steps(engine)
 
 
 # ----------------------------------------------------------------------------- 5. forced acceptance
@@ -582,6 +593,7 @@ def forced_section(check: Check, out: dict[str, Any]) -> None:
     }
     out["issue40_forced_0.8_at_least_2.0x_plain_graphed"] = out["vs_plain"]["alpha_0.8"] >= 2.0
     out["every_accepted_length_forced"] = all(out[name]["accepted_lengths_forced"] for name in variants)
+    out["compiled_steps"] = compiled_steps(engine)  # the same as ``widths``': no call compiled anything
     check.kept["plain_graphed_tok_s"] = plain
 
 
@@ -1004,7 +1016,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--deadline", type=float, default=None, help="seconds (default 480; 120 with --smoke)")
     parser.add_argument("--budget-scale", type=float, default=1.0, help="multiplies every section's budget")
     parser.add_argument("--compile-backend", default=None, help="torch.compile backend (inductor; eager with --smoke)")
-    parser.add_argument("--prompt-len", type=int, default=None, help="default 128 (16 with --smoke)")
+    parser.add_argument("--prompt-len", type=int, default=None, help="default 128 (240 with --smoke)")
     parser.add_argument("--new-tokens", type=int, default=None, help="forced/EAGLE calls (128; 40 with --smoke)")
     parser.add_argument("--hf-new-tokens", type=int, default=None, help="transformers' baseline (32; 8 with --smoke)")
     parser.add_argument("--long-prompts", type=int, nargs="*", default=None, help="default 4096 8192 (256 512)")
@@ -1021,7 +1033,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "shape": "tiny" if smoke else "llama3-8b",
         "deadline": 120.0 if smoke else 480.0,
         "compile_backend": "eager" if smoke else "inductor",
-        "prompt_len": 16 if smoke else 128,
+        "prompt_len": 240 if smoke else 128,  # smoke: a bucket of 512, past the smallest
         "new_tokens": 40 if smoke else 128,
         "hf_new_tokens": 8 if smoke else 32,
         "long_prompts": [256, 512] if smoke else [4096, 8192],

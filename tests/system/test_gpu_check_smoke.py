@@ -58,7 +58,11 @@ def test_every_section_runs_in_smoke_mode_inside_its_deadline(tmp_path) -> None:
     assert sections["ceilings"]["copy"]["gb_s"] > 0 and "lm_head" in sections["ceilings"]["gemv_one_row"]
     graphs = sections["graphs"]
     assert graphs["graphs_recorded"] is None and graphs["cuda_only"].startswith("no CUDA")  # a figure, not a section
+    bucket = graphs["bucket"]
+    assert graphs["compiled_steps"] == [["greedy", 1, bucket]]  # the short call reused the width-1 step
     assert set(sections["widths"]["widths"]) == {"w1", "w3", "w5", "w9"}
+    assert sections["widths"]["compiled_steps"] == [["greedy", w, bucket] for w in (1, 3, 5, 9)]
+    assert sections["forced"]["compiled_steps"] == sections["widths"]["compiled_steps"]  # no call compiled more
     forced = sections["forced"]
     assert forced["every_accepted_length_forced"]  # the real verify accepted exactly what was forced
     for name in ("plain", "alpha_0.6", "alpha_0.8", "alpha_1.0"):
