@@ -515,6 +515,9 @@ def graphs_section(check: Check, out: dict[str, Any]) -> None:
     out["call"] = counted | {"rounds": tokens - 1}
     if counted.get("graph_launch_calls") is not None:
         out["call"]["graph_launches_per_round"] = round(counted["graph_launch_calls"] / (tokens - 1), 2)
+    if check.cuda:
+        with contextlib.suppress(Exception):
+            torch._logging.set_logs()  # back to the defaults: the later sections' logs stay readable
     out["cudagraph_skips"] = cudagraph_skips() - skips
     out["compiled_steps"] = compiled_steps(engine)
     out["cudagraph_log"] = lines[:10]
