@@ -10,6 +10,7 @@ bits of a GPU's tensor cores need the GPU check.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are first loaded: they run in the interpreter
 
@@ -19,14 +20,20 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton", reason="the row-invariant kernels need triton (pip install 'selfspec[kernels]')")
 
+from tiny_models import VOCAB, make_model
+
+from selfspec import SpeculativeEngine
+from selfspec.core.tree import TreeMask
 from selfspec.errors import ConfigurationError
-from selfspec.modeling.kernels import AttentionTiles, chain_attention, linear
+from selfspec.modeling import ModelRunner
+from selfspec.modeling.kernels import AttentionTiles, chain_attention, linear, use_row_invariant_kernels
 from selfspec.modeling.kernels.launch import interpreted
 
 DTYPES = [torch.float32, torch.bfloat16]
 ROW_COUNTS = range(1, 34)
 # attention runs one interpreted program per (KV head, row, split): a spread of 1..33 keeps it to seconds
 ATTENTION_ROW_COUNTS = [1, 2, 3, 5, 9, 16, 17, 33]
+MAX_NEW = 10
 SMALL_SPLIT = AttentionTiles(split=16, block_n=8)  # several splits and steps per row at toy lengths
 TWO_SPLITS = AttentionTiles(split=32, block_n=16)  # rows of one split and of two in the row sweep
 
@@ -139,3 +146,50 @@ def test_chain_attention_checks_its_inputs() -> None:
         AttentionTiles(split=20, block_n=8)
     one = chain_attention(query[:, :, :1], key, value, torch.tensor(5))  # the length as a device tensor
     assert torch.equal(one, chain_attention(query[:, :, :1], key, value, 5))
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16_on_kernels() -> Any:
+    return use_row_invariant_kernels(make_model("llama", dtype=torch.bfloat16, agreeing=True, num_hidden_layers=3))
+
+
+@pytest.fixture(scope="module")
+def plain_text_on_kernels(tiny_bf16_on_kernels) -> tuple[list[int], list[int]]:
+    """A prompt and the plain loop's greedy text through the kernels."""
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, VOCAB, (9,), generator=generator).tolist()
+    prompt = prompt + prompt  # repeated text: lookup drafts get matched
+    plain_engine = SpeculativeEngine(tiny_bf16_on_kernels, None, drafter="none", calibration={})
+    assert plain_engine.runner.row_kernels
+    plans = plain_engine.runner._chain_plans(torch.arange(5, 9)[None], 9, torch.bfloat16)
+    assert {plan.kernel_past for plan in plans.values()} == {5}  # a verify of 4 rows after 5 cached keys
+    return prompt, plain_engine.generate_ids(prompt, max_new_tokens=MAX_NEW).token_ids
+
+
+@pytest.mark.parametrize(
+    "drafter",
+    [
+        {"drafter": "prompt_lookup", "num_draft_tokens": 8},  # verify blocks of up to 9 rows
+        {"drafter": "early_exit", "exit_layer": 1, "num_draft_tokens": 3},
+    ],
+    ids=["prompt_lookup", "early_exit"],
+)
+def test_bf16_speculation_through_the_kernels_gives_the_plain_text(
+    tiny_bf16_on_kernels, plain_text_on_kernels, drafter
+) -> None:
+    """End to end: a bf16 tiny Llama whose forwards run through the kernels; speculative == plain."""
+    prompt, plain = plain_text_on_kernels
+    engine = SpeculativeEngine(tiny_bf16_on_kernels, None, calibration={}, **drafter)
+    out = engine.generate_ids(prompt, max_new_tokens=MAX_NEW)
+    assert out.stats.num_drafted > 0 and out.stats.num_accepted > 0  # multi-row verifies ran and were used
+    assert out.token_ids == plain
+
+
+def test_the_runner_refuses_what_the_kernels_do_not_cover(tiny_bf16_on_kernels) -> None:
+    runner = ModelRunner(tiny_bf16_on_kernels)
+    tree = TreeMask(allowed=torch.ones(1, 1, dtype=torch.bool), key_positions=torch.tensor([3]))
+    hidden = runner.embed(torch.tensor([[5]]))
+    with pytest.raises(ConfigurationError, match="token trees"):
+        runner.run_layers(hidden, 0, runner.num_layers, torch.tensor([3]), runner.new_cache(8), tree=tree)
+    with pytest.raises(ConfigurationError, match="lean path"):
+        ModelRunner(tiny_bf16_on_kernels, fast_path=False)
