@@ -89,16 +89,23 @@ class AttentionPlan:
         lower_right: a chain verify served by :func:`~torch.nn.attention.bias.causal_lower_right`
             (on CUDA); ``mask`` then stays ``None`` on the fast path.
         rows: batch-invariant row calls (half precision); they take precedence over ``mask``.
+        kernel_past: the forward runs through the row-invariant kernels
+            (:mod:`selfspec.modeling.kernels`): a chain of new positions after this many cached
+            keys (0 for a prefill), every linear through :func:`~selfspec.modeling.kernels.linear`
+            and the attention through :func:`~selfspec.modeling.kernels.chain_attention`.
     """
 
     mask: torch.Tensor | None = None
     is_causal: bool = False
     lower_right: bool = False
     rows: RowCalls | None = None
+    kernel_past: int | None = None
 
     def __repr__(self) -> str:
         kind = (
-            "rows"
+            "kernels"
+            if self.kernel_past is not None
+            else "rows"
             if self.rows is not None
             else "causal"
             if self.is_causal
@@ -232,6 +239,10 @@ def attend(
     ``key`` and ``value`` are ``[m, kv_heads, kv, d]``: every slot the forward may see (for a
     tree, the views of the cache itself, which row calls rewrite in place and restore).
     """
+    if plan.kernel_past is not None:
+        from .kernels import chain_attention
+
+        return chain_attention(query, key, value, plan.kernel_past, scale=scale)
     if plan.rows is not None:
         return _attend_rows(query, key, value, plan.rows, scale, enable_gqa)
     if plan.is_causal:

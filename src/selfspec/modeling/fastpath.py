@@ -156,6 +156,10 @@ def layer_forward(
     exact = plan.rows is not None  # batch-invariant rows: every op gives each row its decode bits
 
     def linear(x: torch.Tensor, weight_bias: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+        if plan.kernel_past is not None:  # the row-invariant Triton kernel: one call, each row its own bits
+            from .kernels import linear as row_invariant_linear
+
+            return row_invariant_linear(x, *weight_bias)
         return linear_rows(x, *weight_bias, exact)
 
     residual = hidden

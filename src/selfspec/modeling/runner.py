@@ -41,6 +41,8 @@ from .attention import (
 from .cache import BatchedKVCache, StaticKVCache
 from .compat import cache_kwargs
 from .fastpath import build_fast_layers, fast_path_default, layer_forward
+from .kernels import linear as row_invariant_linear
+from .kernels import uses_row_invariant_kernels
 
 #: transformers ``model_type`` values selfspec runs, and the families they cover.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -148,7 +150,23 @@ class ModelRunner:
         #: on a CPU with native bf16; exact, cheaper); ``False`` always runs the full head.
         self.argmax_screen: bool = True
         self._argmax_head: ArgmaxHead | None = None
+        #: every forward through the row-invariant Triton kernels (:mod:`selfspec.modeling.kernels`)
+        self.row_kernels: bool = uses_row_invariant_kernels(model)
+        if self.row_kernels:
+            self._check_row_kernels()
         self._argmax_built = False
+
+    def _check_row_kernels(self) -> None:
+        """Refuse a model the row-invariant kernels do not cover yet (before any forward)."""
+        if self.fast_layers is None:
+            reason = "the lean path (Llama-family, attn_implementation='sdpa', plain nn.Linear layers)"
+        elif SLIDING_ATTENTION in self.layer_types and self.sliding_window is not None:
+            reason = "no sliding-window layers"
+        elif type(self.lm_head) is not nn.Linear:
+            reason = "a plain nn.Linear LM head"
+        else:
+            return
+        raise ConfigurationError(f"the row-invariant kernels need {reason}")
 
     def __repr__(self) -> str:
         return (
@@ -195,7 +213,8 @@ class ModelRunner:
     def row_logits(self, hidden: torch.Tensor, argmax_only: bool = False) -> torch.Tensor:
         """``[m, q, hidden]`` -> ``[m, q, vocab]`` float32 logits (final norm, LM head, softcap).
 
-        With :attr:`row_exact`, a plain LM head whose weight is not row-invariant runs one
+        With :attr:`row_kernels`, the head runs through the row-invariant kernel (no screen).
+        Otherwise, with :attr:`row_exact`, a plain LM head whose weight is not row-invariant runs one
         position at a time for one row (each position gets the bits a one-token decode gets;
         batched rows are not made exact). With ``argmax_only`` (a greedy step whose logits only
         an argmax reads: no grammar mask, no log-probabilities) and :attr:`argmax_screen`, the
@@ -204,6 +223,8 @@ class ModelRunner:
         """
         normed = self.norm(hidden)
         head = self.lm_head
+        if self.row_kernels and isinstance(head, nn.Linear):  # a plain nn.Linear (checked at construction)
+            return self.softcap(row_invariant_linear(normed, head.weight, head.bias)).float()
         screen = self.argmax_head if argmax_only and self.argmax_screen else None
         if screen is not None:
             return screen.logits(normed)
@@ -283,6 +304,8 @@ class ModelRunner:
         """
         if start >= end:
             return hidden
+        if self.row_kernels:
+            raise ConfigurationError("batched generation does not run through the row-invariant kernels yet")
         kv_length = int(positions.max()) + 1
         cache.select(row_start, positions, kv_length)
         if positions.shape[0] == 1 and kv_length == positions.shape[1] > 1:  # one row from slot 0: a prefill
@@ -361,6 +384,8 @@ class ModelRunner:
         The module path passes no mask to transformers' SDPA layers (they then use ``is_causal``
         themselves); eager attention and windowed layers keep an explicit mask.
         """
+        if self.row_kernels:
+            return dict.fromkeys(set(self.layer_types), AttentionPlan(kernel_past=0))
         plans: dict[str, AttentionPlan] = {}
         masks: dict[str, torch.Tensor | None] | None = None
         for layer_type in set(self.layer_types):
@@ -381,6 +406,8 @@ class ModelRunner:
         attention without a mask; else an explicit mask.
         """
         num_queries = position_ids.shape[1]
+        if self.row_kernels:  # decode and verify alike: each row over its own keys
+            return dict.fromkeys(set(self.layer_types), AttentionPlan(kernel_past=kv_length - num_queries))
         masks: dict[str, torch.Tensor | None] | None = None
         plans: dict[str, AttentionPlan] = {}
         for layer_type in set(self.layer_types):
@@ -401,6 +428,8 @@ class ModelRunner:
         self, positions: torch.Tensor, kv_length: int, dtype: torch.dtype, tree: TreeMask
     ) -> dict[str, AttentionPlan]:
         """Tree nodes: a mask, or (half precision, fast path) one decode-identical call per node."""
+        if self.row_kernels:
+            raise ConfigurationError("token trees do not run through the row-invariant kernels yet (use a chain)")
         masks = self._tree_masks(positions, kv_length, dtype, tree)
         rows: RowCalls | None = None
         plans: dict[str, AttentionPlan] = {}

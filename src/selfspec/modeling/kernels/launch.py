@@ -1,0 +1,64 @@
+"""Loading the Triton kernels lazily, and where they can run."""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+import torch
+
+from ...errors import ConfigurationError, MissingDependencyError
+
+KERNELS_EXTRA = "pip install 'selfspec[kernels]'"
+
+
+@functools.cache
+def triton_code() -> ModuleType:
+    """The module of Triton kernels, imported on first use (``TRITON_INTERPRET`` is read then).
+
+    Raises:
+        MissingDependencyError: triton is not installed.
+    """
+    try:
+        from . import triton_code as code
+    except ImportError as error:
+        raise MissingDependencyError(f"the row-invariant kernels need triton: {KERNELS_EXTRA} ({error})") from error
+    return code
+
+
+def interpreted() -> bool:
+    """Whether the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` when they were first loaded)."""
+    return type(triton_code().linear_kernel).__name__ == "InterpretedFunction"
+
+
+def check_device(*tensors: torch.Tensor) -> bool:
+    """Check that the kernels can run on the tensors' device; returns whether to upcast tiles to float32.
+
+    Compiled kernels need CUDA tensors. The interpreter runs on CPU tensors and always multiplies
+    float32 tiles (its ``tl.dot`` is wrong on bfloat16 operands).
+
+    Raises:
+        ConfigurationError: a tensor is on another device than the first, or compiled kernels got
+            CPU tensors.
+    """
+    device = tensors[0].device
+    if any(tensor.device != device for tensor in tensors):
+        raise ConfigurationError(f"the kernel's tensors are on several devices: {[t.device for t in tensors]}")
+    if interpreted():
+        return True
+    if device.type != "cuda":
+        raise ConfigurationError(
+            f"the row-invariant Triton kernels run on CUDA tensors (got {device}); on a CPU set "
+            "TRITON_INTERPRET=1 before they are first used to run them in Triton's interpreter"
+        )
+    return False
+
+
+def store_dtype(dtype: torch.dtype, upcast: bool) -> torch.dtype:
+    """The dtype a kernel stores its result in: float32 in the interpreter, else ``dtype``.
+
+    Triton 3.9's interpreter rounds float32 to bfloat16 by truncation (its ``cast_impl`` ignores the
+    round-to-nearest-even mode a GPU applies), so there the kernels store float32 and torch rounds
+    to nearest even afterwards, which is what the compiled kernel's store does on a GPU.
+    """
+    return torch.float32 if upcast else dtype

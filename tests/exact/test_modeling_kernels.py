@@ -1,0 +1,195 @@
+"""The row-invariant Triton kernels under Triton's CPU interpreter (``TRITON_INTERPRET=1``).
+
+For each kernel, at toy sizes, in float32 and bfloat16: every row of a call of ``R`` rows (1 to 33,
+at every position of the block) has bitwise the bits of the same row computed alone, and the
+result agrees with torch (``F.linear``, SDPA) within the dtype's rounding. The interpreter runs the
+kernels' indexing, masks and reduction order for real (its dots are numpy's on float32 tiles); the
+bits of a GPU's tensor cores need the GPU check.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are first loaded: they run in the interpreter
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton", reason="the row-invariant kernels need triton (pip install 'selfspec[kernels]')")
+
+from tiny_models import VOCAB, make_model
+
+from selfspec import SpeculativeEngine
+from selfspec.core.tree import TreeMask
+from selfspec.errors import ConfigurationError
+from selfspec.modeling import ModelRunner
+from selfspec.modeling.kernels import AttentionTiles, chain_attention, linear, use_row_invariant_kernels
+from selfspec.modeling.kernels.launch import interpreted
+
+DTYPES = [torch.float32, torch.bfloat16]
+ROW_COUNTS = range(1, 34)
+# attention runs one interpreted program per (KV head, row, split): a spread of 1..33 keeps it to seconds
+ATTENTION_ROW_COUNTS = [1, 2, 3, 5, 9, 16, 17, 33]
+MAX_NEW = 10
+SMALL_SPLIT = AttentionTiles(split=16, block_n=8)  # several splits and steps per row at toy lengths
+TWO_SPLITS = AttentionTiles(split=32, block_n=16)  # rows of one split and of two in the row sweep
+
+
+def test_the_kernels_run_in_the_interpreter() -> None:
+    assert interpreted(), "the kernels were loaded before TRITON_INTERPRET=1 was set"
+
+
+def _linear_operands(dtype: torch.dtype, bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    generator = torch.Generator().manual_seed(0)
+    # K = 260: three K steps with a tail; N = 40: two column tiles with a tail
+    x = torch.randn(40, 260, generator=generator).to(dtype)
+    weight = (torch.randn(40, 260, generator=generator) / 260**0.5).to(dtype)
+    return x, weight, torch.randn(40, generator=generator).to(dtype) if bias else None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_rows_do_not_depend_on_the_row_count_or_position(dtype: torch.dtype) -> None:
+    x, weight, bias = _linear_operands(dtype, bias=True)
+    alone = torch.cat([linear(x[i : i + 1], weight, bias) for i in range(len(x))])  # [40, 40]
+    for rows in ROW_COUNTS:
+        start = rows % 8  # the blocks start at different rows: each row meets several tile positions
+        block = linear(x[start : start + rows], weight, bias)
+        assert torch.equal(block, alone[start : start + rows]), (dtype, rows, start)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_agrees_with_f_linear(dtype: torch.dtype, bias: bool) -> None:
+    x, weight, bias_ = _linear_operands(dtype, bias)
+    exact = F.linear(x.double(), weight.double(), None if bias_ is None else bias_.double())
+    got = linear(x, weight, bias_)
+    torch.testing.assert_close(got, F.linear(x, weight, bias_))
+    if dtype == torch.bfloat16:  # float32 accumulation, one rounding to bf16: correctly rounded here
+        assert torch.equal(got, exact.to(dtype))
+
+
+def test_linear_keeps_f_linear_contract() -> None:
+    x, weight, bias = _linear_operands(torch.float32, bias=True)
+    batched = x[:12].reshape(2, 2, 3, 260)
+    got = linear(batched, weight, bias)
+    assert got.shape == (2, 2, 3, 40)
+    assert torch.equal(got.reshape(12, 40), linear(x[:12], weight, bias))
+    assert linear(x[:0], weight).shape == (0, 40)
+    assert torch.equal(linear(x.t().contiguous().t()[:5], weight), linear(x[:5].contiguous(), weight))  # strides
+    lm_head = torch.randn(96, 260) / 260**0.5  # a wide head: more column tiles than rows
+    torch.testing.assert_close(linear(x[:3], lm_head), F.linear(x[:3], lm_head))
+    with pytest.raises(ConfigurationError, match="does not match"):
+        linear(x, weight[:, :10])
+    with pytest.raises(ConfigurationError, match="one dtype"):
+        linear(x, weight.double())
+
+
+def _chain_operands(
+    dtype: torch.dtype, capacity: int, num_heads: int = 4, num_kv_heads: int = 2
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    query = torch.randn(1, num_heads, 33, 8, generator=generator).to(dtype)  # grouped-query heads
+    key = torch.randn(1, num_kv_heads, capacity, 8, generator=generator).to(dtype)
+    value = torch.randn(1, num_kv_heads, capacity, 8, generator=generator).to(dtype)
+    return query, key, value
+
+
+def _sdpa_chain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past: int) -> torch.Tensor:
+    rows = query.shape[2]
+    keys = past + rows
+    allowed = torch.ones(rows, keys, dtype=torch.bool).tril(past)  # row r sees keys 0 .. past + r
+    return F.scaled_dot_product_attention(
+        query, key[:, :, :keys], value[:, :, :keys], attn_mask=allowed, enable_gqa=True
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chain_attention_rows_do_not_depend_on_the_row_count_or_position(dtype: torch.dtype) -> None:
+    past = 10
+    query, key, value = _chain_operands(dtype, capacity=past + 33 + 3, num_heads=2, num_kv_heads=1)
+    key[:, :, past + 33 :] = float("nan")  # a bucket's unused tail is never read
+    # row r alone is a decode at position past + r (rows 22 on reduce their keys in two splits)
+    alone = torch.cat(
+        [chain_attention(query[:, :, r : r + 1], key, value, past + r, tiles=TWO_SPLITS) for r in range(33)], dim=2
+    )
+    assert not alone.isnan().any()
+    for rows in ATTENTION_ROW_COUNTS:
+        start = 33 - rows if rows % 2 else 0  # blocks at the start and at the end of the chain
+        block = chain_attention(query[:, :, start : start + rows], key, value, past + start, tiles=TWO_SPLITS)
+        assert torch.equal(block, alone[:, :, start : start + rows]), (dtype, rows, start)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tiles", [SMALL_SPLIT, AttentionTiles()], ids=["split16", "default"])
+def test_chain_attention_agrees_with_sdpa(dtype: torch.dtype, tiles: AttentionTiles) -> None:
+    past = 40
+    query, key, value = _chain_operands(dtype, capacity=past + 9)
+    got = chain_attention(query[:, :, :9], key, value, past, tiles=tiles)
+    expected = _sdpa_chain(query[:, :, :9], key, value, past)
+    # bf16: torch's own result is off by up to an output ulp; allow two at the outputs' scale (~1)
+    torch.testing.assert_close(got, expected, **({"atol": 2**-7, "rtol": 2**-7} if dtype == torch.bfloat16 else {}))
+    exact = _sdpa_chain(query[:, :, :9].double(), key.double(), value.double(), past)
+    ulp = 2.0**-23 if dtype == torch.float32 else 2.0**-8
+    assert (got.double() - exact).abs().max() <= 4 * ulp * exact.abs().max()
+
+
+def test_chain_attention_checks_its_inputs() -> None:
+    query, key, value = _chain_operands(torch.float32, capacity=12)
+    with pytest.raises(ConfigurationError, match="does not fit"):
+        chain_attention(query[:, :, :4], key, value, 9)
+    with pytest.raises(ConfigurationError, match="multiple of num_kv_heads"):
+        chain_attention(query[:, :3, :1], key, value, 0)
+    with pytest.raises(ConfigurationError, match="multiple of block_n"):
+        AttentionTiles(split=20, block_n=8)
+    one = chain_attention(query[:, :, :1], key, value, torch.tensor(5))  # the length as a device tensor
+    assert torch.equal(one, chain_attention(query[:, :, :1], key, value, 5))
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16_on_kernels() -> Any:
+    return use_row_invariant_kernels(make_model("llama", dtype=torch.bfloat16, agreeing=True, num_hidden_layers=3))
+
+
+@pytest.fixture(scope="module")
+def plain_text_on_kernels(tiny_bf16_on_kernels) -> tuple[list[int], list[int]]:
+    """A prompt and the plain loop's greedy text through the kernels."""
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, VOCAB, (9,), generator=generator).tolist()
+    prompt = prompt + prompt  # repeated text: lookup drafts get matched
+    plain_engine = SpeculativeEngine(tiny_bf16_on_kernels, None, drafter="none", calibration={})
+    assert plain_engine.runner.row_kernels
+    plans = plain_engine.runner._chain_plans(torch.arange(5, 9)[None], 9, torch.bfloat16)
+    assert {plan.kernel_past for plan in plans.values()} == {5}  # a verify of 4 rows after 5 cached keys
+    return prompt, plain_engine.generate_ids(prompt, max_new_tokens=MAX_NEW).token_ids
+
+
+@pytest.mark.parametrize(
+    "drafter",
+    [
+        {"drafter": "prompt_lookup", "num_draft_tokens": 8},  # verify blocks of up to 9 rows
+        {"drafter": "early_exit", "exit_layer": 1, "num_draft_tokens": 3},
+    ],
+    ids=["prompt_lookup", "early_exit"],
+)
+def test_bf16_speculation_through_the_kernels_gives_the_plain_text(
+    tiny_bf16_on_kernels, plain_text_on_kernels, drafter
+) -> None:
+    """End to end: a bf16 tiny Llama whose forwards run through the kernels; speculative == plain."""
+    prompt, plain = plain_text_on_kernels
+    engine = SpeculativeEngine(tiny_bf16_on_kernels, None, calibration={}, **drafter)
+    out = engine.generate_ids(prompt, max_new_tokens=MAX_NEW)
+    assert out.stats.num_drafted > 0 and out.stats.num_accepted > 0  # multi-row verifies ran and were used
+    assert out.token_ids == plain
+
+
+def test_the_runner_refuses_what_the_kernels_do_not_cover(tiny_bf16_on_kernels) -> None:
+    runner = ModelRunner(tiny_bf16_on_kernels)
+    tree = TreeMask(allowed=torch.ones(1, 1, dtype=torch.bool), key_positions=torch.tensor([3]))
+    hidden = runner.embed(torch.tensor([[5]]))
+    with pytest.raises(ConfigurationError, match="token trees"):
+        runner.run_layers(hidden, 0, runner.num_layers, torch.tensor([3]), runner.new_cache(8), tree=tree)
+    with pytest.raises(ConfigurationError, match="lean path"):
+        ModelRunner(tiny_bf16_on_kernels, fast_path=False)
