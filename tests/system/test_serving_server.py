@@ -747,3 +747,49 @@ def test_slow_and_broken_clients_on_a_real_server(demo_engine: Any, good_text: s
         assert 'status="500"' not in metrics
         reply = httpx.post(f"{root}/v1/completions", json=GOOD, timeout=60)
         assert reply.json()["choices"][0]["text"] == good_text
+
+
+def _raw_exchange(base_url: str, request: bytes, timeout: float = 10) -> bytes:
+    """Send ``request`` as it is on one connection; everything the server sends until it closes the connection."""
+    import socket
+
+    host, port = base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        sock.sendall(request)
+        received = b""
+        while chunk := sock.recv(65536):  # a timeout here: the connection was left open
+            received += chunk
+    return received
+
+
+def test_a_request_framed_twice_is_refused_and_its_connection_closed(base_url: str, good_text: str) -> None:
+    """RFC 9112 6.3: ``Content-Length`` with ``Transfer-Encoding: chunked`` is refused (400), and the
+    connection is closed, so a request smuggled behind it (in the bytes one reading of the framing
+    calls body) is never answered."""
+    body = json.dumps(GOOD).encode()
+    smuggled = f"GET /health HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {KEY}\r\n\r\n".encode()
+    for declared in (b"4", str(len(body)).encode()):
+        head = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+            + f"Authorization: Bearer {KEY}\r\nContent-Type: application/json\r\n".encode()
+            + b"Content-Length: "
+            + declared
+            + b"\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
+        chunked = f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n"
+        reply = _raw_exchange(base_url, head + chunked + smuggled)
+        status_line, _, rest = reply.partition(b"\r\n")
+        assert status_line == b"HTTP/1.1 400 Bad Request", reply[:300]
+        headers, _, payload = rest.partition(b"\r\n\r\n")
+        assert b"connection: close" in headers.lower()
+        assert json.loads(payload)["error"]["code"] == "ambiguous_framing"
+        assert reply.count(b"HTTP/1.1 ") == 1  # the smuggled request got no answer
+    # the same request framed once is answered with the engine's text
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n"
+        + f"Authorization: Bearer {KEY}\r\nContent-Type: application/json\r\n".encode()
+        + b"Transfer-Encoding: chunked\r\n\r\n"
+    )
+    reply = _raw_exchange(base_url, head + f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n")
+    assert reply.startswith(b"HTTP/1.1 200 OK")
+    assert json.loads(reply.partition(b"\r\n\r\n")[2])["choices"][0]["text"] == good_text

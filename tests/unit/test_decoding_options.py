@@ -160,10 +160,10 @@ def test_every_server_limit_flag_round_trips() -> None:
     assert server_limits(parser_args, ServerLimits) == ServerLimits()
     argv = ["serve", "--model", "m", "--max-body-size", "1MiB", "--max-concurrent", "3", "--max-queue", "0"]
     argv += ["--header-timeout", "2", "--body-timeout", "3", "--keep-alive-timeout", "4"]
-    argv += ["--allowed-host", "a.example", "--cors-origin", "http://b.example"]
+    argv += ["--allowed-host", "a.example", "--cors-origin", "http://b.example", "--shutdown-grace", "1.5"]
     limits = server_limits(build_parser().parse_args(argv), ServerLimits)
     assert limits == ServerLimits(2**20, 3, 0, 2.0, 3.0, 4.0, allowed_hosts=("a.example",),
-                                  cors_origins=("http://b.example",))  # fmt: skip
+                                  cors_origins=("http://b.example",), shutdown_grace=1.5)  # fmt: skip
     not_flags = {"max_header_bytes", "max_json_depth", "retry_after"}
     assert {name for name, _, _ in limit_flags()} == {f.name for f in dataclasses.fields(ServerLimits)} - not_flags
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Any
 
 #: The environment variable read when ``--api-key`` is not given (keeps the key out of ``ps``).
@@ -44,8 +45,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--port", type=checked_type(port), default=8000)
     parser.add_argument(
         "--api-key",
-        default=os.environ.get(API_KEY_ENV),
-        help=f"require 'Authorization: Bearer KEY' on every route (default: ${API_KEY_ENV}, else no key)",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' on every route; better set ${API_KEY_ENV}, read when this "
+        "flag is absent: a key on the command line shows in ps (default: no key)",
     )
     parser.add_argument("--threads", type=checked_type(positive_int), default=None, help="torch CPU threads")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -77,13 +79,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.model,
         host=args.host,
         port=args.port,
-        api_key=args.api_key or None,
+        api_key=api_key(args),
         model_id=args.model_id,
         log_level=args.log_level,
         limits=server_limits(args, ServerLimits),
         **engine_kwargs(args),
     )
     return 0
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key from ``--api-key`` (with a warning: other users see it in ``ps``), else ``$SELFSPEC_API_KEY``."""
+    if args.api_key is not None:
+        print(
+            f"selfspec: warning: --api-key is visible to every user of this machine (ps, /proc/PID/cmdline); "
+            f"set ${API_KEY_ENV} instead",
+            file=sys.stderr,
+        )
+        return args.api_key or None
+    return os.environ.get(API_KEY_ENV) or None
 
 
 def server_limits(args: argparse.Namespace, limits_class: Any) -> Any:

@@ -54,13 +54,15 @@ from ..requests import (  # noqa: F401 - DEFAULT_MAX_TOKENS: the server's defaul
 from ..tools import ContentDelta, ToolCallChunk, ToolCallStreamParser
 from .limits import (
     CLIENT_CLOSED,
+    Admission,
     RequestGuard,
     ServerLimits,
+    graceful_server,
     host_allow_list,
     internal_error,
     parse_json,
+    shutting_down,
     uvicorn_config,
-    uvicorn_settings,
 )
 from .logprobs import TextOffsets, chat_content, completion_logprobs, token_pieces
 from .metrics import CONTENT_TYPE, Metrics
@@ -78,6 +80,8 @@ logger = logging.getLogger("selfspec.serving.server")
 #: Worker threads (template rendering, tokenization, generations); admission control
 #: (:class:`~selfspec.serving.server.limits.ServerLimits`) decides how many requests get in.
 MAX_WORKERS = 64
+#: Seconds a shutdown waits for cancelled generations to stop before the process exits anyway.
+WORKER_STOP_TIMEOUT = 2.0
 
 _Body = TypeVar("_Body", bound=BaseModel)
 _END = object()  # the worker's last queue item
@@ -341,7 +345,10 @@ class _Server:
         self.created = int(time.time())
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
-        self._jobs: set[_Job] = set()
+        self._jobs: set[_Job] = set()  # handed to a worker thread and not finished there
+        self._cancel_all = False  # the shutdown's grace is over: nothing runs any more
+        self.admission = Admission(self.limits.max_concurrent, self.limits.max_queue, self.limits.retry_after)
+        self.stopped = True  # whether the last shutdown saw every generation stop
 
     @property
     def executor(self) -> ThreadPoolExecutor:
@@ -351,14 +358,54 @@ class _Server:
                 self._executor = ThreadPoolExecutor(MAX_WORKERS, thread_name_prefix="selfspec-server")
             return self._executor
 
-    def shutdown(self) -> None:
-        """Cancel every generation and wait for the worker threads."""
-        for job in list(self._jobs):
+    def begin_shutdown(self) -> None:
+        """Start a bounded shutdown (on the event loop, when the server stops accepting connections).
+
+        Queued generation requests, and any that arrive after this, get a 503 ``shutting_down``
+        (:meth:`Admission.close`); the running ones have ``limits.shutdown_grace`` seconds to
+        finish, then they are cancelled (:meth:`cancel_running`).
+        """
+        refused = self.admission.close()
+        logger.info(
+            "shutting down: %d running generation(s) get %gs to finish, %d queued request(s) refused",
+            len(self._jobs),
+            self.limits.shutdown_grace,
+            refused,
+        )
+        asyncio.get_running_loop().call_later(self.limits.shutdown_grace, self.cancel_running)
+
+    def cancel_running(self) -> None:
+        """Cancel every generation (a stream ends with a ``shutting_down`` error event, a whole answer gets 503)."""
+        self._cancel_all = True
+        if self._jobs:
+            logger.warning("shutdown grace over: cancelling %d running generation(s)", len(self._jobs))
+        for job in self._jobs.copy():
             job.cancelled.set()
+
+    def shutdown(self, timeout: float = WORKER_STOP_TIMEOUT) -> bool:
+        """Cancel every generation and wait up to ``timeout`` seconds for them to stop.
+
+        Returns:
+            Whether every generation stopped (a worker stuck inside one forward may not).
+        """
+        self.cancel_running()
         with self._executor_lock:
             executor, self._executor = self._executor, None
         if executor is not None:
-            executor.shutdown(wait=True)
+            executor.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + timeout
+        while self._jobs and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return not self._jobs
+
+    def _run_job(self, job: _Job) -> GenerationOutput | None:
+        """Run ``job`` on this worker thread (at once cancelled once the shutdown's grace is over)."""
+        try:
+            if self._cancel_all:
+                job.cancelled.set()
+            return job.run(self.metrics)
+        finally:
+            self._jobs.discard(job)
 
     async def in_thread(self, func: Callable[..., Any], *args: Any) -> Any:
         """Run ``func(*args)`` on a worker thread."""
@@ -471,18 +518,16 @@ class _Server:
         watcher = asyncio.ensure_future(_cancel_on_disconnect(request, job))
         self._jobs.add(job)
         try:
-            output = await self.in_thread(job.run, self.metrics)
+            output = await self.in_thread(self._run_job, job)
         finally:
-            self._jobs.discard(job)
+            job.cancelled.set()  # a no-op when finished; else this request was cancelled (a forced shutdown)
             watcher.cancel()
         if job.client_gone:  # nobody to answer: counted as 499, the cancelled text never rendered
             return Response(status_code=CLIENT_CLOSED)
         if job.error is not None or output is None:
             raise _generation_error(job.error, request_id, job.constraint_field)
         if job.plan.finish_reason(output) == "cancelled":  # the server is shutting down (not the repetition guard)
-            raise APIError(
-                503, "the server is shutting down; retry the request", type="server_error", code="shutting_down"
-            )
+            raise shutting_down()
         return JSONResponse(render.response(output), headers={**plan_headers, **_stats_headers(output)})
 
     def check_token_prompt(self, body: ChatCompletionRequest | CompletionRequest) -> None:
@@ -508,7 +553,7 @@ class _Server:
     ) -> AsyncIterator[str]:
         """The server-sent events of a streamed answer; leaving early cancels the generation."""
         self._jobs.add(job)
-        future = asyncio.get_running_loop().run_in_executor(self.executor, job.run, self.metrics)
+        future = asyncio.get_running_loop().run_in_executor(self.executor, self._run_job, job)
         try:
             for chunk in render.first():
                 yield _sse(chunk)
@@ -519,13 +564,14 @@ class _Server:
             await future
             if job.error is not None or job.output is None:
                 yield _sse(_generation_error(job.error, request_id, job.constraint_field).body())
+            elif job.plan.finish_reason(job.output) == "cancelled":  # cut off by the shutdown's grace
+                yield _sse(shutting_down().body())
             else:
                 for chunk in render.last(job.output):
                     yield _sse(chunk)
             yield "data: [DONE]\n\n"
         finally:
             job.cancelled.set()  # a no-op when finished; else the client has gone
-            self._jobs.discard(job)
 
 
 def _generation_error(error: BaseException | None, request_id: str, param: str | None = None) -> APIError:
@@ -642,7 +688,7 @@ def create_app(
         try:
             yield
         finally:
-            await asyncio.get_running_loop().run_in_executor(None, server.shutdown)
+            server.stopped = await asyncio.get_running_loop().run_in_executor(None, server.shutdown)
 
     # the docs and the schema are served below, behind the key like every other route
     app = FastAPI(
@@ -724,6 +770,7 @@ def create_app(
         allowed_hosts=host_allow_list(bound_host, limits.allowed_hosts),
         generation_paths=frozenset({"/v1/chat/completions", "/v1/completions"}),
         count=count,
+        admission=server.admission,
     )
     return app
 
@@ -859,7 +906,13 @@ def serve(
     limits: ServerLimits | None = None,
     **engine_args: Any,
 ) -> None:
-    """Load a model and serve it until interrupted (binds to loopback by default).
+    """Load a model and serve it until SIGTERM or Ctrl-C (binds to loopback by default).
+
+    The first signal starts a bounded shutdown: no new connections, queued requests get 503
+    ``shutting_down``, running ones get ``limits.shutdown_grace`` seconds to finish before they
+    are cancelled; then this function returns. A second signal ends the process at once (status
+    0), as does a generation that does not stop within a few seconds of its cancellation (the
+    interpreter would otherwise wait for its thread). See ``docs/limits.md`` (Shutdown).
 
     Args:
         model: a model name (hub id, local folder, ``.gguf`` file, ``"selfspec-demo"``, a real
@@ -872,7 +925,7 @@ def serve(
         limits: the server's limits (:class:`~selfspec.serving.server.limits.ServerLimits`).
         **engine_args: arguments of :meth:`SpeculativeEngine.from_pretrained`.
     """
-    import uvicorn
+    import sys
 
     limits = limits or ServerLimits()
     if isinstance(model, str):
@@ -891,8 +944,16 @@ def serve(
             host,
         )
     app = create_app(engine, model_id=model_id, api_key=api_key, limits=limits, bound_host=host)
-    config = _log_config(log_level)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, log_config=config, **uvicorn_settings(limits))
+    server: _Server = app.state.selfspec
+    config = uvicorn_config(app, host, port, limits, log_level, log_config=_log_config(log_level))
+    uvicorn_server = graceful_server(config, server.begin_shutdown)
+    uvicorn_server.run()
+    if not uvicorn_server.started:  # as uvicorn.run: the app's start-up failed
+        sys.exit(3)
+    if not server.stopped:
+        logger.warning("a generation did not stop %gs after its cancellation: exiting anyway", WORKER_STOP_TIMEOUT)
+        logging.shutdown()
+        os._exit(0)
 
 
 def _log_config(log_level: str) -> dict[str, Any]:
@@ -932,14 +993,13 @@ def serve_in_background(
     """
     import socket
 
-    import uvicorn
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = int(sock.getsockname()[1])
     limits = limits or ServerLimits()
     app = create_app(engine, model_id=model_id, api_key=api_key, limits=limits, bound_host="127.0.0.1")
-    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, limits, log_level="warning"))
+    server = graceful_server(uvicorn_config(app, "127.0.0.1", port, limits, log_level="warning"),
+                             app.state.selfspec.begin_shutdown)  # fmt: skip
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout

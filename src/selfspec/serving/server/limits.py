@@ -4,15 +4,18 @@ Every request passes through :class:`RequestGuard` (an ASGI middleware) before t
 it. In order, it:
 
 1. gives the request an id (``X-Request-ID`` on every answer; 500 bodies quote it),
-2. checks the ``Host`` header against an allow-list (403; defeats DNS rebinding),
-3. requires ``Content-Type: application/json`` on ``POST`` (415; a browser page cannot send a
+2. refuses a request with both ``Content-Length`` and ``Transfer-Encoding`` (400, and the
+   connection is closed: RFC 9112's answer to request smuggling),
+3. checks the ``Host`` header against an allow-list (403; defeats DNS rebinding),
+4. requires ``Content-Type: application/json`` on ``POST`` (415; a browser page cannot send a
    JSON body across origins without a CORS preflight, which is refused unless ``--cors-origin``),
-4. refuses a declared ``Content-Length`` over the body limit before reading a byte (413), and
+5. refuses a declared ``Content-Length`` over the body limit before reading a byte (413), and
    counts the bytes of a chunked body as they arrive (413 at the limit, nothing more is kept),
-5. gives the whole body a deadline (408),
-6. admits at most ``max_concurrent`` generation requests at once and queues ``max_queue``
-   more; beyond that the answer is 429 with ``Retry-After``,
-7. answers an exception that escaped the app with a generic 500 that names the request id
+6. gives the whole body a deadline (408),
+7. admits at most ``max_concurrent`` generation requests at once and queues ``max_queue``
+   more; beyond that the answer is 429 with ``Retry-After``; once the server is shutting
+   down, queued and new generation requests get 503 ``shutting_down`` (:class:`Admission`),
+8. answers an exception that escaped the app with a generic 500 that names the request id
    (the traceback goes to the log once, never to the client), and counts a client that went
    away before its answer under the status label ``499`` instead of as a 500.
 
@@ -31,8 +34,10 @@ import asyncio
 import json
 import logging
 import math
+import os
 import re
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -194,7 +199,9 @@ class Admission:
     """At most ``max_concurrent`` requests inside, ``max_queue`` waiting; more get a 429.
 
     Runs on the event loop (no locks needed): :meth:`enter` either returns once a slot is
-    free or raises at once when the queue is full.
+    free or raises at once when the queue is full. Slots go to waiters first come, first
+    served. After :meth:`close` (the server is shutting down) every waiting request and every
+    new one gets a 503 ``shutting_down``; the requests inside keep their slots.
     """
 
     def __init__(self, max_concurrent: int, max_queue: int, retry_after: int) -> None:
@@ -202,14 +209,23 @@ class Admission:
         self.max_queue = max_queue
         self.retry_after = retry_after
         self.inside = 0
-        self.waiting = 0
-        self._slots: asyncio.Semaphore | None = None
+        self.closed = False
+        # each waiter's future is resolved with True (a slot is handed to it) or False (closed)
+        self._waiters: deque[asyncio.Future[bool]] = deque()
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a slot."""
+        return len(self._waiters)
 
     async def enter(self) -> None:
-        """Wait for a slot (raises :class:`APIError` 429 when the queue is full)."""
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(self.max_concurrent)
-        if self.inside >= self.max_concurrent and self.waiting >= self.max_queue:
+        """Wait for a slot (raises :class:`APIError` 429 when the queue is full, 503 once closed)."""
+        if self.closed:
+            raise shutting_down()
+        if self.inside < self.max_concurrent and not self._waiters:
+            self.inside += 1
+            return
+        if self.waiting >= self.max_queue:
             raise APIError(
                 429,
                 f"the server is busy ({self.inside} requests running, {self.waiting} queued); retry shortly",
@@ -217,18 +233,43 @@ class Admission:
                 code="server_busy",
                 headers={"Retry-After": str(self.retry_after)},
             )
-        self.waiting += 1
+        waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
         try:
-            await self._slots.acquire()
-        finally:
-            self.waiting -= 1
-        self.inside += 1
+            admitted = await waiter
+        except BaseException:  # cancelled while waiting: a slot handed over meanwhile goes on
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+            elif waiter.done() and not waiter.cancelled() and waiter.result():
+                self.leave()
+            raise
+        if not admitted:
+            raise shutting_down()
 
     def leave(self) -> None:
-        """Free the slot taken by :meth:`enter`."""
+        """Free the slot taken by :meth:`enter` (it goes to the first waiter, if any)."""
         self.inside -= 1
-        assert self._slots is not None
-        self._slots.release()
+        while self._waiters and self.inside < self.max_concurrent:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                self.inside += 1
+                waiter.set_result(True)
+
+    def close(self) -> int:
+        """Refuse every waiting request and every later one with a 503; returns how many were waiting."""
+        self.closed = True
+        refused = 0
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(False)
+                refused += 1
+        return refused
+
+
+def shutting_down() -> APIError:
+    """The 503 for a request the server will not start because it is shutting down."""
+    return APIError(503, "the server is shutting down; retry the request", type="server_error", code="shutting_down")
 
 
 # ------------------------------------------------------------------------------- the guard
@@ -252,6 +293,8 @@ class RequestGuard:
         allowed_hosts: accepted ``Host`` names (``None``: any).
         generation_paths: the paths that generate (admission control applies to them).
         count: called with ``(path, status)`` once per request (``499``: the client left).
+        admission: the admission control of generation requests (default: a new one from
+            ``limits``; the server passes its own, which it closes when shutting down).
     """
 
     def __init__(
@@ -261,13 +304,14 @@ class RequestGuard:
         allowed_hosts: frozenset[str] | None,
         generation_paths: frozenset[str],
         count: Callable[[str, int], None],
+        admission: Admission | None = None,
     ) -> None:
         self.app = app
         self.limits = limits
         self.allowed_hosts = allowed_hosts
         self.generation_paths = generation_paths
         self.count = count
-        self.admission = Admission(limits.max_concurrent, limits.max_queue, limits.retry_after)
+        self.admission = admission or Admission(limits.max_concurrent, limits.max_queue, limits.retry_after)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Guard one ASGI connection scope (HTTP only; lifespan passes through)."""
@@ -312,6 +356,8 @@ class RequestGuard:
 
     async def _handle(self, scope: Scope, receive: Receive, send: Send, exchange: _Exchange) -> None:
         headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
+        if "content-length" in headers and "transfer-encoding" in headers:
+            raise ambiguous_framing()
         if self.allowed_hosts is not None:
             host = normalize_host(headers.get("host", ""))
             if host not in self.allowed_hosts:
@@ -403,6 +449,21 @@ class RequestGuard:
         )
 
 
+def ambiguous_framing() -> APIError:
+    """The 400 for a request framed twice (``Content-Length`` and ``Transfer-Encoding``).
+
+    RFC 9112 (section 6.3) lets a server refuse such a request and requires it to close the
+    connection after it either way: a proxy in front that reads the other header would see a
+    different request boundary (request smuggling). h11 alone lets ``Transfer-Encoding`` win.
+    """
+    return APIError(
+        400,
+        "the request has both Content-Length and Transfer-Encoding headers; send one of them",
+        code="ambiguous_framing",
+        headers={"Connection": "close"},
+    )
+
+
 def internal_error(request_id: str) -> APIError:
     """The generic 500: no exception text, the request id to find the traceback in the log."""
     return APIError(
@@ -424,23 +485,62 @@ async def _send_error(send: Callable[[Message], Awaitable[None]], error: APIErro
 
 
 # ------------------------------------------------------------------------------- uvicorn
+#: Seconds uvicorn waits for connections beyond the shutdown grace (the app cancels its
+#: generations at the grace; their answers end within a round) before it cancels their tasks.
+SHUTDOWN_MARGIN = 2.0
+
+
 def uvicorn_settings(limits: ServerLimits) -> dict[str, Any]:
     """Keyword arguments of ``uvicorn.run`` and ``uvicorn.Config`` for ``limits``.
 
-    The limits' keep-alive timeout and head size, on h11 with a deadline for request heads.
+    The limits' keep-alive timeout and head size, on h11 with a deadline for request heads, and
+    the shutdown's wait for open connections (the grace plus :data:`SHUTDOWN_MARGIN`).
     """
     return {
         "http": header_timeout_protocol(limits.header_timeout),
         "timeout_keep_alive": max(1, math.ceil(limits.keep_alive_timeout)),
         "h11_max_incomplete_event_size": limits.max_header_bytes,
+        "timeout_graceful_shutdown": math.ceil(limits.shutdown_grace + SHUTDOWN_MARGIN),
     }
 
 
-def uvicorn_config(app: ASGIApp, host: str, port: int, limits: ServerLimits, log_level: str = "info") -> Any:
-    """A ``uvicorn.Config`` with :func:`uvicorn_settings`."""
+def uvicorn_config(
+    app: ASGIApp, host: str, port: int, limits: ServerLimits, log_level: str = "info", **more: Any
+) -> Any:
+    """A ``uvicorn.Config`` with :func:`uvicorn_settings` (``more``: other ``uvicorn.Config`` arguments)."""
     import uvicorn
 
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, **uvicorn_settings(limits))
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, **uvicorn_settings(limits), **more)
+
+
+def graceful_server(config: Any, on_shutdown: Callable[[], None]) -> Any:
+    """A ``uvicorn.Server`` whose first SIGTERM (or Ctrl-C) starts a bounded shutdown and whose second exits.
+
+    On the first signal uvicorn stops accepting connections, and ``on_shutdown`` is called on the
+    event loop (the app refuses queued requests and starts the grace); uvicorn then waits for the
+    open connections (``timeout_graceful_shutdown``) and runs the app's lifespan shutdown. Unlike
+    plain uvicorn, the signal is not raised again afterwards, so the process exits with status 0.
+    A second signal ends the process at once (status 0): running generations are dropped, and
+    nothing is saved while serving, so nothing is lost but their answers.
+    """
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """uvicorn's server with selfspec's shutdown (see :func:`graceful_server`)."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if self.should_exit:
+                logger.warning("second signal: exiting now, running generations are dropped")
+                for handler in logging.getLogger().handlers + logging.getLogger("selfspec").handlers:
+                    handler.flush()
+                os._exit(0)
+            self.should_exit = True  # no signal raised again at exit: status 0
+
+        async def shutdown(self, sockets: list[Any] | None = None) -> None:
+            on_shutdown()
+            await super().shutdown(sockets)
+
+    return GracefulServer(config)
 
 
 _protocols: dict[float, type] = {}

@@ -94,6 +94,9 @@ class ServerLimits:
             ``127.0.0.1``, ``[::1]`` and the bound address (``--allowed-host``; ``*``: any).
         cors_origins: origins allowed to call the API from a browser (``--cors-origin``); none
             by default, so no CORS headers are sent.
+        shutdown_grace: seconds the running generations get to finish after a SIGTERM
+            (``--shutdown-grace``); queued requests get 503 ``shutting_down`` at once, and the
+            generations still running at the end of the grace are cancelled.
     """
 
     max_body_bytes: int = field(
@@ -153,6 +156,16 @@ class ServerLimits:
         ),
     )
 
+    shutdown_grace: float = field(
+        default=30.0,
+        metadata=_meta(
+            "--shutdown-grace",
+            "seconds running requests get to finish after SIGTERM; then they are cancelled, and queued "
+            "ones get 503 at once (default: {default})",
+            seconds,
+        ),
+    )
+
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_concurrent", "max_header_bytes", "max_json_depth", "retry_after"):
             value = getattr(self, name)
@@ -160,7 +173,7 @@ class ServerLimits:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 0:
             raise ValueError(f"max_queue must be an int >= 0, got {self.max_queue!r}")
-        for name in ("header_timeout", "body_timeout", "keep_alive_timeout"):
+        for name in ("header_timeout", "body_timeout", "keep_alive_timeout", "shutdown_grace"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
