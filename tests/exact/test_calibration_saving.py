@@ -147,3 +147,18 @@ def test_a_cache_that_cannot_be_written_keeps_the_first_load_plan_for_the_proces
         second.generate_ids(prompt, max_new_tokens=8).token_ids
         == first.generate_ids(prompt, max_new_tokens=8).token_ids
     )
+
+
+def test_selfspec_calibrate_on_a_full_disk_says_not_saved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from selfspec.cli.main import main
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    folder = save_tiny_model(tmp_path / "tiny")
+    _full_disk(monkeypatch)
+    argv = ["calibrate", "--model", str(folder), "--max-new-tokens", "8", "--calibration-budget", "3", "--threads", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "not saved ([Errno 28] could not save " in out and "kept for this process only" in out, out
+    assert "saved to" not in out
