@@ -207,16 +207,19 @@ class Check:
             self.save()
             started = time.perf_counter()
             limit = max(min(BUDGETS[name] * self.args.budget_scale, left), 1.0)
+            rang: list[str] = []
             try:
-                with alarm(limit):
+                with alarm(limit, rang):
                     body(self, out)
                 out["status"] = out.get("status") if out.get("status") == "failed" else "ok"
             except Skip as skip:
                 out |= {"status": "skipped", "reason": str(skip)}
-            except SectionTimeout as stop:
-                out |= {"status": "timed_out", "reason": f"{stop} after {time.perf_counter() - started:.0f} s"}
             except Exception as exc:  # noqa: BLE001 - recorded; the next section runs
-                out |= {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"[:600]}
+                if rang or self.terminated:  # a timeout, whatever wrapped it (dynamo re-raises its own errors)
+                    why = rang[0] if rang else "the outer timeout (SIGTERM)"
+                    out |= {"status": "timed_out", "reason": f"{why} after {time.perf_counter() - started:.0f} s"}
+                else:
+                    out |= {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"[:600]}
                 out["trace"] = traceback.format_exc()[-2500:]
             out["seconds"] = round(time.perf_counter() - started, 1)
         out.setdefault("reason", None)
@@ -236,11 +239,16 @@ def log(check: Check, message: str) -> None:
 
 
 @contextlib.contextmanager
-def alarm(seconds: float) -> Iterator[None]:
-    """Raise :class:`SectionTimeout` in the block after ``seconds`` (``SIGALRM``, the main thread)."""
+def alarm(seconds: float, rang: list[str]) -> Iterator[None]:
+    """Raise :class:`SectionTimeout` in the block after ``seconds`` (``SIGALRM``, the main thread).
+
+    ``rang`` receives the reason when it fires: code that catches and re-raises (dynamo wraps an
+    exception raised while it traces) still leaves the section ``timed_out``.
+    """
 
     def ring(_signum: int, _frame: Any) -> None:
-        raise SectionTimeout("the section's budget or the deadline passed")
+        rang.append("the section's budget or the deadline passed")
+        raise SectionTimeout(rang[0])
 
     previous = signal.signal(signal.SIGALRM, ring)
     signal.setitimer(signal.ITIMER_REAL, seconds)
@@ -677,9 +685,13 @@ def eagle3_section(check: Check, out: dict[str, Any]) -> None:
         compile=compile_option(check),
     )
     drafter = engine.drafter
-    reason = "the engine has no static round" if engine.static_round is None else None
-    with contextlib.suppress(Exception):  # its signature is another item's (issue 40, item 3)
-        reason = reason or static_round_reason(drafter, _NoConstraint())  # type: ignore[arg-type]
+    reason: str | None = "the engine has no static round" if engine.static_round is None else None
+    unknown = None
+    if reason is None:
+        try:  # its signature is another item's (issue 40, item 3): the call's path then decides below
+            reason = static_round_reason(drafter, _NoConstraint())  # type: ignore[arg-type]
+        except Exception as exc:  # noqa: BLE001 - recorded
+            unknown = f"static_round_reason failed: {type(exc).__name__}: {exc}"[:300]
     out["static_round"] = "accepted" if reason is None else f"refused by static round: {reason}"
     prompt = prompt_of(check)
     new_tokens = check.args.new_tokens
@@ -696,6 +708,8 @@ def eagle3_section(check: Check, out: dict[str, Any]) -> None:
     drafting = [r for r in records if r.drafted > 0]
     served = sorted({r.path for r in records})
     out["served_by"] = served
+    if unknown is not None:  # no reason to quote: the loop that served the rounds says it
+        out["static_round"] = "accepted" if served == ["static"] else f"refused by static round: ({unknown})"
     out |= {"tok_s": round(len(output.token_ids) / seconds, 1), "rounds": len(records)}
     if drafting:
         round_ms = [r.draft_ms + (r.launch_ms or 0) + r.wait_ms + r.commit_ms + (r.gap_ms or 0) for r in drafting]

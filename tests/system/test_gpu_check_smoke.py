@@ -93,3 +93,50 @@ def test_a_section_past_its_budget_is_timed_out_and_the_run_goes_on(tmp_path) ->
     assert sections["graphs"]["status"] == "timed_out", sections["graphs"]
     assert "budget" in sections["graphs"]["reason"]
     assert list(sections) == ["env", "ceilings", "graphs"]
+
+
+def _forced_module():
+    import importlib
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        return importlib.import_module("forced_acceptance")
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+
+
+def test_forced_acceptance_through_the_eager_loop_and_the_weights_restored() -> None:
+    """The eager loop's verify (not only the static round's) accepts exactly the forced lengths."""
+    import torch
+    import transformers
+
+    from selfspec import SpeculativeEngine
+
+    forced = _forced_module()
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        tie_word_embeddings=False,
+    )
+    config.eos_token_id = None
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM._from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
+    model.generation_config.eos_token_id = None
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    context_free = forced.make_context_free(model)
+    assert context_free.min_margin > 0
+    drafter = forced.ForcedAcceptanceDrafter(context_free.successor, 4, alpha=0.5, seed=7)
+    engine = SpeculativeEngine(model, None, drafter=drafter, num_draft_tokens=4, calibration={}, compile=False)
+    with forced.record_rounds(engine) as records:
+        output = engine.generate_ids(list(range(5, 15)), max_new_tokens=30)
+    full = [r.accepted for r in records if r.drafted == 4]
+    assert {r.path for r in records} == {"eager"}
+    assert full == [n for n, d in zip(drafter.forced, drafter.drafted, strict=True) if d == 4]
+    assert len(set(full)) > 1  # alpha 0.5 forces varying lengths, each one accepted exactly
+    assert forced.follows_successor(output.token_ids, context_free.successor)
+    context_free.restore()
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
