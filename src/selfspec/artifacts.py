@@ -353,21 +353,34 @@ def atomic_folder(path: str | os.PathLike[str]) -> Iterator[Path]:
         shutil.rmtree(partial, ignore_errors=True)
 
 
-def _swap_folder(partial: Path, final: Path) -> None:
-    """Put the finished folder ``partial`` in ``final``'s place; the old one is restored if that fails."""
-    aside = final.with_name(f".{final.name}.{secrets.token_hex(4)}.old")
-    moved = final.exists() or final.is_symlink()
-    if moved:
-        os.replace(final, aside)
-    try:
-        os.replace(partial, final)
-    except OSError:
+def _swap_folder(partial: Path, final: Path, attempts: int = 5) -> None:
+    """Put the finished folder ``partial`` in ``final``'s place; the old one is restored if that fails.
+
+    Another process swapping in its own copy at the same moment makes the rename find a folder
+    again (``ENOTEMPTY``); the swap is then tried again, so the last writer's copy stands.
+    """
+    for attempt in range(attempts):
+        aside = final.with_name(f".{final.name}.{secrets.token_hex(4)}.old")
+        try:
+            os.replace(final, aside)
+            moved = True
+        except FileNotFoundError:  # none yet (or another writer just moved it aside)
+            moved = False
+        try:
+            os.replace(partial, final)
+        except OSError as error:
+            if moved:
+                try:
+                    os.replace(aside, final)
+                except OSError:  # another copy stands there now
+                    shutil.rmtree(aside, ignore_errors=True)
+            if error.errno in (errno.ENOTEMPTY, errno.EEXIST) and attempt + 1 < attempts:
+                continue
+            raise
+        _fsync_folder(final.parent)
         if moved:
-            os.replace(aside, final)
-        raise
-    _fsync_folder(final.parent)
-    if moved:
-        shutil.rmtree(aside, ignore_errors=True)
+            shutil.rmtree(aside, ignore_errors=True)
+        return
 
 
 def _new_partial(final: Path) -> Path:

@@ -153,6 +153,30 @@ def test_a_folder_is_swapped_in_whole_and_a_failure_keeps_the_old_one(cache: Pat
     assert (target / "model.safetensors").read_bytes() == b"v2" and _leftovers(target.parent) == []
 
 
+def test_two_writers_swapping_in_one_folder_both_succeed_and_leave_one_whole_copy(cache: Path) -> None:
+    """Two processes converting one GGUF file at once: each swap succeeds, the last copy stands whole."""
+    target = cache / "gguf" / "m" / "abc123"
+    failures: list[BaseException] = []
+
+    def convert(mark: str) -> None:
+        try:
+            for _ in range(30):
+                with atomic_folder(target) as partial:
+                    (partial / "config.json").write_text(mark)
+                    (partial / "model.safetensors").write_text(mark)
+        except BaseException as error:  # noqa: BLE001 - reported by the assertion below
+            failures.append(error)
+
+    writers = [threading.Thread(target=convert, args=(mark,)) for mark in "ab"]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join()
+    assert failures == []
+    assert (target / "config.json").read_text() == (target / "model.safetensors").read_text()
+    assert _leftovers(target.parent) == []
+
+
 # ----------------------------------------------------------------------------- links
 def test_a_link_to_a_file_outside_the_cache_is_refused_and_the_file_untouched(cache: Path, tmp_path: Path) -> None:
     outside = tmp_path / "bashrc"
@@ -259,3 +283,37 @@ def test_a_lock_that_cannot_be_created_runs_unlocked(cache: Path) -> None:
     (cache / "calibrations").write_text("not a folder")
     with artifact_lock(cache / "calibrations" / "m" / "x.lock", wait=5.0) as lock:
         assert not lock.held and not lock.waited
+
+
+# ----------------------------------------------------------------------------- calibrations
+def test_loading_a_calibration_during_repeated_saves_never_finds_it_unreadable(
+    cache: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The issue's case: a tight-loop ``load_calibration`` against ``save_calibration`` (was 12,985 of 13,415 lost)."""
+    from selfspec.calibration.store import load_calibration, save_calibration
+
+    model = str(cache / "no-such-model")
+    versions = [{"exit_layer": layer, "notes": ["x" * 40_000] * layer} for layer in (1, 2)]
+    save_calibration(model, versions[0])
+    loaded: list[int] = []
+    stop = threading.Event()
+
+    def read() -> None:
+        while not stop.is_set():
+            data = load_calibration(model, check_machine=False)
+            loaded.append(-1 if data is None else data["exit_layer"])
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    saves = 0
+    deadline = time.monotonic() + 1.0
+    try:
+        while time.monotonic() < deadline:
+            save_calibration(model, versions[saves % 2])
+            saves += 1
+    finally:
+        stop.set()
+        reader.join()
+    assert loaded.count(-1) == 0, f"{loaded.count(-1)} of {len(loaded)} loads found no usable calibration"
+    assert saves > 10 and len(loaded) > 10 and set(loaded) == {1, 2}, (saves, len(loaded), set(loaded))
+    assert not [r for r in caplog.records if "unreadable" in r.getMessage()]
