@@ -3,15 +3,19 @@
 The same four steps as :mod:`selfspec.decoding.loop` (draft, score, accept, commit), over the
 engine's :class:`~selfspec.modeling.static_step.StaticStep`:
 
-1. **draft**: a drafter with a device chain (:attr:`~selfspec.drafting.Drafter.supports_device_chain`,
-   EAGLE chains) drafts the round's budget of tokens on the device, their real length decided there
-   (the cost gate, the confidence stop, end-of-sequence), its draft steps compiled with the round's
-   backend (:meth:`~selfspec.drafting.Drafter.compile_device_chain`: the EAGLE head's one-query step
-   over a fixed-slot cache, no recompile across rounds); the early exit does too, with the engine's
-   own compiled steps (layers ``[0, E)`` on one token a step, writing their keys and values; the
-   verify then runs layers ``[E, L)`` on every row's exit state); any other drafter proposes a chain
-   as in the eager loop, sent to the device in one non-blocking copy with its length. The round pads
-   the draft to the next fixed width (:data:`~selfspec.modeling.static_step.WIDTHS`);
+1. **draft**: the round reaches the drafter through its contract only
+   (:attr:`~selfspec.drafting.Drafter.static_drafting` and
+   :meth:`~selfspec.drafting.Drafter.draft_static`, never its class). A device draft
+   (:class:`~selfspec.drafting.StaticDrafting` ``DEVICE``: EAGLE chains, the early exit, the
+   hybrid's early-exit rounds) drafts the round's budget of tokens on the device, their real
+   length decided there (the cost gate, the confidence stop, end-of-sequence), its draft steps
+   compiled with the round's backend (:meth:`~selfspec.drafting.Drafter.compile_device_chain`:
+   the EAGLE head's one-query step over a fixed-slot cache; the early exit's through the round's
+   own exit steps, layers ``[0, E)`` on one token a step, writing their keys and values, whose
+   exit states the drafter hands back: the verify then runs layers ``[E, L)`` on every row). A
+   host draft (``HOST``: plain decoding, prompt lookup, the hybrid's copies, a user's chain
+   drafter) is sent to the device in one non-blocking copy with its length. The round pads the
+   draft to the next fixed width (:data:`~selfspec.modeling.static_step.WIDTHS`);
 2. **score** and 3. **accept**: one forward of that width over the call's bucket of slots, then
    acceptance on the device (greedy inside the compiled step; sampled right after it, on the
    device too), which also moves the cache length past the accepted text;
@@ -20,11 +24,10 @@ engine's :class:`~selfspec.modeling.static_step.StaticStep`:
    and the controller, exactly as in the eager loop.
 
 Which calls run here (:func:`static_round_reason`): an engine built with ``compile=True`` (or a
-backend name; ``compile="auto"`` means on CUDA), a model on the lean layer path, a drafter that
-proposes plain chains (:attr:`~selfspec.drafting.Drafter.chain_only`: plain decoding, prompt lookup,
-EAGLE chains), the early exit's chains or the hybrid's (lookup or early exit per round, no graft),
-no grammar constraint, and one generation at a time (the engine's cache is shared by its calls: a
-call that finds it busy runs the eager loop). Everything else runs the eager loop, with the same text.
+backend name; ``compile="auto"`` means on CUDA), a model on the lean layer path, a drafter whose
+``static_drafting`` is not ``NONE`` (token trees are), no grammar constraint, and one generation
+at a time (the engine's cache is shared by its calls: a call that finds it busy runs the eager loop).
+Everything else runs the eager loop, with the same text.
 """
 
 from __future__ import annotations
@@ -32,17 +35,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import torch
 
 from ..core.acceptance import Acceptance
 from ..core.sampling import logits_to_probs
-from ..drafting.base import DecodeState, DeviceDraft, Draft, Drafter, draft_chain_on_device
-from ..drafting.early_exit import EarlyExitDrafter
+from ..drafting.base import DecodeState, DeviceDraft, Draft, Drafter, StaticDraft, StaticDrafting
 from ..drafting.fitting import truncate_chain
-from ..drafting.hybrid import HybridDrafter
 from ..errors import ConfigurationError
 from ..modeling.runner import ModelRunner
 from ..modeling.static_step import (
@@ -93,8 +94,8 @@ def static_rounds(runner: ModelRunner, compile: bool | str) -> StaticRounds | No
 
 def static_round_reason(drafter: Drafter, run: Generation) -> str | None:
     """Why ``run`` takes the eager loop with this drafter, or ``None`` when the static round serves it."""
-    if not drafter.chain_only and static_early_exit(drafter) is None:
-        return f"drafter {drafter.name!r} drafts trees or runs the target's layers itself (not chain_only)"
+    if drafter.static_drafting is StaticDrafting.NONE:
+        return f"drafter {drafter.name!r} drafts trees or runs the target's layers itself (static_drafting NONE)"
     if run.constraint is not None:
         return "grammar-constrained calls run the eager loop"
     return None
@@ -110,7 +111,6 @@ class StaticRounds:
     def __init__(self, step: StaticStep) -> None:
         self.step = step
         self._busy = threading.Lock()
-        self._offset_list: list[torch.Tensor] = []
 
     def __repr__(self) -> str:
         return f"StaticRounds({self.step!r})"
@@ -120,17 +120,16 @@ class StaticRounds:
     ) -> None:
         """Compile every width's step for calls of this size now, so that no round waits for it.
 
-        With the engine's ``drafter`` (``engine.drafter``), an early exit's (or the hybrid's)
-        draft and verify steps too. The EAGLE head's draft step compiles on its first round.
+        With the engine's ``drafter`` (``engine.drafter``), the steps its rounds use
+        (:meth:`~selfspec.drafting.Drafter.prepare_static`: the early exit's draft and verify
+        steps too). The EAGLE head's draft step compiles on its first round.
         """
         kinds = ("greedy", "forward") if sampled else ("greedy",)
         slots = prompt_tokens + max_new_tokens + WIDTHS[-1]
-        early_exit = static_early_exit(drafter) if drafter is not None else None
-        if early_exit is None or early_exit is not drafter:  # the hybrid's lookup rounds verify every layer
+        if drafter is None:
             self.step.prepare(slots, kinds=kinds)
-        if early_exit is not None:
-            exit_layer, adapter = early_exit.exit_layer, early_exit.exit_adapter
-            self.step.prepare(slots, kinds=kinds, exit_layer=exit_layer, adapter=adapter)
+        else:
+            drafter.prepare_static(self.step, slots, kinds)
 
     def try_decode(
         self, drafter: Drafter, run: Generation, lock: threading.RLock, eos_token_ids: frozenset[int]
@@ -138,7 +137,7 @@ class StaticRounds:
         """The call's rounds here, or ``None`` when it must take the eager loop (see the module docstring)."""
         if static_round_reason(drafter, run) is not None or not self._busy.acquire(blocking=False):
             return None
-        if drafter.supports_device_chain:  # its draft steps too: fixed shapes, this round's backend
+        if drafter.static_drafting is StaticDrafting.DEVICE:  # its draft steps too: fixed shapes, this backend
             drafter.compile_device_chain(self.step.backend)
         return self._decode(drafter, run, lock, eos_token_ids)
 
@@ -197,9 +196,8 @@ class StaticRounds:
             accepted, next_token, length, *drafts = torch.cat([decided, rows.real[None], tokens[0, 1:]]).tolist()
             probs = rows.draft_probs
             draft = Draft(tokens=drafts[:length], draft_probs=None if probs is None else probs[:length])
-        if rows.source is not None:  # the hybrid settles this round's draft from the text that follows it
-            assert isinstance(drafter, HybridDrafter)
-            drafter.note(state, rows.source, draft.tokens)
+        if rows.settle is not None:  # the drafter learns what it drafted (the hybrid's books)
+            rows.settle(draft.tokens)
         acceptance = Acceptance(accepted, next_token)
         tokens_out = commit(drafter, row, draft, acceptance, RoundTimes(started, drafted, time.perf_counter()))
         if run.top_logprobs is not None:
@@ -208,58 +206,30 @@ class StaticRounds:
         return tokens_out
 
     def _draft(self, drafter: Drafter, state: DecodeState, budget: int, bucket: int) -> _Rows:
-        """The round's draft as the step's rows: from the early exit, a device chain, or the host."""
-        early_exit = static_early_exit(drafter) if budget > 0 else None
-        if early_exit is not None and isinstance(drafter, HybridDrafter):
-            kind, copied = drafter.choose_round(state, budget)  # the host's token history only: no read
-            if kind == "lookup":
-                rows = self._host_rows(state, Draft(tokens=copied[:budget]))
-            else:  # no lookup graft here: the static round verifies chains
-                rows = self._exit_draft(early_exit, state, budget, bucket)
-            rows.source = kind
-            return rows
-        if early_exit is not None:
-            return self._exit_draft(early_exit, state, budget, bucket)
-        if budget > 0 and drafter.supports_device_chain:
-            return self._device_rows(state, drafter.propose_device(state, budget))
-        draft = truncate_chain(drafter.propose(state, budget), budget) if budget > 0 else Draft()
-        if draft.parents is not None or draft.exit_states is not None:
-            raise ConfigurationError(f"drafter {drafter.name!r} says chain_only but drafted a tree or exit states")
-        return self._host_rows(state, draft)
-
-    def _exit_draft(self, drafter: EarlyExitDrafter, state: DecodeState, budget: int, bucket: int) -> _Rows:
-        """The early exit's chain of ``budget`` tokens on the device, and every row's exit state.
-
-        Each draft step runs layers ``[0, E)`` on one token (writing their keys and values at its
-        slot) and the LM head on the exit state; after the chain one more step runs the last
-        drafted token's layers, so the verify continues every row from layer ``E``.
-        """
-        exit_layer, device = drafter.exit_layer, state.runner.device
-        offsets = self._offsets(device)
-        exit_states: list[torch.Tensor] = []
-
-        def next_logits(token: torch.Tensor, j: int) -> torch.Tensor:
-            exit_state, logits = self.step.exit_draft(
-                token.view(1, 1), offsets[j], exit_layer, bucket, adapter=drafter.exit_adapter
-            )
-            exit_states.append(exit_state)
-            assert logits is not None
-            return logits
-
-        on_device = draft_chain_on_device(state, budget, next_logits, drafter.confidence)
-        last_token = on_device.tokens[-1:].view(1, 1)
-        last, _ = self.step.exit_draft(last_token, offsets[budget], exit_layer, bucket, logits=False)
-        rows = self._device_rows(state, on_device)
-        padding = rows.tokens.shape[1] - 1 - budget
-        rows.exit_states = torch.cat([*exit_states, last, last.new_zeros(1, padding, last.shape[-1])], dim=1)
-        rows.exit_layer = exit_layer
+        """The round's draft as the step's rows (:meth:`~selfspec.drafting.Drafter.draft_static`), no host read."""
+        if budget <= 0:
+            return self._host_rows(state, Draft())
+        drafted = drafter.draft_static(state, budget, self.step, bucket)
+        rows = self._static_rows(drafter, state, budget, drafted)
+        rows.settle = drafted.settle
         return rows
 
-    def _offsets(self, device: torch.device) -> list[torch.Tensor]:
-        """0-d tensors ``0 .. 32`` on the device, made once: a draft step's offset from the cache length."""
-        if not self._offset_list:
-            self._offset_list = [torch.full((), j, dtype=torch.long, device=device) for j in range(WIDTHS[-1])]
-        return self._offset_list
+    def _static_rows(self, drafter: Drafter, state: DecodeState, budget: int, drafted: StaticDraft) -> _Rows:
+        """A :class:`StaticDraft` as the step's rows: a host chain (checked), or a device chain and its exit states."""
+        if drafted.device is None:
+            draft = truncate_chain(drafted.host or Draft(), budget)
+            if draft.parents is not None or draft.exit_states is not None:
+                raise ConfigurationError(
+                    f"drafter {drafter.name!r} says chain_only but drafted a tree or exit states for the static round"
+                )
+            return self._host_rows(state, draft)
+        rows = self._device_rows(state, drafted.device)
+        if drafted.exit_states is not None:  # padded rows never accepted: zero states
+            exits = drafted.exit_states
+            padding = rows.tokens.shape[1] - exits.shape[1]
+            rows.exit_states = torch.cat([exits, exits.new_zeros(1, padding, exits.shape[-1])], dim=1)
+            rows.exit_layer = drafted.exit_layer
+        return rows
 
     @staticmethod
     def _host_rows(state: DecodeState, draft: Draft) -> _Rows:
@@ -290,7 +260,7 @@ class _Rows:
         host_draft: the draft, when it was drafted on the host (else it is read with the round's result).
         exit_states: ``[1, w, hidden]`` the early exit's states of every row (the verify starts at its layer).
         exit_layer: the early exit's layer (with ``exit_states``).
-        source: the hybrid's choice this round (``"lookup"`` or ``"early_exit"``), ``None`` otherwise.
+        settle: the drafter's :attr:`~selfspec.drafting.StaticDraft.settle` (called with the read draft).
     """
 
     tokens: torch.Tensor
@@ -299,19 +269,7 @@ class _Rows:
     host_draft: Draft | None = None
     exit_states: torch.Tensor | None = None
     exit_layer: int = 0
-    source: str | None = None
-
-
-def static_early_exit(drafter: Drafter) -> EarlyExitDrafter | None:
-    """The early exit whose chains the static round drafts for ``drafter``, or ``None``.
-
-    ``drafter`` itself (an :class:`EarlyExitDrafter`) or the hybrid's (its early-exit rounds), when
-    it drafts chains (no ``tree_nodes``); ``None`` for every other drafter.
-    """
-    early_exit = drafter.early_exit if type(drafter) is HybridDrafter else drafter
-    if type(early_exit) is EarlyExitDrafter and not early_exit.tree_nodes:
-        return early_exit
-    return None
+    settle: Callable[[list[int]], None] | None = None
 
 
 def _padded(draft_probs: torch.Tensor | None, rows: int) -> torch.Tensor | None:

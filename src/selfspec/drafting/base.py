@@ -48,6 +48,14 @@ round can be verified with a single device-to-host read. :func:`draft_chain_on_d
 :func:`draft_autoregressively`'s twin for it: the same cost gate, confidence stop and
 end-of-sequence stop, as device-side masks over the full-width draft.
 
+In the static round (``compile=``, :mod:`selfspec.decoding.static_round`) a drafter is reached
+through two members only: :attr:`Drafter.static_drafting`, how the round drafts for it
+(:class:`StaticDrafting`: a host chain sent in one copy, a device draft, or not at all: the
+eager loop serves its calls), and :meth:`Drafter.draft_static`, the round's draft
+(:class:`StaticDraft`: a host chain, or a device chain with, for a drafter that ran the target's
+own first layers, their exit states); :meth:`Drafter.prepare_static` compiles the round's steps
+it will use ahead of a call. The round never asks which class a drafter is.
+
 Writing one: subclass :class:`Drafter`, implement ``propose``, and register a factory with
 :func:`selfspec.register_drafter` (``docs/custom_drafter.md``).
 """
@@ -57,6 +65,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -68,6 +77,7 @@ from ..modeling.transfer import device_ids
 
 if TYPE_CHECKING:
     from ..modeling.runner import ModelRunner
+    from ..modeling.static_step import StaticStep
 
 T = TypeVar("T")
 
@@ -196,6 +206,47 @@ class DeviceDraft:
         return int(self.tokens.shape[0])
 
 
+class StaticDrafting(Enum):
+    """How the static round (``compile=``) drafts for a drafter (:attr:`Drafter.static_drafting`).
+
+    Attributes:
+        NONE: it cannot (token trees; the target's cache written outside the round's own steps):
+            the eager loop serves the drafter's calls, with the same text.
+        HOST: chains from :meth:`Drafter.propose`, sent to the device in one non-blocking copy.
+        DEVICE: :meth:`Drafter.draft_static` drafts on the device, its real length decided there
+            (an EAGLE head's compiled step, the early exit's through the round's own exit steps).
+    """
+
+    NONE = "none"
+    HOST = "host"
+    DEVICE = "device"
+
+
+@dataclass
+class StaticDraft:
+    """A static round's draft (:meth:`Drafter.draft_static`): a host chain or a device chain.
+
+    Attributes:
+        host: a chain drafted on the host (at most the round's budget; no ``parents``, no
+            ``exit_states``), sent to the device with its length in one copy.
+        device: a chain of the round's budget drafted on the device, its length there (read
+            with the round's result).
+        exit_states: with ``device``, when the drafter ran the target's own layers
+            ``[0, exit_layer)`` through the round's steps (writing their keys and values): the
+            ``[1, k + 1, hidden]`` exit states of the last token and the ``k`` drafts; the verify
+            runs layers ``[exit_layer, L)`` on them.
+        exit_layer: the layer of ``exit_states``.
+        settle: called with the real drafted tokens once the round has read them (before the
+            commit), for a drafter that learns from what it drafted (the hybrid's books).
+    """
+
+    host: Draft | None = None
+    device: DeviceDraft | None = None
+    exit_states: torch.Tensor | None = None
+    exit_layer: int = 0
+    settle: Callable[[list[int]], None] | None = None
+
+
 class Drafter(ABC):
     """Proposes draft tokens for one round (see the module docstring for the contract)."""
 
@@ -244,6 +295,48 @@ class Drafter(ABC):
             NotImplementedError: the drafter has no device chain (the default).
         """
         raise NotImplementedError(f"the {self.name!r} drafter ({type(self).__name__}) drafts no chain on the device")
+
+    @property
+    def static_drafting(self) -> StaticDrafting:
+        """How the static round drafts for this drafter (the round's one capability check).
+
+        By default: :attr:`StaticDrafting.DEVICE` with a device chain
+        (:attr:`supports_device_chain`), :attr:`StaticDrafting.HOST` for a drafter that proposes
+        only chains (:attr:`chain_only`), else :attr:`StaticDrafting.NONE`.
+        """
+        if self.supports_device_chain:
+            return StaticDrafting.DEVICE
+        return StaticDrafting.HOST if self.chain_only else StaticDrafting.NONE
+
+    def prepare_static(self, step: StaticStep, slots: int, kinds: tuple[str, ...]) -> None:
+        """Compile the static round's steps this drafter's rounds use, for calls of ``slots`` slots.
+
+        The default: the verify of every width over every layer (``kinds``: ``"greedy"`` and,
+        for sampled calls, ``"forward"``). A drafter that drafts through the target's own
+        layers prepares those steps instead (the early exit).
+        """
+        step.prepare(slots, kinds=kinds)
+
+    def draft_static(self, state: DecodeState, budget: int, step: StaticStep, bucket: int) -> StaticDraft:
+        """The static round's draft of at most ``budget`` (``>= 1``) tokens.
+
+        The default: :meth:`propose_device` of exactly ``budget`` tokens with a device chain
+        (:attr:`supports_device_chain`), else :meth:`propose` (the round keeps at most
+        ``budget`` tokens of it). A drafter that runs the target's own layers draws them from
+        ``step`` (:meth:`~selfspec.modeling.static_step.StaticStep.exit_draft` over ``bucket``
+        slots, the round's attention span) and hands their states over in the
+        :class:`StaticDraft`.
+
+        Args:
+            state: the generation's state (its cache is the round's
+                :class:`~selfspec.modeling.static_step.DeviceKVCache`).
+            budget: the most tokens to draft (a device chain drafts exactly this many).
+            step: the round's compiled steps and cache.
+            bucket: the slots the round's forwards attend over.
+        """
+        if self.supports_device_chain:
+            return StaticDraft(device=self.propose_device(state, budget))
+        return StaticDraft(host=self.propose(state, budget))
 
     def compile_device_chain(self, backend: str | None) -> None:  # noqa: B027
         """Ask :meth:`propose_device` for steps of fixed shapes, compiled with ``backend`` (``None``: run eagerly).

@@ -15,7 +15,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import ConfigurationError
-from .base import DecodeState, Draft, Drafter, below_confidence, choose_token, draft_autoregressively
+from .base import (
+    DecodeState,
+    Draft,
+    Drafter,
+    StaticDraft,
+    StaticDrafting,
+    below_confidence,
+    choose_token,
+    draft_autoregressively,
+    draft_chain_on_device,
+)
 from .exit_adapter.adapter import ExitAdapter
 from .planning import (
     BenchContext,
@@ -32,6 +42,7 @@ from .registry import register_drafter
 
 if TYPE_CHECKING:
     from ..modeling.cache import BatchedKVCache
+    from ..modeling.static_step import StaticStep
 
 
 class EarlyExitDrafter(Drafter):
@@ -70,6 +81,38 @@ class EarlyExitDrafter(Drafter):
     def can_batch(self) -> bool:  # type: ignore[override]
         """Chains draft in batched rounds; token trees run alone."""
         return not self.tree_nodes
+
+    @property
+    def static_drafting(self) -> StaticDrafting:
+        """Chains draft on the device through the static round's exit steps; token trees run the eager loop."""
+        return StaticDrafting.NONE if self.tree_nodes else StaticDrafting.DEVICE
+
+    def prepare_static(self, step: StaticStep, slots: int, kinds: tuple[str, ...]) -> None:
+        """The exit layer's draft steps (through the adapter) and its verify of every width (from the exit layer)."""
+        step.prepare(slots, kinds=kinds, exit_layer=self.exit_layer, adapter=self.exit_adapter)
+
+    def draft_static(self, state: DecodeState, budget: int, step: StaticStep, bucket: int) -> StaticDraft:
+        """A chain of ``budget`` tokens on the device through ``step``'s exit steps, and every row's exit state.
+
+        Each draft step runs layers ``[0, E)`` on one token (writing their keys and values at its
+        slot) and the LM head on the exit state (through the adapter); after the chain one more
+        step runs the last drafted token's layers, so the verify continues every row from layer
+        ``E``: the first layers never run twice on a token. No host read.
+        """
+        exit_layer, offsets = self.exit_layer, step.offsets()
+        exit_states: list[torch.Tensor] = []
+
+        def next_logits(token: torch.Tensor, j: int) -> torch.Tensor:
+            exit_state, logits = step.exit_draft(
+                token.view(1, 1), offsets[j], exit_layer, bucket, adapter=self.exit_adapter
+            )
+            exit_states.append(exit_state)
+            assert logits is not None
+            return logits
+
+        chain = draft_chain_on_device(state, budget, next_logits, self.confidence)
+        last, _ = step.exit_draft(chain.tokens[-1:].view(1, 1), offsets[budget], exit_layer, bucket, logits=False)
+        return StaticDraft(device=chain, exit_states=torch.cat([*exit_states, last], dim=1), exit_layer=exit_layer)
 
     def __repr__(self) -> str:
         tree = f", tree_nodes={self.tree_nodes}, tree_shape={self.tree_shape!r}" if self.tree_nodes else ""

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..core.speed import CostModel
 from ..modeling.runner import ModelRunner
-from .base import DecodeState, Draft, Drafter
+from .base import DecodeState, Draft, Drafter, StaticDraft, StaticDrafting
 from .early_exit import EarlyExitDrafter, describe_exit, exit_settings, planned_exit
 from .exit_adapter.adapter import ExitAdapter
 from .planning import (
@@ -21,6 +21,9 @@ from .planning import (
 )
 from .prompt_lookup import PromptLookupDrafter
 from .registry import register_drafter
+
+if TYPE_CHECKING:
+    from ..modeling.static_step import StaticStep
 
 
 class _SourceRecord:
@@ -197,6 +200,30 @@ class HybridDrafter(Drafter):
             self.note(state, "lookup", copied)
             return graft(draft, copied)
         return draft
+
+    @property
+    def static_drafting(self) -> StaticDrafting:
+        """Device drafts (the early exit's chains, or a lookup copy sent in one copy); trees run the eager loop."""
+        return self.early_exit.static_drafting
+
+    def prepare_static(self, step: StaticStep, slots: int, kinds: tuple[str, ...]) -> None:
+        """Both sources' steps: the full verify (lookup rounds) and the early exit's."""
+        step.prepare(slots, kinds=kinds)
+        self.early_exit.prepare_static(step, slots, kinds)
+
+    def draft_static(self, state: DecodeState, budget: int, step: StaticStep, bucket: int) -> StaticDraft:
+        """This round's source (:meth:`choose_round`): the lookup's copy (host), or the early exit's device chain.
+
+        No lookup graft here: the static round verifies chains. The early exit's drafted tokens
+        are noted once the round has read them (:attr:`StaticDraft.settle`).
+        """
+        kind, copied = self.choose_round(state, budget)  # the host's token history only: no read
+        if kind == "lookup":
+            self.note(state, kind, copied[:budget])
+            return StaticDraft(host=Draft(tokens=copied[:budget]))
+        drafted = self.early_exit.draft_static(state, budget, step, bucket)
+        drafted.settle = lambda tokens: self.note(state, "early_exit", tokens)
+        return drafted
 
     def propose_batch(self, states: list[DecodeState], budgets: list[int]) -> list[Draft]:
         """Each row's own choice, as alone; the early exit drafts its rows and the lookup rows ride along."""

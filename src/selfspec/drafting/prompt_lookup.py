@@ -6,10 +6,10 @@ that are often right when the answer copies its context (RAG, summaries, edits).
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..core.speed import CostModel
-from .base import DecodeState, Draft, Drafter
+from .base import DecodeState, Draft, Drafter, StaticDraft, StaticDrafting
 from .planning import (
     BenchContext,
     BenchRow,
@@ -20,6 +20,9 @@ from .planning import (
     DrafterFactory,
 )
 from .registry import register_drafter
+
+if TYPE_CHECKING:
+    from ..modeling.static_step import StaticStep
 
 
 class NgramIndex:
@@ -83,6 +86,15 @@ class PromptLookupDrafter(Drafter):
     def propose(self, state: DecodeState, max_tokens: int) -> Draft:
         """Copy up to ``max_tokens`` tokens after the latest match."""
         return Draft(tokens=self.lookup(state, max_tokens)) if max_tokens > 0 else Draft()
+
+    @property
+    def static_drafting(self) -> StaticDrafting:
+        """Copies are host chains: the static round sends each to the device in one copy."""
+        return StaticDrafting.HOST
+
+    def draft_static(self, state: DecodeState, budget: int, step: StaticStep, bucket: int) -> StaticDraft:
+        """The copied continuation (at most ``budget`` tokens), drafted on the host from the token history."""
+        return StaticDraft(host=self.propose(state, budget))
 
 
 def make_prompt_lookup(engine: Any, **options: Any) -> PromptLookupDrafter:

@@ -309,6 +309,14 @@ class StaticStep:
     backend: str | None = None
     cache: DeviceKVCache | None = None
     compiled: dict[tuple[str, int, int], Callable[..., Any]] = field(default_factory=dict)
+    _offsets: list[torch.Tensor] = field(default_factory=list, repr=False)
+
+    def offsets(self) -> list[torch.Tensor]:
+        """0-d ``long`` tensors ``0 .. WIDTHS[-1] - 1`` on the device, made once: draft steps' offsets."""
+        if not self._offsets:
+            device = self.runner.device
+            self._offsets = [torch.full((), j, dtype=torch.long, device=device) for j in range(WIDTHS[-1])]
+        return self._offsets
 
     def __repr__(self) -> str:
         return f"StaticStep(backend={self.backend!r}, cache={self.cache!r}, steps={sorted(self.compiled)})"

@@ -35,7 +35,15 @@ from ...core.speed import CostModel
 from ...core.tree import default_tree_width
 from ...errors import ConfigurationError
 from ...modeling.transfer import device_ids
-from ..base import DecodeState, DeviceDraft, Draft, Drafter, draft_autoregressively, draft_chain_on_device
+from ..base import (
+    DecodeState,
+    DeviceDraft,
+    Draft,
+    Drafter,
+    StaticDrafting,
+    draft_autoregressively,
+    draft_chain_on_device,
+)
 from ..prompt_lookup import PromptLookupDrafter
 from ..registry import register_drafter
 from ..tree_grower import ROOT, TreeGrower, grow_tree
@@ -116,6 +124,13 @@ class EagleDrafter(Drafter):
         tree = f", tree_nodes={self.tree_nodes}" if self.tree_nodes else ""
         lookup = ", lookup=True" if self.lookup is not None else ""
         return f"EagleDrafter({self.head!r}{tree}{lookup})"
+
+    @property
+    def static_drafting(self) -> StaticDrafting:
+        """Chains on the device (:meth:`propose_device`); with prompt lookup, host chains; trees: the eager loop."""
+        if self.tree_nodes or self.feature_layers is not None:
+            return StaticDrafting.NONE
+        return StaticDrafting.DEVICE if self.supports_device_chain else StaticDrafting.HOST
 
     def compile_device_chain(self, backend: str | None) -> None:
         """Draft device chains through the static head step, compiled with ``backend`` (``None``: eagerly).
