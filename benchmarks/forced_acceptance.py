@@ -218,6 +218,11 @@ class RoundRecord:
     drafted: int
     accepted: int
 
+    @property
+    def total_ms(self) -> float:
+        """The whole round: draft, launch, wait, commit and the gap before it."""
+        return self.draft_ms + (self.launch_ms or 0) + self.wait_ms + self.commit_ms + (self.gap_ms or 0)
+
 
 @contextlib.contextmanager
 def record_rounds(engine: Any) -> Iterator[list[RoundRecord]]:

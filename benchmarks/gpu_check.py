@@ -80,6 +80,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # forced_acceptance beside this 
 
 from forced_acceptance import (
     ForcedAcceptanceDrafter,
+    RoundRecord,
     expected_tokens_per_round,
     follows_successor,
     make_context_free,
@@ -608,19 +609,27 @@ def forced_section(check: Check, out: dict[str, Any]) -> None:
     check.kept["plain_graphed_tok_s"] = plain
 
 
-def forced_call(
-    check: Check, engine: SpeculativeEngine, drafter: ForcedAcceptanceDrafter, prompt: list[int], new_tokens: int
-) -> dict[str, Any]:
-    """One timed call with its rounds recorded; whether the verify accepted exactly what was forced."""
+def recorded_call(
+    check: Check, engine: SpeculativeEngine, prompt: list[int], new_tokens: int
+) -> tuple[Any, float, list[RoundRecord]]:
+    """One synchronized, timed ``generate_ids`` call with its rounds recorded: (output, seconds, records)."""
     synchronize(check.device)
     with record_rounds(engine) as records:
         started = time.perf_counter()
         output = engine.generate_ids(prompt, max_new_tokens=new_tokens)
         synchronize(check.device)
         seconds = time.perf_counter() - started
+    return output, seconds, records
+
+
+def forced_call(
+    check: Check, engine: SpeculativeEngine, drafter: ForcedAcceptanceDrafter, prompt: list[int], new_tokens: int
+) -> dict[str, Any]:
+    """One timed call with its rounds recorded; whether the verify accepted exactly what was forced."""
+    output, seconds, records = recorded_call(check, engine, prompt, new_tokens)
     full = [r for r in records if r.drafted == drafter.num_draft_tokens]  # the tail drafts nothing
     forced = [n for n, d in zip(drafter.forced, drafter.drafted, strict=True) if d == drafter.num_draft_tokens]
-    round_s = sum(r.draft_ms + (r.launch_ms or 0) + r.wait_ms + r.commit_ms + (r.gap_ms or 0) for r in full) / 1000
+    round_s = sum(r.total_ms for r in full) / 1000
     return {
         "seconds": seconds,
         "tokens": len(output.token_ids),
@@ -699,12 +708,7 @@ def eagle3_section(check: Check, out: dict[str, Any]) -> None:
     engine.generate_ids(prompt, max_new_tokens=new_tokens)  # warm: compiles the head's steps where it can
     out["first_call_s"] = round(time.perf_counter() - started, 1)
     check.save()
-    synchronize(check.device)
-    with record_rounds(engine) as records:
-        started = time.perf_counter()
-        output = engine.generate_ids(prompt, max_new_tokens=new_tokens)
-        synchronize(check.device)
-        seconds = time.perf_counter() - started
+    output, seconds, records = recorded_call(check, engine, prompt, new_tokens)
     drafting = [r for r in records if r.drafted > 0]
     served = sorted({r.path for r in records})
     out["served_by"] = served
@@ -712,7 +716,7 @@ def eagle3_section(check: Check, out: dict[str, Any]) -> None:
         out["static_round"] = "accepted" if served == ["static"] else f"refused by static round: ({unknown})"
     out |= {"tok_s": round(len(output.token_ids) / seconds, 1), "rounds": len(records)}
     if drafting:
-        round_ms = [r.draft_ms + (r.launch_ms or 0) + r.wait_ms + r.commit_ms + (r.gap_ms or 0) for r in drafting]
+        round_ms = [r.total_ms for r in drafting]
         ms = statistics.median(round_ms)
         expected = expected_tokens_per_round(0.8, DRAFTS)
         out |= {

@@ -31,6 +31,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
+from serve_process import wait_until_serving  # noqa: E402
+
 MODEL = "selfspec-demo"
 PROMPTS = [
     "It is a truth universally acknowledged",
@@ -74,17 +76,7 @@ def server() -> Iterator[tuple[str, int]]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     process = subprocess.Popen([*command, "--log-level", "warning"], env=env, stderr=subprocess.PIPE, text=True)
     root = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"{root}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"selfspec serve did not start: {process.communicate()[1][-2000:]}")
-        time.sleep(0.2)
+    wait_until_serving(root, process)
     try:
         yield root, process.pid
     finally:

@@ -25,6 +25,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
+from serve_process import wait_until_serving  # noqa: E402
+
 MODEL = "selfspec-demo"
 GRACE = 2.0
 RUNNING = 2  # --max-concurrent: the requests that run
@@ -43,27 +45,13 @@ def _start() -> tuple[str, subprocess.Popen[str]]:
     return f"http://127.0.0.1:{port}", subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
 
 
-def _wait_ready(root: str, process: subprocess.Popen[str]) -> None:
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"{root}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"selfspec serve did not start: {process.communicate()[1][-2000:]}")
-        time.sleep(0.2)
-
-
 @pytest.fixture(scope="module")
 def servers() -> Iterator[list[tuple[str, subprocess.Popen[str]]]]:
     """Two servers, one per test (each test ends its own), started together to save time."""
     started = [_start() for _ in range(2)]
     try:
         for root, process in started:
-            _wait_ready(root, process)
+            wait_until_serving(root, process)
         yield started
     finally:
         for _, process in started:

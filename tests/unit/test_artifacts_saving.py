@@ -9,6 +9,7 @@ import errno
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,28 @@ def test_a_save_writes_the_file_whole_and_leaves_nothing_beside_it(cache: Path) 
     assert target.stat().st_mode & 0o777 == 0o666 & ~umask  # as any file the user writes, not owner-only
 
 
+def _save_while_reading(save: Callable[[int], object], read: Callable[[], None], seconds: float = 1.0) -> int:
+    """Call ``save(n)`` for n = 0, 1, ... for ``seconds`` while a thread calls ``read()`` in a tight loop; the saves."""
+    stop = threading.Event()
+
+    def reading() -> None:
+        while not stop.is_set():
+            read()
+
+    reader = threading.Thread(target=reading)
+    reader.start()
+    saves = 0
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            save(saves)
+            saves += 1
+    finally:
+        stop.set()
+        reader.join()
+    return saves
+
+
 def test_a_reader_during_repeated_saves_sees_only_whole_old_or_new_files(cache: Path) -> None:
     """A tight-loop reader against a writer alternating two 256 KB files for about a second."""
     target = cache / "calibrations" / "m" / "cpu-float32.json"
@@ -72,27 +95,15 @@ def test_a_reader_during_repeated_saves_sees_only_whole_old_or_new_files(cache: 
     atomic_write_bytes(target, versions[0])
     seen: dict[bytes, int] = {}
     torn: list[int] = []
-    stop = threading.Event()
 
     def read() -> None:
-        while not stop.is_set():
-            data = target.read_bytes()  # never FileNotFoundError: the name always holds a file
-            if data in versions:
-                seen[data[:1]] = seen.get(data[:1], 0) + 1
-            else:
-                torn.append(len(data))
+        data = target.read_bytes()  # never FileNotFoundError: the name always holds a file
+        if data in versions:
+            seen[data[:1]] = seen.get(data[:1], 0) + 1
+        else:
+            torn.append(len(data))
 
-    reader = threading.Thread(target=read)
-    reader.start()
-    saves = 0
-    deadline = time.monotonic() + 1.0
-    try:
-        while time.monotonic() < deadline:
-            atomic_write_bytes(target, versions[saves % 2])
-            saves += 1
-    finally:
-        stop.set()
-        reader.join()
+    saves = _save_while_reading(lambda n: atomic_write_bytes(target, versions[n % 2]), read)
     assert torn == [], f"{len(torn)} torn reads (sizes {sorted(set(torn))[:5]}) in {sum(seen.values())} reads"
     assert saves > 20 and sum(seen.values()) > 20 and set(seen) == {b"a", b"b"}, (saves, seen)
     assert _leftovers(target.parent) == []
@@ -296,24 +307,12 @@ def test_loading_a_calibration_during_repeated_saves_never_finds_it_unreadable(
     versions = [{"exit_layer": layer, "notes": ["x" * 40_000] * layer} for layer in (1, 2)]
     save_calibration(model, versions[0])
     loaded: list[int] = []
-    stop = threading.Event()
 
     def read() -> None:
-        while not stop.is_set():
-            data = load_calibration(model, check_machine=False)
-            loaded.append(-1 if data is None else data["exit_layer"])
+        data = load_calibration(model, check_machine=False)
+        loaded.append(-1 if data is None else data["exit_layer"])
 
-    reader = threading.Thread(target=read)
-    reader.start()
-    saves = 0
-    deadline = time.monotonic() + 1.0
-    try:
-        while time.monotonic() < deadline:
-            save_calibration(model, versions[saves % 2])
-            saves += 1
-    finally:
-        stop.set()
-        reader.join()
+    saves = _save_while_reading(lambda n: save_calibration(model, versions[n % 2]), read)
     assert loaded.count(-1) == 0, f"{loaded.count(-1)} of {len(loaded)} loads found no usable calibration"
     assert saves > 10 and len(loaded) > 10 and set(loaded) == {1, 2}, (saves, len(loaded), set(loaded))
     assert not [r for r in caplog.records if "unreadable" in r.getMessage()]
