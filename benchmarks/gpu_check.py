@@ -89,6 +89,7 @@ from forced_acceptance import (
 )
 
 from selfspec import SpeculativeEngine
+from selfspec.artifacts import atomic_write_text
 
 SHAPES: dict[str, dict[str, Any]] = {
     "llama3-8b": {
@@ -192,8 +193,8 @@ class Check:
         out = Path(self.args.out)
         out.mkdir(parents=True, exist_ok=True)
         self.results["elapsed_s"] = round(time.perf_counter() - self.started, 1)
-        write_atomic(out / "gpu_check.json", json.dumps(self.results, indent=1, default=str) + "\n")
-        write_atomic(out / "gpu_check.md", markdown(self.results))
+        atomic_write_text(out / "gpu_check.json", json.dumps(self.results, indent=1, default=str) + "\n")
+        atomic_write_text(out / "gpu_check.md", markdown(self.results))
 
     def run_section(self, name: str, body: Callable[[Check, dict[str, Any]], None]) -> None:
         """Run one section into ``results["sections"][name]`` (filled in place: partial results are kept)."""
@@ -226,13 +227,6 @@ class Check:
         out.setdefault("reason", None)
         log(self, f"{name}: {out['status']} {json.dumps(out, default=str)[:300]}")
         self.save()
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(text)
-    os.replace(temporary, path)
 
 
 def log(check: Check, message: str) -> None:

@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from forced_acceptance import ForcedAcceptanceDrafter, RoundRecord, make_context_free, record_rounds
 
 from selfspec import SpeculativeEngine
+from selfspec.artifacts import atomic_write_text
 
 RESULTS = Path(__file__).parent / "results"
 TEXT = (
@@ -160,13 +161,10 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def write(result: dict[str, Any], out: Path, name: str) -> None:
-    """``name.json`` and ``name.md`` in ``out``, each through a temporary file and ``os.replace``."""
+    """``name.json`` and ``name.md`` in ``out``, each through ``selfspec.artifacts.atomic_write_text``."""
     out.mkdir(parents=True, exist_ok=True)
     for suffix, text in (("json", json.dumps(result, indent=1) + "\n"), ("md", markdown(result))):
-        path = out / f"{name}.{suffix}"
-        temporary = path.with_name(f".{path.name}.tmp")
-        temporary.write_text(text)
-        os.replace(temporary, path)
+        atomic_write_text(out / f"{name}.{suffix}", text)
 
 
 def main() -> None:
