@@ -369,13 +369,18 @@ def test_batch_dependent_rotary_scaling_runs_unbatched() -> None:
 
 
 def test_serve_command_passes_batching_to_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``selfspec serve --batching`` builds a batching engine (uvicorn's blocking run is replaced)."""
+    """``selfspec serve --batching`` builds a batching engine (uvicorn's blocking ``Server.run`` is replaced)."""
     uvicorn = pytest.importorskip("uvicorn")
     pytest.importorskip("fastapi")
     from selfspec.cli import main
 
     apps: list[Any] = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: apps.append(app))
+
+    def run_returns_at_once(server: Any, sockets: Any = None) -> None:
+        apps.append(server.config.app)
+        server.started = True
+
+    monkeypatch.setattr(uvicorn.Server, "run", run_returns_at_once)
     assert main(["serve", "--model", "selfspec-demo", "--batching", "--port", "0"]) == 0
     assert main(["serve", "--model", "selfspec-demo", "--port", "0"]) == 0
     batched, plain = (app.state.selfspec.engine for app in apps)
