@@ -20,6 +20,10 @@ for _tier in ("unit", "exact", "system", "meta"):  # tests import helpers from e
     sys.path.insert(0, str(Path(__file__).parent / _tier))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # demo_model: how the demo model was built
 torch.set_num_threads(1)
+if not torch.cuda.is_available():
+    # the row-invariant Triton kernels run in Triton's interpreter here; triton reads this when it
+    # is first imported (torch._dynamo imports it), so it is set before any test runs
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _TEST_CACHE: Path | None = None
 

@@ -113,6 +113,29 @@ def test_hybrid_learns_which_source_pays_in_this_generation() -> None:
     assert hybrid.choose(state, [23, 24, 25], 3) == "lookup"
 
 
+def test_hybrid_prices_both_sources_on_the_calibrated_verify_curve() -> None:
+    """A lookup round costs the verify of its copy; an early-exit round its drafts plus that verify.
+
+    With the same acceptance records, a curve on which verifying is cheap takes the free copy,
+    and a steep one (verifying 3 drafts at 6 plain steps) takes the early exit, whose fresher
+    drafts are accepted more often: the choice follows the measured costs, not a fixed guess.
+    """
+    from selfspec.core.speed import CostModel
+
+    model = make_model("llama")
+    repeated = [20, 21, 22, 23, 24, 25, 30, 31, 20, 21, 22]
+    choices = {}
+    for curve in ({3: 1.0}, {3: 6.0}):
+        hybrid = HybridDrafter(exit_layer=2, costs=CostModel(0.3, curve))
+        with torch.inference_mode():
+            state = state_for(repeated, model)
+        book = hybrid._book(state)
+        book.lookup.accepted, book.lookup.rejected = 1.0, 1.0  # per-token acceptance 0.5
+        book.early_exit.accepted, book.early_exit.rejected = 1.2, 0.8  # 0.6
+        choices[curve[3]] = hybrid.choose(state, [23, 24, 25], 3)
+    assert choices == {1.0: "lookup", 6.0: "early_exit"}
+
+
 def test_prompt_lookup_proposes_nothing_without_a_match() -> None:
     model = make_model("llama")
     with torch.inference_mode():

@@ -42,6 +42,22 @@ def test_the_kernels_run_in_the_interpreter() -> None:
     assert interpreted(), "the kernels were loaded before TRITON_INTERPRET=1 was set"
 
 
+def test_interpreting_after_triton_was_imported_is_refused_with_what_to_do() -> None:
+    """TRITON_INTERPRET=1 set after triton's import (torch._dynamo imports it) names the cause, not a kernel error."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, triton; os.environ['TRITON_INTERPRET'] = '1'\n"
+        "from selfspec.errors import ConfigurationError\n"
+        "from selfspec.modeling.kernels.launch import triton_code\n"
+        "try:\n    triton_code()\nexcept ConfigurationError as error:\n    print(error)\n"
+    )
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert "set after triton was imported" in result.stdout, result.stdout + result.stderr
+
+
 def _linear_operands(dtype: torch.dtype, bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     generator = torch.Generator().manual_seed(0)
     # K = 260: three K steps with a tail; N = 40: two column tiles with a tail

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..core.speed import CostModel
+from ..core.speed import CostModel, expected_tokens
 from ..modeling.runner import ModelRunner
 from .base import DecodeState, Draft, Drafter, StaticDraft, StaticDrafting
 from .early_exit import EarlyExitDrafter, describe_exit, exit_settings, planned_exit
@@ -61,10 +61,9 @@ class _Book:
         return self.lookup if kind == "lookup" else self.early_exit
 
 
-def expected_tokens(rate: float, num_drafted: int) -> float:
-    """Expected tokens a round emits: accepted drafts plus the corrected or bonus token."""
-    rate = min(max(rate, 0.0), 0.999)
-    return float((1.0 - rate ** (num_drafted + 1)) / (1.0 - rate))
+#: The verify curve assumed without a calibration (``--no-calibrate``): each draft token adds
+#: 5% of a plain step to the verify (about a GPU's; a CPU's is steeper, and calibration measures it).
+UNCALIBRATED_VERIFY = {1: 1.05}
 
 
 class HybridDrafter(Drafter):
@@ -96,12 +95,14 @@ class HybridDrafter(Drafter):
         graft_lookup: verify a rejected lookup continuation beside the early-exit draft (greedy
             rounds without a grammar constraint; the early exit drafting a chain; not in
             batched rounds).
+        costs: the calibrated :class:`~selfspec.core.speed.CostModel` of the early exit at
+            ``exit_layer`` (its draft cost and the verify curve, :func:`hybrid_costs`); a lookup
+            round is priced on the same verify curve at no draft cost. Without one, the draft
+            cost comes from parameter counts and the verify curve is :data:`UNCALIBRATED_VERIFY`.
     """
 
     name = "hybrid"
     PROBE_EVERY = 8
-    #: Extra cost of verifying one more draft token, relative to a one-token step.
-    VERIFY_COST = 0.05
 
     def __init__(
         self,
@@ -112,11 +113,13 @@ class HybridDrafter(Drafter):
         confidence: float = 0.0,
         exit_adapter: ExitAdapter | None = None,
         graft_lookup: bool = True,
+        costs: CostModel | None = None,
     ) -> None:
         self.lookup_drafter = PromptLookupDrafter(max_ngram=max_ngram, min_ngram=min_ngram)
         self.early_exit = EarlyExitDrafter(exit_layer, confidence=confidence, exit_adapter=exit_adapter)
         self.exit_agreement = exit_agreement
         self.graft_lookup = graft_lookup
+        self.costs = costs
         self._draft_cost: float | None = None
 
     @property
@@ -139,7 +142,9 @@ class HybridDrafter(Drafter):
         return f"HybridDrafter(exit_layer={self.exit_layer}, max_ngram={self.lookup_drafter.max_ngram}{adapter})"
 
     def draft_cost(self, runner: ModelRunner) -> float:
-        """One early-exit draft token's cost relative to a full step, from parameter counts."""
+        """One early-exit draft token's cost relative to a full step: calibrated, else from parameter counts."""
+        if self.costs is not None:
+            return self.costs.draft
         if self._draft_cost is None:
             layer = sum(p.numel() for p in runner.layers[0].parameters())
             head = runner.vocab_size * int(runner.config.hidden_size)
@@ -149,9 +154,10 @@ class HybridDrafter(Drafter):
     def choose(self, state: DecodeState, copied: list[int], max_tokens: int) -> str:
         """``"lookup"`` or ``"early_exit"`` for this round (``copied`` is non-empty)."""
         book = self._book(state)
-        verify = self.VERIFY_COST
-        lookup_gain = expected_tokens(book.lookup.rate, len(copied)) / (1.0 + verify * len(copied))
-        early_cost = 1.0 + max_tokens * (self.draft_cost(state.runner) + verify)
+        verify = self.costs.verify if self.costs is not None else UNCALIBRATED_VERIFY
+        lookup_cost = CostModel(0.0, verify).round_cost(len(copied))
+        early_cost = CostModel(self.draft_cost(state.runner), verify).round_cost(max_tokens)
+        lookup_gain = expected_tokens(book.lookup.rate, len(copied)) / lookup_cost
         early_gain = expected_tokens(book.early_exit.rate, max_tokens) / early_cost
         if lookup_gain >= early_gain:
             return "lookup"
@@ -267,14 +273,25 @@ def graft(chain: Draft, branch: list[int]) -> Draft:
     )
 
 
+def hybrid_costs(calibration: dict[str, Any] | None, exit_layer: int) -> CostModel | None:
+    """The early exit's cost model at ``exit_layer`` from a calibration (its draft cost and verify curve), if any."""
+    calibration = calibration or {}
+    draft = (calibration.get("draft_cost") or {}).get(str(exit_layer))
+    verify = calibration.get("verify_cost")
+    if not isinstance(draft, (int, float)) or not isinstance(verify, dict) or not verify:
+        return None
+    return CostModel.from_json({"draft": draft, "verify": verify})
+
+
 def make_hybrid(engine: Any, **options: Any) -> HybridDrafter:
-    """The engine's hybrid: its early exit (layer, confidence, adapter, trees) and calibrated agreement."""
+    """The engine's hybrid: its early exit (layer, confidence, adapter, trees), calibrated agreement and costs."""
     settings = engine.config
     agreement = (settings.calibration.get("agreement") or {}).get(str(settings.exit_layer))
     options = {
         "exit_agreement": float(agreement) if isinstance(agreement, (int, float)) else 0.6,
         "confidence": settings.draft_confidence,
         "exit_adapter": settings.exit_adapter,
+        "costs": hybrid_costs(settings.calibration, settings.exit_layer),
         **options,
     }
     hybrid = HybridDrafter(settings.exit_layer, **options)
@@ -313,6 +330,7 @@ class HybridCalibration(DrafterCalibration):
             exit_agreement=float(agreement) if isinstance(agreement, (int, float)) else 0.6,
             confidence=engine.config.draft_confidence,
             exit_adapter=adapter,
+            costs=hybrid_costs(engine.config.calibration, exit_layer),
         )
 
 

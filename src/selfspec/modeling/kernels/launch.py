@@ -18,11 +18,21 @@ def triton_code() -> ModuleType:
 
     Raises:
         MissingDependencyError: triton is not installed.
+        ConfigurationError: ``TRITON_INTERPRET=1`` was set after triton itself was imported.
     """
     try:
         from . import triton_code as code
     except ImportError as error:
         raise MissingDependencyError(f"the row-invariant kernels need triton: {KERNELS_EXTRA} ({error})") from error
+    import triton.language as tl
+
+    if type(code.linear_kernel).__name__ != type(tl.zeros).__name__:
+        # Triton's own library was built before TRITON_INTERPRET=1 was set: interpreted kernels would
+        # fail inside it with "Cannot call @triton.jit'd outside of the scope of a kernel"
+        raise ConfigurationError(
+            "TRITON_INTERPRET=1 was set after triton was imported (torch.compile and torch._dynamo import it): "
+            "set it in the environment before Python starts, or before importing torch"
+        )
     return code
 
 
