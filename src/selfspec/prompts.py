@@ -1,7 +1,10 @@
-"""Built-in benchmark prompts, one set per Spec-Bench category, written for the demo model.
+"""Built-in prompt banks: calibration's mix, and the benchmark's sets, one per Spec-Bench category.
 
 The passages are from Jane Austen's novels (public domain). Each prompt is a list of chat
 messages (rendered by the model's chat template) or, for ``continuation``, plain text.
+Calibration (:func:`selfspec.calibration.measure.default_prompts`) measures on
+:data:`DEFAULT_CALIBRATION_PROMPTS` (models without a chat template) or
+:data:`CHAT_CALIBRATION_PROMPTS` (chat models).
 """
 
 from __future__ import annotations
@@ -154,3 +157,42 @@ def as_plain_text(messages: list[dict[str, Any]]) -> str:
     """
     turns = [f"{str(m.get('role', 'user')).capitalize()}: {m.get('content', '')}" for m in messages]
     return "\n\n".join([*turns, "Assistant:"])
+
+
+# ----------------------------------------------------------------------------- calibration
+
+#: Prose openings: the prompt mix for models without a chat template (and the demo model's).
+DEFAULT_CALIBRATION_PROMPTS: tuple[str, ...] = (
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune,",
+    "Emma Woodhouse, handsome, clever, and rich, with a comfortable home and happy disposition,",
+    '"My dear Mr. Bennet," said his lady to him one day, "have you heard that',
+    "The family of Dashwood had long been settled in Sussex. Their estate was large, and",
+    "Sir Walter Elliot, of Kellynch Hall, in Somersetshire, was a man who, for his own amusement,",
+    "No one who had ever seen Catherine Morland in her infancy would have supposed her born to be",
+)
+
+_NOTE = (
+    "The museum opens at 9 am and closes at 5 pm from Tuesday to Sunday. It is closed on Mondays. "
+    "Entry is free for children under twelve; adults pay eight euros. Guided tours start every hour "
+    "at the main entrance and last forty-five minutes."
+)
+_STORY = (
+    "Maria planted tomatoes, beans and basil in her small garden in April. In June the beans grew "
+    "faster than she expected, so she built a trellis from old bamboo sticks. By August she had more "
+    "tomatoes than her family could eat, and she gave the rest to her neighbours."
+)
+
+#: The prompt mix for chat models: something to copy (RAG, summary, code edit) and open chat.
+CHAT_CALIBRATION_PROMPTS: tuple[list[dict[str, str]], ...] = (
+    [{"role": "user", "content": f"Context:\n{_NOTE}\n\nQuestion: When is the museum open, and what does entry cost?"}],
+    [{"role": "user", "content": f"Summarize this story in two sentences.\n\n{_STORY}"}],
+    [
+        {
+            "role": "user",
+            "content": "Add a docstring to this function:\n\ndef area(width, height):\n    return width * height\n",
+        }
+    ],
+    [{"role": "user", "content": "What should I pack for a weekend hiking trip?"}],
+    [{"role": "user", "content": "Explain in simple words why the sky is blue."}],
+    [{"role": "user", "content": "Write a short, friendly message inviting a colleague to lunch."}],
+)

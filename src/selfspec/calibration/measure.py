@@ -40,46 +40,11 @@ from ..drafting.auto import PLAIN_MARGIN, Plan
 from ..drafting.planning import PLAIN, Candidate, DrafterCalibration
 from ..drafting.registry import registered
 from ..errors import ConfigurationError
+from ..prompts import CHAT_CALIBRATION_PROMPTS, DEFAULT_CALIBRATION_PROMPTS, PASSAGES
 from .precision import describe_precision, measure_precision
 from .store import load_per_core, machine_fingerprint, save_or_keep_calibration
 
 logger = logging.getLogger(__name__)
-
-#: Prose openings: the prompt mix for models without a chat template (and the demo model's).
-DEFAULT_CALIBRATION_PROMPTS: tuple[str, ...] = (
-    "It is a truth universally acknowledged, that a single man in possession of a good fortune,",
-    "Emma Woodhouse, handsome, clever, and rich, with a comfortable home and happy disposition,",
-    '"My dear Mr. Bennet," said his lady to him one day, "have you heard that',
-    "The family of Dashwood had long been settled in Sussex. Their estate was large, and",
-    "Sir Walter Elliot, of Kellynch Hall, in Somersetshire, was a man who, for his own amusement,",
-    "No one who had ever seen Catherine Morland in her infancy would have supposed her born to be",
-)
-
-_NOTE = (
-    "The museum opens at 9 am and closes at 5 pm from Tuesday to Sunday. It is closed on Mondays. "
-    "Entry is free for children under twelve; adults pay eight euros. Guided tours start every hour "
-    "at the main entrance and last forty-five minutes."
-)
-_STORY = (
-    "Maria planted tomatoes, beans and basil in her small garden in April. In June the beans grew "
-    "faster than she expected, so she built a trellis from old bamboo sticks. By August she had more "
-    "tomatoes than her family could eat, and she gave the rest to her neighbours."
-)
-
-#: The prompt mix for chat models: something to copy (RAG, summary, code edit) and open chat.
-CHAT_CALIBRATION_PROMPTS: tuple[list[dict[str, str]], ...] = (
-    [{"role": "user", "content": f"Context:\n{_NOTE}\n\nQuestion: When is the museum open, and what does entry cost?"}],
-    [{"role": "user", "content": f"Summarize this story in two sentences.\n\n{_STORY}"}],
-    [
-        {
-            "role": "user",
-            "content": "Add a docstring to this function:\n\ndef area(width, height):\n    return width * height\n",
-        }
-    ],
-    [{"role": "user", "content": "What should I pack for a weekend hiking trip?"}],
-    [{"role": "user", "content": "Explain in simple words why the sky is blue."}],
-    [{"role": "user", "content": "Write a short, friendly message inviting a colleague to lunch."}],
-)
 
 
 def default_prompts(engine: SpeculativeEngine) -> list[Any]:
@@ -92,8 +57,6 @@ def default_prompts(engine: SpeculativeEngine) -> list[Any]:
     from ..modeling.loading import DEMO_MODEL, demo_model_path
 
     if engine.name_or_path in (DEMO_MODEL, str(demo_model_path())):  # trained on Austen: its own kind of text
-        from ..prompts import PASSAGES
-
         return [
             *DEFAULT_CALIBRATION_PROMPTS[:4],
             [{"role": "user", "content": "Summarize the following passage.\n\n" + PASSAGES[2]}],
