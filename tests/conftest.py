@@ -11,6 +11,7 @@ from pathlib import Path
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ["SELFSPEC_THREADS"] = "1"  # threads="auto" (the default): one thread, untimed; tests of it unset this
 
 import pytest
 import torch

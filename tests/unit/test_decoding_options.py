@@ -43,6 +43,7 @@ GIVEN: dict[str, tuple[str | None, Any]] = {
     "gguf_file": ("model.Q4_1.gguf", "model.Q4_1.gguf"),
     "trust_remote_code": (None, True),
     "allow_pickle": (None, True),
+    "threads": ("3", 3),
     "drafter": ("early_exit", "early_exit"),
     "exit_layer": ("3", 3),
     "num_draft_tokens": ("5", 5),
@@ -120,6 +121,9 @@ def test_the_options_are_checked_when_declared() -> None:
         EngineOptions(draft_confidence=1.0)
     with pytest.raises(ConfigurationError, match="calibration_budget must be positive"):
         EngineOptions(calibration_budget=0)
+    for threads in (0, "2", True, 1.5):
+        with pytest.raises(ConfigurationError, match="threads must be 'auto', an int >= 1 or None"):
+            EngineOptions(threads=threads)  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="batching must be True or False"):
         EngineOptions(batching="yes")  # type: ignore[arg-type]
 

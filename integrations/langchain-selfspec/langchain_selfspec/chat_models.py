@@ -141,6 +141,9 @@ class ChatSpeculative(BaseChatModel):
             ``"auto"`` (the default: the plan calibration measured fastest), a name from
             ``selfspec.list_drafters()`` (``"early_exit"``, ``"prompt_lookup"``, ...), or
             ``"none"`` (plain decoding).
+        threads: int | "auto" | None
+            torch CPU threads: ``"auto"`` (the default: the fastest count, timed at load and
+            re-checked when the machine's load changes), an int, or ``None`` (torch's setting).
         draft_model, medusa_heads, draft_confidence, exit_adapter, tree_nodes, batching, compile, calibrate,
         calibration_budget,
         dtype, device, trust_remote_code, allow_pickle:
@@ -315,6 +318,12 @@ class ChatSpeculative(BaseChatModel):
 
     allow_pickle: bool = False
     """Allow ``.bin`` (pickle) weights when a checkpoint has no safetensors."""
+
+    threads: int | Literal["auto"] | None = "auto"
+    """torch CPU threads (process-wide): ``"auto"`` (the default) times the plain decode step at 1..N
+    threads on a CPU at load and keeps the fastest, re-checking when the machine's load changes a lot
+    (on a busy machine one thread can be several times faster than all); an int fixes the count;
+    ``None`` leaves torch's setting alone."""
 
     calibrate: bool = True
     """With ``"auto"`` exit layer or draft length and no saved calibration, measure one on first load."""

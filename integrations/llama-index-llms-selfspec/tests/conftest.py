@@ -7,6 +7,7 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ["SELFSPEC_THREADS"] = "1"  # threads="auto" (the default) uses one thread without timing
 
 import pytest
 import torch

@@ -73,6 +73,7 @@ def test_engine_arguments_follow_the_fields(monkeypatch):
                 "draft_confidence": None,
                 "trust_remote_code": False,
                 "allow_pickle": False,
+                "threads": "auto",
                 "calibrate": True,
                 "gguf_file": None,
                 "draft_model": None,

@@ -311,7 +311,7 @@ def run_benchmark(
     prompt_sets: dict[str, list[Any]] | None = None,
     max_new_tokens: int = 96,
     repeats: int = 3,
-    threads: int | None = 1,
+    threads: int | str | None = 1,
     exit_layer: int | None = None,
     num_draft_tokens: int | None = None,
     lookup_tokens: int = 4,
@@ -333,7 +333,8 @@ def run_benchmark(
             model (:data:`~selfspec.prompts.STOCK_PROMPT_SETS`).
         max_new_tokens: new tokens per generation.
         repeats: passes over all prompts; the method order rotates each pass.
-        threads: torch CPU threads (set explicitly: the machine may be shared).
+        threads: torch CPU threads (set explicitly: the machine may be shared), passed to
+            :meth:`SpeculativeEngine.from_pretrained` (``"auto"`` measures; ``None`` leaves torch alone).
         exit_layer: the fixed-E method's exit layer and the transformers early-exit layer
             (default: the calibrated one).
         num_draft_tokens: the fixed-k method's draft length (default: the calibrated one).
@@ -353,9 +354,7 @@ def run_benchmark(
     """
     sets = select_categories(prompt_sets or default_prompt_sets(str(model)), categories)
     chosen_methods = check_methods(methods)
-    if threads:
-        torch.set_num_threads(threads)
-    engine = SpeculativeEngine.from_pretrained(model, **engine_args)
+    engine = SpeculativeEngine.from_pretrained(model, threads=threads, **engine_args)
     exit_layer = exit_layer or engine.exit_layer
     num_draft_tokens = num_draft_tokens or engine.num_draft_tokens
     prompts = [(cat, i, _encode(engine, p)) for cat, items in sets.items() for i, p in enumerate(items)]

@@ -20,9 +20,7 @@ from .args import (
     ArgumentParser,
     _sampling_args,
     add_engine_arguments,
-    checked_type,
     engine_kwargs,
-    positive_int,
 )
 
 DEMO_PROMPT = "It is a truth universally acknowledged, that a single man in possession of a good fortune,"
@@ -187,7 +185,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
         prompt_sets=prompt_sets,
         max_new_tokens=args.max_new_tokens,
         repeats=args.repeats,
-        threads=args.threads,
         exit_layer=args.exit_layer,
         num_draft_tokens=args.num_draft_tokens,
         categories=args.categories,
@@ -230,7 +227,6 @@ def build_parser() -> argparse.ArgumentParser:
     cal = sub.add_parser("calibrate", help="choose exit layer and draft length by measurement")
     add_engine_arguments(cal, "calibrate")
     cal.add_argument("--max-new-tokens", type=int, default=48)
-    cal.add_argument("--threads", type=checked_type(positive_int), default=None, help="torch CPU threads")
     cal.add_argument("--no-save", action="store_true", help="print the result without saving it")
     cal.add_argument(
         "--trees", action="store_true", help="also race early-exit token trees against the chain (tree_nodes='auto')"
@@ -248,7 +244,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompts", default=None, help='JSON file {"category": [prompt, ...]}')
     bench.add_argument("--max-new-tokens", type=int, default=96)
     bench.add_argument("--repeats", type=int, default=3)
-    bench.add_argument("--threads", type=checked_type(positive_int), default=1)
     bench.add_argument("--exit-layer", type=int, default=None)
     bench.add_argument("--num-draft-tokens", type=int, default=None)
     bench.add_argument(
@@ -283,7 +278,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(demo, "demo", default_model=DEMO_MODEL)
     demo.add_argument("--prompt", default=DEMO_PROMPT)
     demo.add_argument("--max-new-tokens", type=int, default=128)
-    demo.add_argument("--threads", type=checked_type(positive_int), default=1, help="torch CPU threads")
     demo.set_defaults(func=cmd_demo)
 
     from ..drafting.eagle.cli import add_train_eagle_parser
@@ -314,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exit_:  # --help, --version and argument errors (already printed)
         return exit_.code if isinstance(exit_.code, int) else 2
     threads = getattr(args, "threads", None)
-    if threads:
+    if isinstance(threads, int):  # the verbs that load an engine also pass it on (threads="auto" chooses there)
         import torch
 
         torch.set_num_threads(threads)

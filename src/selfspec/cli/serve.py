@@ -36,7 +36,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         The ``serve`` parser (its ``func`` default is :func:`cmd_serve`).
     """
     from ..serving.server.settings import limit_flags
-    from .args import add_engine_arguments, checked_type, positive_int
+    from .args import add_engine_arguments, checked_type
 
     parser = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     add_engine_arguments(parser, "serve")
@@ -49,7 +49,6 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         help=f"require 'Authorization: Bearer KEY' on every route; better set ${API_KEY_ENV}, read when this "
         "flag is absent: a key on the command line shows in ps (default: no key)",
     )
-    parser.add_argument("--threads", type=checked_type(positive_int), default=None, help="torch CPU threads")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     limits = parser.add_argument_group("limits (see docs/limits.md)")
     for name, default, flag in limit_flags():  # declared once, on ServerLimits

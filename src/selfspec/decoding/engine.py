@@ -8,6 +8,7 @@ state and stream (:mod:`selfspec.decoding.generation`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Generator, Sequence
@@ -169,6 +170,7 @@ class SpeculativeEngine:
         self.name_or_path: str = str(getattr(model.config, "_name_or_path", "") or "")
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self._lock = threading.RLock()
+        self._threads: Any = None  # from_pretrained's threads= (an AutoThreads); None: torch left alone
         if calibration is None:  # the saved calibration: one of the two lazy edges up to calibration/
             from ..calibration.store import load_calibration
 
@@ -223,10 +225,25 @@ class SpeculativeEngine:
 
     @property
     def plan(self) -> Plan | None:
-        """What ``drafter="auto"`` runs and why (:class:`~selfspec.calibration.Plan`), else ``None``."""
+        """What ``drafter="auto"`` runs and why (:class:`~selfspec.calibration.Plan`), else ``None``.
+
+        With a thread choice (:attr:`thread_choice`) its ``threads`` says the count and why.
+        """
         if self.config.drafter_name != "auto":
             return None
-        return plan_of(self.config.calibration) or uncalibrated_plan()
+        plan = plan_of(self.config.calibration) or uncalibrated_plan()
+        choice = self.thread_choice
+        return plan if choice is None else dataclasses.replace(plan, threads=choice.summary())
+
+    @property
+    def thread_choice(self) -> Any:
+        """The torch thread count this engine runs with, and why.
+
+        A :class:`~selfspec.calibration.threads.ThreadChoice` (its ``summary()`` is what the plan and
+        ``repr`` show), or ``None``: ``threads=None``, or an engine built directly (torch's setting
+        left alone).
+        """
+        return None if self._threads is None else self._threads.choice
 
     def __getattr__(self, name: str) -> Any:
         """Settings read through to :attr:`config`: ``engine.exit_layer`` is ``engine.config.exit_layer``.
@@ -254,6 +271,7 @@ class SpeculativeEngine:
         draft_confidence: float | None = None,
         trust_remote_code: bool = False,
         allow_pickle: bool = False,
+        threads: int | str | None = "auto",
         calibrate: bool = True,
         gguf_file: str | None = None,
         draft_model: Any = None,
@@ -293,6 +311,11 @@ class SpeculativeEngine:
             compile: see :class:`SpeculativeEngine`.
             trust_remote_code: allow checkpoints that ship their own Python code.
             allow_pickle: allow ``.bin`` (pickle) weights when no safetensors exist.
+            threads: torch CPU threads (``torch.set_num_threads``, process-wide). ``"auto"`` (the
+                default): on a CPU, the plain decode step is timed at 1..N threads (N: the usable
+                cores) at load, before first-load calibration, and the fastest kept; the engine
+                re-checks when the machine's load changes a lot (:attr:`thread_choice`,
+                ``docs/threads.md``). An int sets that many, ``None`` leaves torch's setting alone.
             gguf_file: the name of a ``.gguf`` file inside the folder ``name_or_path`` (a
                 ``.gguf`` path works without it); needs ``pip install 'selfspec[gguf]'``.
             draft_model: with ``drafter="draft_model"``: a loaded model, or a name or folder
@@ -344,6 +367,10 @@ class SpeculativeEngine:
             settings["medusa_heads"] = load_medusa_heads(medusa_heads, allow_pickle=True)
         engine = cls(model, tokenizer, draft_tokenizer=draft_tokenizer, **settings)
         engine.options = options  # with the loading options it was loaded with
+        if options.threads is not None:  # before calibration: its costs are measured at the chosen count
+            from ..calibration.threads import settle_threads  # the lazy edge up
+
+            engine._threads = settle_threads(engine.runner, options.threads, engine._lock)
         tree_nodes = options.tree_nodes
         auto = wants_calibration(options.exit_layer, options.num_draft_tokens, options.drafter, tree_nodes)
         if options.calibrate and auto:
@@ -361,7 +388,8 @@ class SpeculativeEngine:
             f"num_draft_tokens={self.num_draft_tokens}{' (adaptive)' if self.adaptive else ''}, "
             f"{f'tree_nodes={self.tree_nodes}, ' if self.tree_nodes else ''}"
             f"num_layers={self.runner.num_layers}, {'batching=True, ' if self.batching else ''}"
-            f"device={str(self.runner.device)!r}, dtype={str(self.runner.dtype)!r})"
+            f"device={str(self.runner.device)!r}, dtype={str(self.runner.dtype)!r}"
+            f"{f', {self.thread_choice.summary()}' if self.thread_choice is not None else ''})"
         )
 
     # ----------------------------------------------------------------- prompts
@@ -468,6 +496,8 @@ class SpeculativeEngine:
     # ----------------------------------------------------------------- the loop
     def _start(self, request: GenerationRequest) -> Generation:
         """Validate a request, then set up its generation (nothing runs yet)."""
+        if self._threads is not None:
+            self._threads.on_request()  # a few microseconds; times again when the load changed a lot
         window, runner = self.context_window, self.runner
         return Generation.start(
             self._rounds, self.tokenizer, self.controller, request, runner.vocab_size, window, runner.device

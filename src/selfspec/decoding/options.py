@@ -85,6 +85,17 @@ def number(value: str, what: str = "value") -> float:
         raise ValueError(f"{what}: expected a number, got {value!r}") from None
 
 
+def parse_threads(value: str) -> int | str:
+    """``auto`` or an int >= 1."""
+    if value == "auto":
+        return value
+    try:
+        int(value)
+    except ValueError:
+        raise ValueError(f"threads must be 'auto' or an int >= 1, got {value!r}") from None
+    return bounded_int(value, 1)
+
+
 def parse_exit_layer(value: str) -> int | str:
     """``auto`` or an int >= 1."""
     if value == "auto":
@@ -204,6 +215,14 @@ def check_budget(calibration_budget: Any) -> None:
         raise ConfigurationError(f"calibration_budget must be seconds (a number) or None, got {calibration_budget!r}")
     if not calibration_budget > 0:
         raise ConfigurationError(f"calibration_budget must be positive seconds, got {calibration_budget!r}")
+
+
+def check_threads(threads: Any) -> None:
+    """Reject a ``threads=`` that is not ``"auto"``, an int >= 1 or ``None``."""
+    if threads is None or threads == "auto":
+        return
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ConfigurationError(f"threads must be 'auto', an int >= 1 or None, got {threads!r}")
 
 
 def check_draft_confidence(draft_confidence: Any) -> None:
@@ -330,6 +349,18 @@ class EngineOptions:
         default=False,
         metadata=cli("allow .bin (pickle) weights when no safetensors exist", "--allow-pickle", verbs=LOAD_VERBS),
     )
+    threads: int | str | None = field(
+        default="auto",
+        metadata=cli(
+            "torch CPU threads: 'auto' (default; on a CPU the fastest of 1..N cores, timed on the plain decode "
+            "step at load and re-checked when the machine's load changes: on a busy machine one thread can be "
+            "several times faster than all) or N (fixed; selfspec bench: 1)",
+            "--threads",
+            verbs=LOAD_VERBS,
+            parse=parse_threads,
+            verb_defaults={"bench": 1},
+        ),
+    )
     # ---- the drafter and its settings
     drafter: str | Drafter = field(
         default="auto",
@@ -442,6 +473,7 @@ class EngineOptions:
         check_drafter_name(self.drafter)
         check_draft_confidence(self.draft_confidence)
         check_budget(self.calibration_budget)
+        check_threads(self.threads)
         check_compile(self.compile)
         for name in ("trust_remote_code", "allow_pickle", "batching", "escape_special_tokens", "calibrate"):
             if not isinstance(getattr(self, name), bool):
@@ -477,6 +509,7 @@ LOADING_OPTIONS = frozenset(
         "gguf_file",
         "trust_remote_code",
         "allow_pickle",
+        "threads",
         "calibrate",
         "calibration_budget",
     }

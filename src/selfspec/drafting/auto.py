@@ -53,6 +53,9 @@ class Plan:
         predicted_speedup: predicted tokens/s relative to plain decoding on this hardware.
         reason: one line on why.
         calibrated: ``False`` for the fallback used when nothing was measured.
+        threads: the engine's torch thread count and why (``threads="auto"``: the timings and the
+            load it chose by), set by :attr:`SpeculativeEngine.plan <selfspec.SpeculativeEngine.plan>`;
+            ``""``: not chosen. Not saved (measured at each load).
     """
 
     method: str = PLAIN
@@ -60,6 +63,7 @@ class Plan:
     predicted_speedup: float | None = None
     reason: str = ""
     calibrated: bool = True
+    threads: str = ""
 
     @property
     def num_draft_tokens(self) -> int:
@@ -71,9 +75,10 @@ class Plan:
         """One line: the method, its settings (in the method's own words) and the prediction."""
         hooks = method_calibration(self.method)
         what = hooks.describe(self.method, self.settings) if hooks is not None else self.method
+        threads = f"; {self.threads}" if self.threads else ""
         if not self.calibrated:
-            return f"{what} (not calibrated: no measurements)"
-        return f"{what}: {self.reason}" if self.reason else what
+            return f"{what} (not calibrated: no measurements){threads}"
+        return (f"{what}: {self.reason}" if self.reason else what) + threads
 
     def advice(self, name_or_path: str, has_head: bool) -> str:
         """How to get more speed: fetch the published EAGLE head the table names, else train one (``""``: none)."""

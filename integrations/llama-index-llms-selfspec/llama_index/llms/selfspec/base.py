@@ -205,6 +205,12 @@ class SpeculativeLLM(FunctionCallingLLM):
     )
     trust_remote_code: bool = Field(default=False, description="Allow checkpoints that ship their own Python code.")
     allow_pickle: bool = Field(default=False, description="Allow .bin (pickle) weights when no safetensors exist.")
+    threads: int | Literal["auto"] | None = Field(
+        default="auto",
+        description="torch CPU threads (process-wide): 'auto' (the default) times the plain decode step at 1..N "
+        "threads on a CPU at load and keeps the fastest, re-checking when the machine's load changes a lot; an "
+        "int fixes the count; None leaves torch's setting alone.",
+    )
     calibrate: bool = Field(
         default=True,
         description="With 'auto' exit layer or draft length and no saved calibration, measure one on first load.",
