@@ -38,12 +38,14 @@ the user cache per model (:func:`online_head_folder`) every ``save_every`` secon
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import random
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,6 +82,8 @@ class OnlineSettings:
         save_every: seconds between saves of the trained copy (``0``: only at :meth:`OnlineLearner.close`).
         threads: torch threads of the learner thread.
         background: run the learner thread (``False``: the caller drives :meth:`OnlineLearner.train_steps`).
+        save: save the trained copy to the user cache and resume from it (``False``: start from the loaded
+            head every time, write nothing).
         seed: seeds the windows' choice.
     """
 
@@ -87,7 +91,7 @@ class OnlineSettings:
     sequence_positions: int = 2048
     window: int = 128
     micro_batch: int = 4
-    lr: float = 1e-4
+    lr: float = 3e-4
     unroll: int = 2
     step_interval: float = 0.5
     steps_per_swap: int = 20
@@ -98,6 +102,7 @@ class OnlineSettings:
     save_every: float = 300.0
     threads: int = 1
     background: bool = True
+    save: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -283,7 +288,7 @@ class OnlineLearner:
     def __init__(self, head: EagleHead, settings: OnlineSettings | None = None, save_folder: Path | None = None):
         self.frozen = head
         self.settings = settings = settings or OnlineSettings()
-        self.save_folder = save_folder
+        self.save_folder = save_folder if settings.save else None
         self.buffer = FeatureBuffer(settings.buffer_positions, settings.sequence_positions)
         self.guard = AcceptanceGuard(settings.judge_rounds, settings.margin, settings.ema_decay)
         self.train_config = EagleTrainConfig(unroll=settings.unroll, feature_noise=0.0)
@@ -372,6 +377,12 @@ class OnlineLearner:
                     break
             done += 1
         return done
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No training step runs inside this block (one in progress finishes first)."""
+        with self._step_lock:
+            yield
 
     def _ensure_trainee(self) -> EagleHead:
         if self._trainee is None or self._restart:
