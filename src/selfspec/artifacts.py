@@ -62,6 +62,8 @@ EXIT_ADAPTERS = "exit_adapters"
 EAGLE_HEADS = "eagle_heads"
 #: ``train-eagle``'s resumable state (the written data and a checkpoint), one folder per head format.
 EAGLE_TRAINING = "eagle_training"
+#: EAGLE heads trained online from served text (``learn_online=True``), resumed by the next engine.
+EAGLE_ONLINE = "eagle_online"
 #: Medusa heads written by ``selfspec train-medusa``.
 MEDUSA_HEADS = "medusa_heads"
 #: Dequantized copies of GGUF checkpoints (safetensors, config and tokenizer), one folder per file version.

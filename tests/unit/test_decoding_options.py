@@ -53,6 +53,7 @@ GIVEN: dict[str, tuple[str | None, Any]] = {
     "exit_adapter": ("auto", "auto"),
     "medusa_heads": ("heads/", "heads/"),
     "eagle_head": ("head/", "head/"),
+    "learn_online": (None, True),
     "batching": (None, True),
     "escape_special_tokens": (None, True),
     "compile": ("on", True),

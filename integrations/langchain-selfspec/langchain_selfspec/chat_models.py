@@ -145,7 +145,7 @@ class ChatSpeculative(BaseChatModel):
             torch CPU threads: ``"auto"`` (the default: the fastest count, timed at load and
             re-checked when the machine's load changes), an int, or ``None`` (torch's setting).
         draft_model, medusa_heads, draft_confidence, exit_adapter, tree_nodes, batching, compile, calibrate,
-        calibration_budget,
+        calibration_budget, learn_online,
         dtype, device, trust_remote_code, allow_pickle:
             As in ``SpeculativeEngine.from_pretrained``.
 
@@ -346,6 +346,10 @@ class ChatSpeculative(BaseChatModel):
     eagle_head: str | None = None
     """With ``drafter="eagle"`` (or ``"eagle_hybrid"``): an EAGLE-style head folder (``selfspec
     train-eagle``), or ``None``/``"auto"`` for the head saved beside the model."""
+
+    learn_online: bool = False
+    """Keep training the EAGLE head on the text the shared engine serves, in a background thread
+    (``drafter="eagle"``, ``"eagle_hybrid"``, or ``"auto"`` choosing one); the text never changes."""
 
     temperature: float = 0.0
     """Sampling temperature: 0 for greedy decoding, > 0 samples."""

@@ -80,6 +80,7 @@ def test_engine_arguments_follow_the_fields(monkeypatch):
                 "exit_adapter": None,
                 "medusa_heads": None,
                 "eagle_head": None,
+                "learn_online": False,
                 "tree_nodes": None,
                 "batching": False,
                 "compile": "auto",

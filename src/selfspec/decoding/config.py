@@ -91,6 +91,8 @@ class EngineConfig:
         draft_tokenizer: its tokenizer, checked against the target's.
         medusa_heads: Medusa heads or their folder (``drafter="medusa"``).
         eagle_head: an EAGLE head, its folder or ``"auto"`` (``drafter="eagle"``; ``None``: auto).
+        learn_online: whether an EAGLE head keeps learning from served text
+            (:mod:`selfspec.drafting.eagle.online`).
         drafter_options: keyword options passed to the drafter's factory.
         batching: whether concurrent calls are decoded together.
         fast_path: whether the lean layer path is used where it applies.
@@ -108,6 +110,7 @@ class EngineConfig:
     draft_tokenizer: Any = None
     medusa_heads: str | os.PathLike[str] | MedusaHeads | None = None
     eagle_head: Any = None
+    learn_online: bool = False
     drafter_options: dict[str, Any] = field(default_factory=dict)
     batching: bool = False
     fast_path: bool = True
@@ -157,6 +160,7 @@ class EngineConfig:
         confidence = DEFAULT_DRAFT_CONFIDENCE if draft_confidence is None else draft_confidence
         check_arguments("auto", "auto", drafter)
         _check_drafter_options(drafter, draft_model=draft_model, medusa_heads=medusa_heads, eagle_head=eagle_head)
+        _check_learn_online(drafter, options.learn_online)
         if drafter_options is not None and not isinstance(drafter_options, dict):
             raise ConfigurationError(f"drafter_options must be a dict or None, got {drafter_options!r}")
         planned = plan_settings(calibration) if drafter == "auto" else calibration  # drafter="auto": the plan's E, k
@@ -173,6 +177,7 @@ class EngineConfig:
             draft_tokenizer=draft_tokenizer,
             medusa_heads=medusa_heads,
             eagle_head=eagle_head,
+            learn_online=options.learn_online,
             drafter_options=dict(drafter_options or {}),
             batching=options.batching,
             fast_path=runner.fast_layers is not None,
@@ -230,6 +235,14 @@ def _check_drafter_options(drafter: str | Drafter, **given: Any) -> None:
         if value is not None and drafter not in users:
             wanted = " or ".join(f"drafter={name!r}" for name in users)
             raise ConfigurationError(f"{option}= is only used with {wanted}")
+
+
+def _check_learn_online(drafter: str | Drafter, learn_online: bool) -> None:
+    """``learn_online`` trains an EAGLE head: only with a drafter that may be one."""
+    users = [*drafters_using("eagle_head"), "auto"]
+    if learn_online and (not isinstance(drafter, str) or drafter not in users):
+        wanted = " or ".join(f"drafter={name!r}" for name in users)
+        raise ConfigurationError(f"learn_online=True trains an EAGLE head: it is only used with {wanted}")
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:

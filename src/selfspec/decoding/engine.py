@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 #: The :class:`EngineConfig` fields an engine exposes as its own attributes.
 _SETTINGS = frozenset("exit_layer num_draft_tokens adaptive draft_confidence tree_nodes calibration".split())
-_SETTINGS |= frozenset("exit_adapter batching draft_model medusa_heads eagle_head".split())
+_SETTINGS |= frozenset("exit_adapter batching draft_model medusa_heads eagle_head learn_online".split())
 
 
 class SpeculativeEngine:
@@ -87,6 +87,11 @@ class SpeculativeEngine:
             (``selfspec train-eagle``): its folder, a loaded :class:`~selfspec.drafting.eagle.head.EagleHead`,
             or ``"auto"``/``None`` (the head saved in the user cache, beside the model, or
             shipped with selfspec for the model; ``docs/eagle.md``).
+        learn_online: with an EAGLE head (``drafter="eagle"``, ``"eagle_hybrid"``, or ``"auto"``
+            choosing one), keep training a copy of the head on the text this engine serves, in a
+            background thread, and swap it in between generations; the loaded head is the
+            fallback when acceptance falls. Off by default; the text never changes
+            (``docs/online_learning.md``).
         tree_nodes: ``None`` (default) drafts a chain; an int ``N >= 1`` makes the early-exit
             drafter (also inside ``"hybrid"``) draft a token tree of at most ``N`` nodes and at
             most ``num_draft_tokens`` levels, verified in one forward
@@ -139,6 +144,7 @@ class SpeculativeEngine:
         exit_adapter: str | os.PathLike[str] | ExitAdapter | None = None,
         medusa_heads: str | os.PathLike[str] | MedusaHeads | None = None,
         eagle_head: Any = None,
+        learn_online: bool = False,
         tree_nodes: int | str | None = None,
         batching: bool = False,
         drafter_options: dict[str, Any] | None = None,
@@ -155,6 +161,7 @@ class SpeculativeEngine:
             exit_adapter=exit_adapter,
             medusa_heads=medusa_heads,
             eagle_head=eagle_head,
+            learn_online=learn_online,
             tree_nodes=tree_nodes,
             batching=batching,
             escape_special_tokens=escape_special_tokens,
@@ -278,6 +285,7 @@ class SpeculativeEngine:
         exit_adapter: str | os.PathLike[str] | ExitAdapter | None = None,
         medusa_heads: str | os.PathLike[str] | MedusaHeads | None = None,
         eagle_head: Any = None,
+        learn_online: bool = False,
         tree_nodes: int | str | None = None,
         batching: bool = False,
         escape_special_tokens: bool = False,
@@ -329,6 +337,7 @@ class SpeculativeEngine:
             medusa_heads: with ``drafter="medusa"``: see :class:`SpeculativeEngine` (a
                 ``medusa_lm_head.pt`` pickle loads only with ``allow_pickle=True``).
             eagle_head: with ``drafter="eagle"``: see :class:`SpeculativeEngine`.
+            learn_online: see :class:`SpeculativeEngine`.
 
         Raises:
             ModelNotFoundError: no such folder or hub model (an ``OSError``).

@@ -421,6 +421,14 @@ class EngineOptions:
             "with --drafter eagle or eagle_hybrid: an EAGLE head folder, or 'auto' (the model's)", "--eagle-head"
         ),
     )
+    learn_online: bool = field(
+        default=False,
+        metadata=cli(
+            "keep training the EAGLE head on the text it serves, in a background thread (drafter eagle, "
+            "eagle_hybrid, or auto choosing one); the text never changes (docs/online_learning.md)",
+            "--learn-online",
+        ),
+    )
     # ---- running
     batching: bool = field(
         default=False,
@@ -475,7 +483,15 @@ class EngineOptions:
         check_budget(self.calibration_budget)
         check_threads(self.threads)
         check_compile(self.compile)
-        for name in ("trust_remote_code", "allow_pickle", "batching", "escape_special_tokens", "calibrate"):
+        switches = (
+            "trust_remote_code",
+            "allow_pickle",
+            "batching",
+            "escape_special_tokens",
+            "calibrate",
+            "learn_online",
+        )
+        for name in switches:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigurationError(f"{name} must be True or False, got {getattr(self, name)!r}")
 

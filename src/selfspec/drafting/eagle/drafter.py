@@ -25,6 +25,7 @@ through the rejection sampler; trees grow with the early-exit tree's grower
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -49,15 +50,19 @@ from ..registry import register_drafter
 from ..tree_grower import ROOT, TreeGrower, grow_tree
 from .calibration import EagleCalibration
 from .head import EagleHead, HeadCache, StaticHeadCache, check_fits, find_eagle_head, load_eagle_head
+from .online import OnlineLearner, OnlineSequence, OnlineSettings, online_head_folder
 
 
 @dataclass
 class _HeadMemory:
-    """One generation's head state: its KV cache and how many entries hold true target features."""
+    """One generation's head state: the head it drafts with, its KV cache and how many entries hold true features."""
 
     cache: HeadCache | StaticHeadCache
+    head: EagleHead  # kept for the whole generation: an online swap never lands mid-generation
     settled: int = 0  # cache slots built from the target's own features (the accepted text)
     next_position: int = 0  # the position of the next true entry
+    rounds: int = 0  # catch-ups so far (the first one is the prompt's)
+    sequence: OnlineSequence | None = None  # with learn_online: this generation's text in the learner's buffer
 
 
 class EagleDrafter(Drafter):
@@ -82,6 +87,10 @@ class EagleDrafter(Drafter):
             where nothing repeats (``drafter="eagle_hybrid"``). Verifying the head's chain beside
             a copy costs more rows than it saves on CPU (measured on SmolLM2-135M: summarization
             24.7-25.3 tok/s with copy-only rounds, 21.4-21.8 with the chain grafted beside).
+        learner: with ``learn_online=True``, the :class:`~selfspec.drafting.eagle.online.OnlineLearner`
+            fed every round's committed features; each generation drafts with the head it gives
+            at the generation's first round (``head`` is then the frozen fallback). Chains draft on
+            the host then (the static round's compiled head step would bake one head's weights in).
     """
 
     name = "eagle"
@@ -99,8 +108,10 @@ class EagleDrafter(Drafter):
         tree_width: int | None = None,
         costs: CostModel | None = None,
         lookup: bool = False,
+        learner: OnlineLearner | None = None,
     ) -> None:
         self.head = head
+        self.learner = learner
         self.tree_nodes = tree_nodes
         self.confidence = confidence
         self.tree_width = tree_width
@@ -111,7 +122,7 @@ class EagleDrafter(Drafter):
         if lookup:
             self.name = "eagle_hybrid"
         #: chains (no tree, no prompt lookup) draft on the device too (:meth:`propose_device`)
-        self.supports_device_chain = tree_nodes is None and not lookup
+        self.supports_device_chain = tree_nodes is None and not lookup and learner is None
         #: whether :meth:`propose_device` drafts through the static head step (:meth:`compile_device_chain`)
         self.static_chain = False
         self.backend: str | None = None
@@ -132,6 +143,10 @@ class EagleDrafter(Drafter):
             return StaticDrafting.NONE
         return StaticDrafting.DEVICE if self.supports_device_chain else StaticDrafting.HOST
 
+    def _generation_head(self) -> EagleHead:
+        """The head a new generation drafts with: the learner's choice, else the loaded head."""
+        return self.head if self.learner is None else self.learner.head_for_generation()
+
     def compile_device_chain(self, backend: str | None) -> None:
         """Draft device chains through the static head step, compiled with ``backend`` (``None``: eagerly).
 
@@ -150,7 +165,7 @@ class EagleDrafter(Drafter):
     def _memory(self, state: DecodeState) -> _HeadMemory:
         """This generation's head memory (its cache holds the target cache's positions, a tree's nodes and 2)."""
         room = int(getattr(state.cache, "max_length", 0)) + (self.tree_nodes or 0) + 2
-        return state.memory(self, lambda: _HeadMemory(HeadCache(room)))
+        return state.memory(self, lambda: _HeadMemory(HeadCache(room), self._generation_head()))
 
     def _static_memory(self, state: DecodeState) -> _HeadMemory:
         """This generation's memory on the static path: the drafter's :class:`StaticHeadCache`."""
@@ -159,13 +174,12 @@ class EagleDrafter(Drafter):
         if cache is None or cache.max_length < size or cache.length.device != device:
             cache = self._static_cache = StaticHeadCache(size, device)
             self.compiled_steps.clear()  # new buffers: new graphs
-        return state.memory(self._static_owner, lambda: _HeadMemory(cache))
+        return state.memory(self._static_owner, lambda: _HeadMemory(cache, self.head))
 
     def _root_feature(self, state: DecodeState, memory: _HeadMemory | None = None) -> tuple[_HeadMemory, torch.Tensor]:
         """Feed the newly committed positions' true features; return ``f̂_P`` ``[1, 1, H]``."""
-        head = self.head
         memory = memory or self._memory(state)
-        cache = memory.cache
+        head, cache = memory.head, memory.cache
         pending = state.pending_hidden
         if pending is None or pending.shape[1] == 0:
             raise ConfigurationError(
@@ -190,8 +204,21 @@ class EagleDrafter(Drafter):
         out = head(features.to(head.fc.weight.dtype), next_tokens, positions, cache, allowed=allowed)
         memory.settled = state.position if isinstance(cache, StaticHeadCache) else cache.length
         memory.next_position = state.position
+        if self.learner is not None:
+            self._learn(memory, state, pending[0], start)
         # the root as a fresh [1, 1, H] (the same strides every round: a compiled step's input)
         return memory, out[:, -1:].clone(memory_format=torch.contiguous_format)
+
+    def _learn(self, memory: _HeadMemory, state: DecodeState, states: torch.Tensor, start: int) -> None:
+        """Hand the committed states ``[m, H]`` (from ``start``) to the learner; count the last round's tokens."""
+        learner = self.learner
+        assert learner is not None
+        if memory.rounds:  # the first catch-up is the prompt's, not a round's
+            learner.record_round(memory.head, int(states.shape[0]))
+        memory.rounds += 1
+        if memory.sequence is None:
+            memory.sequence = OnlineSequence()
+        learner.observe(memory.sequence, states, state.token_ids[start : state.position + 1])
 
     # ------------------------------------------------------------------ step 2: draft
     def propose(self, state: DecodeState, max_tokens: int) -> Draft:
@@ -205,7 +232,7 @@ class EagleDrafter(Drafter):
             copied = self.lookup.lookup(state, max(max_tokens, self.COPY_TOKENS))
             if copied:  # the text repeats: a copy-only round
                 return Draft(tokens=copied)
-        head, position = self.head, state.position
+        head, position = memory.head, state.position
         device = root.device
         feature = [root]
 
@@ -246,7 +273,7 @@ class EagleDrafter(Drafter):
                 f"needs {state.position + width - 1} (a target cache sized for the full width fits)"
             )
         memory, root = self._root_feature(state, self._static_memory(state) if static else None)
-        head, position = self.head, state.position
+        head, position = memory.head, state.position
         device = root.device
         feature = [root]
         cache = memory.cache
@@ -284,7 +311,7 @@ class EagleDrafter(Drafter):
 
     def _tree(self, state: DecodeState, memory: _HeadMemory, root_feature: torch.Tensor, max_depth: int) -> Draft:
         """An EAGLE-2 dynamic tree: expand the most probable nodes depth by depth, rerank to the budget."""
-        head, cache = self.head, memory.cache
+        head, cache = memory.head, memory.cache
         assert self.tree_nodes is not None and isinstance(cache, HeadCache)  # trees keep the Python-length cache
         tree_nodes = self.tree_nodes
         width = min(self.tree_width or default_tree_width(tree_nodes), tree_nodes)
@@ -366,13 +393,24 @@ def make_eagle(engine: Any, **options: Any) -> EagleDrafter:
     """The EAGLE drafter: the engine's head (``eagle_head=``), a tree with ``tree_nodes``."""
     head = engine_eagle_head(engine, options.pop("eagle_head", None))
     settings = engine.config
+    online = options.pop("online", None)  # OnlineSettings for learn_online (drafter_options={"online": ...})
     options = {
         "tree_nodes": settings.tree_nodes,
         "confidence": settings.draft_confidence,
         "costs": eagle_costs(settings.calibration),
         **options,
     }
-    return EagleDrafter(head, **options)
+    learner = None
+    if getattr(settings, "learn_online", False):
+        if online is not None and not isinstance(online, OnlineSettings):
+            raise ConfigurationError(f"drafter_options['online'] must be an OnlineSettings, got {online!r}")
+        folder = online_head_folder(engine.name_or_path) if engine.name_or_path else None
+        learner = OnlineLearner(head, online, save_folder=folder)
+    drafter = EagleDrafter(head, learner=learner, **options)
+    if learner is not None:
+        weakref.finalize(drafter, learner.close)  # stops the thread and saves when the drafter goes (or at exit)
+        learner.start()
+    return drafter
 
 
 def eagle_costs(calibration: dict[str, Any] | None) -> CostModel | None:

@@ -239,6 +239,11 @@ class SpeculativeLLM(FunctionCallingLLM):
         description="With drafter='eagle' (or 'eagle_hybrid'): an EAGLE-style head folder (selfspec "
         "train-eagle), or None/'auto' for the head saved beside the model.",
     )
+    learn_online: bool = Field(
+        default=False,
+        description="Keep training the EAGLE head on the text the shared engine serves, in a background thread "
+        "(drafter 'eagle', 'eagle_hybrid', or 'auto' choosing one); the text never changes.",
+    )
     temperature: float = Field(default=0.0, ge=0.0, description="0 for greedy decoding; > 0 samples.")
     max_new_tokens: int = Field(
         default=DEFAULT_MAX_TOKENS,
