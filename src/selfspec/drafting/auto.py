@@ -53,6 +53,8 @@ class Plan:
         predicted_speedup: predicted tokens/s relative to plain decoding on this hardware.
         reason: one line on why.
         calibrated: ``False`` for the fallback used when nothing was measured.
+        exactness: what holds between the speculative text and the plain text (the engine's
+            :attr:`~selfspec.SpeculativeEngine.exactness`, set by ``engine.plan``; not saved).
     """
 
     method: str = PLAIN
@@ -60,6 +62,7 @@ class Plan:
     predicted_speedup: float | None = None
     reason: str = ""
     calibrated: bool = True
+    exactness: str = ""
 
     @property
     def num_draft_tokens(self) -> int:

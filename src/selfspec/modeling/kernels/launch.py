@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from types import ModuleType
 
 import torch
@@ -12,18 +11,26 @@ from ...errors import ConfigurationError, MissingDependencyError
 KERNELS_EXTRA = "pip install 'selfspec[kernels]'"
 
 
-@functools.cache
+_LOADED: ModuleType | None = None
+
+
 def triton_code() -> ModuleType:
     """The module of Triton kernels, imported on first use (``TRITON_INTERPRET`` is read then).
+
+    Kept in a module global rather than behind ``functools.cache``: once loaded (the engine loads it
+    when it turns the kernels on), ``torch.compile`` traces this as a plain global read.
 
     Raises:
         MissingDependencyError: triton is not installed.
     """
-    try:
-        from . import triton_code as code
-    except ImportError as error:
-        raise MissingDependencyError(f"the row-invariant kernels need triton: {KERNELS_EXTRA} ({error})") from error
-    return code
+    global _LOADED
+    if _LOADED is None:
+        try:
+            from . import triton_code as code
+        except ImportError as error:
+            raise MissingDependencyError(f"the row-invariant kernels need triton: {KERNELS_EXTRA} ({error})") from error
+        _LOADED = code
+    return _LOADED
 
 
 def interpreted() -> bool:
