@@ -159,3 +159,15 @@ def test_auto_dtype_runs_a_bf16_checkpoint_in_bf16_where_the_cpu_computes_it(tmp
     )
     forced = SpeculativeEngine.from_pretrained(folder, drafter="none", dtype="float32", calibrate=False)
     assert forced.runner.dtype == torch.float32
+
+
+def test_row_exact_chooses_the_verify_and_the_plan_says_what_holds(tiny_bf16) -> None:
+    """``row_exact=``: "auto" on a CPU in bf16 is the row-by-row verify; ``False`` batches it, and says so."""
+    auto = SpeculativeEngine(tiny_bf16, None, drafter="auto", calibration={})
+    assert auto.runner.row_exact and not auto.runner.row_kernels
+    assert auto.plan is not None and "the plain text bit for bit" in auto.plan.exactness
+    off = SpeculativeEngine(tiny_bf16, None, drafter="prompt_lookup", calibration={}, row_exact=False)
+    assert not off.runner.row_exact and not off.runner.row_kernels
+    assert off.exactness.startswith("not row-exact (row_exact=False)") and "may differ" in off.exactness
+    fp32 = SpeculativeEngine(make_model("llama"), None, drafter="none", calibration={})
+    assert not fp32.runner.row_exact and fp32.exactness.startswith("float32")

@@ -57,6 +57,7 @@ GIVEN: dict[str, tuple[str | None, Any]] = {
     "batching": (None, True),
     "escape_special_tokens": (None, True),
     "compile": ("on", True),
+    "row_exact": ("off", False),
     "calibrate": (None, False),
     "calibration_budget": ("none", None),
 }

@@ -144,7 +144,7 @@ class ChatSpeculative(BaseChatModel):
         threads: int | "auto" | None
             torch CPU threads: ``"auto"`` (the default: the fastest count, timed at load and
             re-checked when the machine's load changes), an int, or ``None`` (torch's setting).
-        draft_model, medusa_heads, draft_confidence, exit_adapter, tree_nodes, batching, compile, calibrate,
+        draft_model, medusa_heads, draft_confidence, exit_adapter, tree_nodes, batching, compile, row_exact, calibrate,
         calibration_budget, learn_online,
         dtype, device, trust_remote_code, allow_pickle:
             As in ``SpeculativeEngine.from_pretrained``.
@@ -312,6 +312,12 @@ class ChatSpeculative(BaseChatModel):
     compile: bool | str = "auto"
     """Run single calls in the static round (fixed shapes, one host read per round) compiled with
     ``torch.compile``: ``"auto"`` (on CUDA), ``True``, ``False`` or a backend name; same text either way."""
+
+    row_exact: bool | Literal["auto"] = "auto"
+    """Give every verify row a one-token decode's bits, so that the speculative text is the plain text bit
+    for bit in half precision: on CUDA through the row-invariant Triton kernels, on a CPU a row-by-row
+    verify; ``"auto"`` (where half precision needs it), ``True``, or ``False`` (library kernels, faster;
+    the text may differ)."""
 
     trust_remote_code: bool = False
     """Allow checkpoints that ship their own Python code."""

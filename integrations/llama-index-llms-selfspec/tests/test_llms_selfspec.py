@@ -84,6 +84,7 @@ def test_engine_arguments_follow_the_fields(monkeypatch):
                 "tree_nodes": None,
                 "batching": False,
                 "compile": "auto",
+                "row_exact": "auto",
                 "escape_special_tokens": False,
                 "calibration_budget": 300.0,
             },

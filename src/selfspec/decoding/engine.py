@@ -8,10 +8,10 @@ state and stream (:mod:`selfspec.decoding.generation`).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 from collections.abc import Generator, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,7 +24,9 @@ from ..drafting.exit_adapter.adapter import ExitAdapter
 from ..drafting.medusa.drafter import MedusaHeads, load_medusa_heads
 from ..drafting.registry import drafters_using
 from ..errors import ConfigurationError
+from ..modeling.attention import ROW_EXACT_DTYPES
 from ..modeling.cache import CachePool
+from ..modeling.kernels import KERNELS, ROWS, RowExactness, resolve_row_exact, uses_row_invariant_kernels
 from ..modeling.runner import ModelRunner
 from .batching import BatchScheduler
 from .config import EngineConfig, check_arguments, eos_token_ids, wants_calibration
@@ -116,6 +118,17 @@ class SpeculativeEngine:
             becomes control tokens (``<|im_start|>`` in a user's message cannot open a turn).
             Default ``False``: such strings become control tokens, as in transformers'
             ``apply_chat_template`` and vLLM. Raw text prompts are encoded as given either way.
+        row_exact: give every verify row the bits a one-token decode of it gets, so that the
+            greedy speculative text is the plain text bit for bit in half precision
+            (:func:`~selfspec.modeling.kernels.resolve_row_exact`, ``docs/kernels.md``). On CUDA
+            the plain loop and the verify run through the row-invariant Triton kernels (every
+            linear layer, the LM head and the attention; in the static round's compiled steps
+            too); on a CPU the eager verify computes the rows that are not row-invariant one at a
+            time. ``"auto"`` (the default) turns it on in half precision; ``False`` keeps the
+            library kernels (faster; the text may differ from the plain text). A model marked by
+            :func:`~selfspec.modeling.kernels.use_row_invariant_kernels` runs through the kernels
+            on any device (on a CPU under ``TRITON_INTERPRET=1``: tests). :attr:`exactness` says
+            what holds.
 
     Attributes:
         options: the engine's options as given (:class:`~selfspec.decoding.options.EngineOptions`;
@@ -151,6 +164,7 @@ class SpeculativeEngine:
         fast_path: bool | None = None,
         escape_special_tokens: bool = False,
         compile: bool | str = "auto",
+        row_exact: bool | str = "auto",
     ) -> None:
         self.options = EngineOptions(
             exit_layer=exit_layer,
@@ -166,12 +180,14 @@ class SpeculativeEngine:
             batching=batching,
             escape_special_tokens=escape_special_tokens,
             compile=compile,
+            row_exact=row_exact,
         )  # checked once; from_pretrained sets the loading options it used
         self.escape_special_tokens = escape_special_tokens
         self._draft_tokenizer, self._drafter_options = draft_tokenizer, drafter_options
         self.model = model
         self.tokenizer = tokenizer
         self.runner = ModelRunner(model, fast_path=fast_path)
+        self.row_exactness = self._row_exactness(model)
         self._caches = CachePool(self.runner.num_layers)  # one KV cache reused by the calls (no fresh pages)
         model.eval()
         self.name_or_path: str = str(getattr(model.config, "_name_or_path", "") or "")
@@ -215,6 +231,52 @@ class SpeculativeEngine:
         self._batcher = BatchScheduler(self) if self.config.batching else None
         self._static = static_rounds(self.runner, self.options.compile)
 
+    def _row_exactness(self, model: Any) -> RowExactness:
+        """Resolve ``row_exact=`` for this model and set the runner's forwards to match."""
+        options, runner = self.options, self.runner
+        unsupported = runner.row_kernels_refusal()
+        if unsupported is None and options.batching:
+            unsupported = "single calls (batching=False)"
+        elif unsupported is None and (options.tree_nodes is not None or options.drafter == "medusa"):
+            unsupported = "chain drafts (no token trees)"
+        exactness = resolve_row_exact(
+            options.row_exact,
+            runner.device,
+            runner.dtype,
+            unsupported=unsupported,
+            marked=uses_row_invariant_kernels(model),
+        )
+        runner.use_row_kernels(exactness.kernels)
+        runner.row_exact = exactness.mode == ROWS
+        return exactness
+
+    @property
+    def exactness(self) -> str:
+        """What holds between this engine's greedy speculative text and the plain text, in one line."""
+        mode, reason = self.row_exactness.mode, self.row_exactness.reason
+        if mode == KERNELS:
+            return (
+                f"row-exact ({reason}): the plain loop and every verify run through the row-invariant kernels, so "
+                "the greedy speculative text is selfspec's plain text bit for bit; transformers' generate uses "
+                "other kernels, and in half precision its text may differ (measured: docs/kernels.md)"
+            )
+        if mode == ROWS:
+            static = (
+                "; calls in the static round (compile=) verify in one block, so their text may differ"
+                if self._static is not None
+                else ""
+            )
+            return (
+                f"row-exact ({reason}): each verify row gets a one-token decode's bits, so the greedy speculative "
+                f"text is the plain text bit for bit{static}"
+            )
+        if self.runner.dtype in ROW_EXACT_DTYPES:
+            return (
+                f"not row-exact ({reason}): the verify runs as one block, whose rows may round differently from "
+                "a one-token decode's in half precision, so the speculative text may differ from the plain text"
+            )
+        return f"float32 ({reason}): greedy text is transformers' generate text (tested on CPUs)"
+
     def _make_drafter(self) -> Drafter:
         """The configured drafter: a user's instance, or the registered factory's product."""
         chosen = self.config.drafter
@@ -238,9 +300,9 @@ class SpeculativeEngine:
         """
         if self.config.drafter_name != "auto":
             return None
-        plan = plan_of(self.config.calibration) or uncalibrated_plan()
+        plan = replace(plan_of(self.config.calibration) or uncalibrated_plan(), exactness=self.exactness)
         choice = self.thread_choice
-        return plan if choice is None else dataclasses.replace(plan, threads=choice.summary())
+        return plan if choice is None else replace(plan, threads=choice.summary())
 
     @property
     def thread_choice(self) -> Any:
@@ -290,6 +352,7 @@ class SpeculativeEngine:
         batching: bool = False,
         escape_special_tokens: bool = False,
         compile: bool | str = "auto",
+        row_exact: bool | str = "auto",
         calibration_budget: float | None = DEFAULT_CALIBRATION_BUDGET,
     ) -> SpeculativeEngine:
         """Load a model from the hub, a local folder, or ``"selfspec-demo"``.
@@ -317,6 +380,7 @@ class SpeculativeEngine:
             batching: see :class:`SpeculativeEngine`.
             escape_special_tokens: see :class:`SpeculativeEngine`.
             compile: see :class:`SpeculativeEngine`.
+            row_exact: see :class:`SpeculativeEngine`.
             trust_remote_code: allow checkpoints that ship their own Python code.
             allow_pickle: allow ``.bin`` (pickle) weights when no safetensors exist.
             threads: torch CPU threads (``torch.set_num_threads``, process-wide). ``"auto"`` (the

@@ -142,6 +142,29 @@ def check_compile(value: Any) -> None:
     )
 
 
+#: ``row_exact=`` values besides True and False.
+ROW_EXACT_CHOICES = ("auto", "on", "off")
+
+
+def parse_row_exact(value: str) -> bool | str:
+    """``auto``, ``on`` or ``off`` (also ``true``/``false``/``1``/``0``)."""
+    lowered = value.strip().lower()
+    if lowered == "auto":
+        return "auto"
+    if lowered in ("on", "true", "1"):
+        return True
+    if lowered in ("off", "false", "0"):
+        return False
+    raise ValueError(f"row_exact must be auto, on or off, got {value!r}")
+
+
+def check_row_exact(value: Any) -> None:
+    """Refuse a ``row_exact=`` that is not ``True``, ``False`` or ``"auto"``."""
+    if value is True or value is False or value == "auto":
+        return
+    raise ConfigurationError(f"row_exact must be True, False or 'auto', got {value!r}")
+
+
 def parse_tree_nodes(value: str) -> int | str | None:
     """An int, ``auto`` or ``none`` (a chain)."""
     from ..core.validation import check_tree_nodes
@@ -448,6 +471,18 @@ class EngineOptions:
             parse=parse_compile,
         ),
     )
+    row_exact: bool | str = field(
+        default="auto",
+        metadata=cli(
+            "give every verify row the bits of a one-token decode, so that the speculative text is the plain "
+            "text bit for bit in half precision: on CUDA the plain loop and the verify run through the "
+            "row-invariant Triton kernels, on a CPU the verify computes its rows one at a time; 'auto' (where "
+            "half precision needs it), 'on', or 'off' (faster library kernels; the text may differ)",
+            "--row-exact",
+            verbs=RUN_VERBS | {"bench"},
+            parse=parse_row_exact,
+        ),
+    )
     escape_special_tokens: bool = field(
         default=False,
         metadata=cli(
@@ -483,6 +518,7 @@ class EngineOptions:
         check_budget(self.calibration_budget)
         check_threads(self.threads)
         check_compile(self.compile)
+        check_row_exact(self.row_exact)
         switches = (
             "trust_remote_code",
             "allow_pickle",

@@ -56,6 +56,8 @@ class Plan:
         threads: the engine's torch thread count and why (``threads="auto"``: the timings and the
             load it chose by), set by :attr:`SpeculativeEngine.plan <selfspec.SpeculativeEngine.plan>`;
             ``""``: not chosen. Not saved (measured at each load).
+        exactness: what holds between the speculative text and the plain text (the engine's
+            :attr:`~selfspec.SpeculativeEngine.exactness`, set by ``engine.plan``; not saved).
     """
 
     method: str = PLAIN
@@ -64,6 +66,7 @@ class Plan:
     reason: str = ""
     calibrated: bool = True
     threads: str = ""
+    exactness: str = ""
 
     @property
     def num_draft_tokens(self) -> int:

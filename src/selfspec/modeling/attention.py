@@ -91,15 +91,16 @@ class AttentionPlan:
         rows: batch-invariant row calls (half precision); they take precedence over ``mask``.
         kernel_past: the forward runs through the row-invariant kernels
             (:mod:`selfspec.modeling.kernels`): a chain of new positions after this many cached
-            keys (0 for a prefill), every linear through :func:`~selfspec.modeling.kernels.linear`
-            and the attention through :func:`~selfspec.modeling.kernels.chain_attention`.
+            keys (0 for a prefill; in the static round the cache's length, a one-element device
+            tensor), every linear through :func:`~selfspec.modeling.kernels.linear` and the
+            attention through :func:`~selfspec.modeling.kernels.chain_attention`.
     """
 
     mask: torch.Tensor | None = None
     is_causal: bool = False
     lower_right: bool = False
     rows: RowCalls | None = None
-    kernel_past: int | None = None
+    kernel_past: int | torch.Tensor | None = None
 
     def __repr__(self) -> str:
         kind = (

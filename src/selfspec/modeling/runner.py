@@ -151,22 +151,36 @@ class ModelRunner:
         self.argmax_screen: bool = True
         self._argmax_head: ArgmaxHead | None = None
         #: every forward through the row-invariant Triton kernels (:mod:`selfspec.modeling.kernels`)
-        self.row_kernels: bool = uses_row_invariant_kernels(model)
-        if self.row_kernels:
-            self._check_row_kernels()
+        self.row_kernels: bool = False
+        if uses_row_invariant_kernels(model):
+            self.use_row_kernels(True)
         self._argmax_built = False
 
-    def _check_row_kernels(self) -> None:
-        """Refuse a model the row-invariant kernels do not cover yet (before any forward)."""
+    def row_kernels_refusal(self) -> str | None:
+        """What the row-invariant kernels need that this model lacks, or ``None`` when they cover it."""
         if self.fast_layers is None:
-            reason = "the lean path (Llama-family, attn_implementation='sdpa', plain nn.Linear layers)"
-        elif SLIDING_ATTENTION in self.layer_types and self.sliding_window is not None:
-            reason = "no sliding-window layers"
-        elif type(self.lm_head) is not nn.Linear:
-            reason = "a plain nn.Linear LM head"
-        else:
-            return
-        raise ConfigurationError(f"the row-invariant kernels need {reason}")
+            return "the lean path (Llama-family, attn_implementation='sdpa', plain nn.Linear layers)"
+        if SLIDING_ATTENTION in self.layer_types and self.sliding_window is not None:
+            return "no sliding-window layers"
+        if type(self.lm_head) is not nn.Linear:
+            return "a plain nn.Linear LM head"
+        return None
+
+    def use_row_kernels(self, enabled: bool) -> None:
+        """Run (or stop running) every forward through the row-invariant kernels (:attr:`row_kernels`).
+
+        Raises:
+            ConfigurationError: the kernels do not cover this model yet (:meth:`row_kernels_refusal`).
+            MissingDependencyError: triton is not installed.
+        """
+        reason = self.row_kernels_refusal() if enabled else None
+        if reason is not None:
+            raise ConfigurationError(f"the row-invariant kernels need {reason}")
+        if enabled:
+            from .kernels.launch import triton_code
+
+            triton_code()  # loaded now: a missing triton is said here, and compiled steps read a global
+        self.row_kernels = enabled
 
     def __repr__(self) -> str:
         return (

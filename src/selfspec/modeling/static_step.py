@@ -22,7 +22,9 @@ Exactness: the prefill is ``is_causal`` attention over the prompt, as transforme
 the rounds attend through a mask over the bucket, so in float32 a row's bits may differ from a
 one-token decode's in the last place (argmax ties aside, the text is ``generate``'s, and the tests
 check it); in half precision this path is not batch-invariant (the eager loop's row calls are),
-which is why it runs only where asked or on CUDA (see ``docs/static_round.md``).
+which is why it runs only where asked or on CUDA (see ``docs/static_round.md``). With
+:attr:`ModelRunner.row_kernels` (``row_exact=``) every step runs through the row-invariant kernels
+instead (:mod:`selfspec.modeling.kernels`): a row's bits then do not depend on the step's width.
 
 Only the lean layer path (:mod:`selfspec.modeling.fastpath`) runs here.
 """
@@ -164,9 +166,22 @@ def _masked_plans(runner: ModelRunner, positions: torch.Tensor, visible: int) ->
     return plans
 
 
+def _kernel_plans(runner: ModelRunner, past: int | torch.Tensor) -> dict[str, AttentionPlan] | None:
+    """With :attr:`ModelRunner.row_kernels`, every layer through the row-invariant kernels after ``past`` keys."""
+    if not runner.row_kernels:
+        return None
+    return dict.fromkeys(set(runner.layer_types), AttentionPlan(kernel_past=past))
+
+
 def _logits(runner: ModelRunner, hidden: torch.Tensor) -> torch.Tensor:
     """``[1, q, hidden]`` -> ``[q, vocab]`` float32 logits (final norm, LM head, softcap)."""
-    return runner.softcap(runner.lm_head(runner.norm(hidden))).float()[0]
+    normed = runner.norm(hidden)
+    head = runner.lm_head
+    if runner.row_kernels and isinstance(head, torch.nn.Linear):  # as the eager loop's (a plain nn.Linear head)
+        from .kernels import linear as row_invariant_linear
+
+        return runner.softcap(row_invariant_linear(normed, head.weight, head.bias)).float()[0]
+    return runner.softcap(head(normed)).float()[0]
 
 
 def static_prefill(runner: ModelRunner, cache: DeviceKVCache, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,9 +192,11 @@ def static_prefill(runner: ModelRunner, cache: DeviceKVCache, ids: torch.Tensor)
     """
     num = ids.shape[1]
     positions = torch.arange(num, device=ids.device)
-    plans = _masked_plans(runner, positions, num)  # windowed layers over a longer prompt keep their mask
-    windowed = runner.sliding_window is not None and num > runner.sliding_window
-    plans.update({t: PREFILL for t in set(runner.layer_types) if t != SLIDING_ATTENTION or not windowed})
+    plans = _kernel_plans(runner, 0)
+    if plans is None:
+        plans = _masked_plans(runner, positions, num)  # windowed layers over a longer prompt keep their mask
+        windowed = runner.sliding_window is not None and num > runner.sliding_window
+        plans.update({t: PREFILL for t in set(runner.layer_types) if t != SLIDING_ATTENTION or not windowed})
     hidden = _layers(runner, runner.embed(ids), positions, plans, _Writes(cache, positions, num))
     cache.length.fill_(num)
     return hidden, _logits(runner, hidden[:, -1:])[0]
@@ -204,7 +221,7 @@ def verify_step(
     """
     width = rows.shape[1]
     positions = cache.length + torch.arange(width, device=rows.device)  # [w]
-    plans = _masked_plans(runner, positions, bucket)  # slot j holds position j
+    plans = _kernel_plans(runner, cache.length) or _masked_plans(runner, positions, bucket)  # slot j: position j
     hidden = rows if exit_layer else runner.embed(rows)
     layers = range(exit_layer, runner.num_layers)
     hidden = _layers(runner, hidden, positions, plans, _Writes(cache, positions, bucket), layers)
@@ -222,7 +239,7 @@ def exit_draft_step(
     exit's KV reuse. Returns the ``[1, 1, hidden]`` exit state.
     """
     positions = (cache.length + offset).view(1)
-    plans = _masked_plans(runner, positions, bucket)
+    plans = _kernel_plans(runner, positions) or _masked_plans(runner, positions, bucket)
     writes = _Writes(cache, positions, bucket)
     state: torch.Tensor = _layers(runner, runner.embed(token), positions, plans, writes, range(exit_layer))
     return state

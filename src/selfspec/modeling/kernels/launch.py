@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from types import ModuleType
 
 import torch
@@ -12,28 +11,36 @@ from ...errors import ConfigurationError, MissingDependencyError
 KERNELS_EXTRA = "pip install 'selfspec[kernels]'"
 
 
-@functools.cache
+_LOADED: ModuleType | None = None
+
+
 def triton_code() -> ModuleType:
     """The module of Triton kernels, imported on first use (``TRITON_INTERPRET`` is read then).
+
+    Kept in a module global rather than behind ``functools.cache``: once loaded (the engine loads it
+    when it turns the kernels on), ``torch.compile`` traces this as a plain global read.
 
     Raises:
         MissingDependencyError: triton is not installed.
         ConfigurationError: ``TRITON_INTERPRET=1`` was set after triton itself was imported.
     """
-    try:
-        from . import triton_code as code
-    except ImportError as error:
-        raise MissingDependencyError(f"the row-invariant kernels need triton: {KERNELS_EXTRA} ({error})") from error
-    import triton.language as tl
+    global _LOADED
+    if _LOADED is None:
+        try:
+            from . import triton_code as code
+        except ImportError as error:
+            raise MissingDependencyError(f"the row-invariant kernels need triton: {KERNELS_EXTRA} ({error})") from error
+        import triton.language as tl
 
-    if type(code.linear_kernel).__name__ != type(tl.zeros).__name__:
-        # Triton's own library was built before TRITON_INTERPRET=1 was set: interpreted kernels would
-        # fail inside it with "Cannot call @triton.jit'd outside of the scope of a kernel"
-        raise ConfigurationError(
-            "TRITON_INTERPRET=1 was set after triton was imported (torch.compile and torch._dynamo import it): "
-            "set it in the environment before Python starts, or before importing torch"
-        )
-    return code
+        if type(code.linear_kernel).__name__ != type(tl.zeros).__name__:
+            # Triton's own library was built before TRITON_INTERPRET=1 was set: interpreted kernels would
+            # fail inside it with "Cannot call @triton.jit'd outside of the scope of a kernel"
+            raise ConfigurationError(
+                "TRITON_INTERPRET=1 was set after triton was imported (torch.compile and torch._dynamo import it): "
+                "set it in the environment before Python starts, or before importing torch"
+            )
+        _LOADED = code
+    return _LOADED
 
 
 def interpreted() -> bool:

@@ -195,6 +195,13 @@ class SpeculativeLLM(FunctionCallingLLM):
         description="Run single calls in the static round (fixed shapes, one host read per round) compiled with "
         "torch.compile: 'auto' (on CUDA), True, False or a backend name; same text either way.",
     )
+    row_exact: bool | Literal["auto"] = Field(
+        default="auto",
+        description="Give every verify row a one-token decode's bits, so that the speculative text is the plain "
+        "text bit for bit in half precision: on CUDA through the row-invariant Triton kernels, on a CPU a "
+        "row-by-row verify; 'auto' (where half precision needs it), True, or False (library kernels, faster; "
+        "the text may differ).",
+    )
     device: str = Field(default="auto", description="'auto' (CUDA when available), 'cpu' or 'cuda[:N]'.")
     dtype: str = Field(
         default="auto",
