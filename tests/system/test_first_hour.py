@@ -140,6 +140,21 @@ def test_the_cli_takes_a_short_name(smollm2_path: Path, capsys: pytest.CaptureFi
     assert "Paris" in capsys.readouterr().out
 
 
+def test_the_cli_answers_an_instruct_question_through_the_chat_template(smollm2_path: Path) -> None:
+    """The first thing a user types: the console command, one thread, no calibration (~20 s with the load)."""
+    import os
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "selfspec", "generate", "--model", SMOLLM2, "--no-calibrate", "--max-new-tokens"]
+    command += ["16", "Name the capital of Italy in one word."]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "Rome" in result.stdout, result.stdout  # sent as bare text, the instruct model ends at once
+    said = [line for line in result.stderr.splitlines() if "chat template" in line]
+    assert said == ["selfspec: chat template applied (--raw sends the text as is)"]
+
+
 # ----------------------------------------------------------------------------- the download
 
 
