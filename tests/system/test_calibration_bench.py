@@ -51,8 +51,9 @@ def test_generate_prints_the_engine_text(model_dir, capsys) -> None:
     )
     printed = capsys.readouterr()
     engine = SpeculativeEngine.from_pretrained(model_dir, exit_layer=2, num_draft_tokens=3, drafter="early_exit")
-    assert printed.out == engine.generate("It is a truth", max_new_tokens=12).text + "\n"
-    assert "tau" in printed.err
+    as_chat = [{"role": "user", "content": "It is a truth"}]  # the tokenizer has a chat template: generate uses it
+    assert printed.out == engine.generate(as_chat, max_new_tokens=12).text + "\n"
+    assert "tau" in printed.err and "chat template applied (--raw sends the text as is)" in printed.err
 
 
 def test_generate_reports_bad_input_without_a_traceback(model_dir, capsys) -> None:

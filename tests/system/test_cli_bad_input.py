@@ -30,7 +30,8 @@ def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
 
 @pytest.fixture(scope="module")
 def reference(demo_engine) -> str:
-    return demo_engine.generate(PROMPT, max_new_tokens=8).text
+    """What ``selfspec generate`` prints by default: the answer to the prompt as a user turn (chat template)."""
+    return demo_engine.generate([{"role": "user", "content": PROMPT}], max_new_tokens=8).text
 
 
 def assert_next_call_is_fine(capsys: pytest.CaptureFixture[str], reference: str) -> None:
@@ -65,18 +66,21 @@ def test_bad_options(capsys, reference, args, match) -> None:
 
 
 def test_empty_prompt(capsys, reference) -> None:
-    code, _, err = run(capsys, "-m", "selfspec-demo", "")
+    code, _, err = run(capsys, "-m", "selfspec-demo", "--raw", "")
     assert code == 2 and "the prompt is empty" in err
-    # documented: with --chat an empty prompt is an empty user turn, which the template renders
-    code, out, _ = run(capsys, "-m", "selfspec-demo", "--chat", "--max-new-tokens", "4", "")
-    assert code == 0 and out.strip()
+    # documented: by default (and with the old --chat) an empty prompt is an empty user turn, which the template renders
+    for flags in ([], ["--chat"]):
+        code, out, _ = run(capsys, "-m", "selfspec-demo", *flags, "--max-new-tokens", "4", "")
+        assert code == 0 and out.strip()
     assert_next_call_is_fine(capsys, reference)
 
 
 def test_prompt_over_the_context_window(capsys, demo_engine, reference) -> None:
     code, _, err = run(capsys, "-m", "selfspec-demo", "--max-new-tokens", "8", LONG_PROMPT)
     assert code == 2 and "context window" in err and "truncate_prompt=True" in err
-    code, out, _ = run(capsys, "-m", "selfspec-demo", "--max-new-tokens", "8", "--truncate-prompt", LONG_PROMPT)
+    code, out, _ = run(
+        capsys, "-m", "selfspec-demo", "--raw", "--max-new-tokens", "8", "--truncate-prompt", LONG_PROMPT
+    )
     ids = demo_engine.encode_prompt(LONG_PROMPT)
     expected = demo_engine.generate_ids(ids[-(demo_engine.context_window - 8) :], max_new_tokens=8).text
     assert code == 0 and out == expected + "\n"
@@ -145,6 +149,7 @@ def test_non_utf8_bytes_in_output(capsys, demo_engine) -> None:
             "1.5",
             "--seed",
             str(seed),
+            "--raw",
             "東京 🙂",
         )
         assert code == 0 and out == expected + "\n"

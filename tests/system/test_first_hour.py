@@ -3,15 +3,25 @@
 
 from __future__ import annotations
 
+import http.server
 import re
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 from selfspec import SpeculativeEngine
 from selfspec.errors import ModelNotFoundError
-from selfspec.modeling.realmodels import REAL_MODELS, display_name, fetch_model, is_real_model, model_path, short_name
+from selfspec.modeling.realmodels import (
+    REAL_MODELS,
+    WheelPart,
+    display_name,
+    fetch_model,
+    is_real_model,
+    model_path,
+    short_name,
+)
 
 ROOT = Path(__file__).parents[2]
 SMOLLM2 = "smollm2-135m-instruct"
@@ -140,6 +150,21 @@ def test_the_cli_takes_a_short_name(smollm2_path: Path, capsys: pytest.CaptureFi
     assert "Paris" in capsys.readouterr().out
 
 
+def test_the_cli_answers_an_instruct_question_through_the_chat_template(smollm2_path: Path) -> None:
+    """The first thing a user types: the console command, one thread, no calibration (~20 s with the load)."""
+    import os
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "selfspec", "generate", "--model", SMOLLM2, "--no-calibrate", "--max-new-tokens"]
+    command += ["16", "Name the capital of Italy in one word."]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "Rome" in result.stdout, result.stdout  # sent as bare text, the instruct model ends at once
+    said = [line for line in result.stderr.splitlines() if "chat template" in line]
+    assert said == ["selfspec: chat template applied (--raw sends the text as is)"]
+
+
 # ----------------------------------------------------------------------------- the download
 
 
@@ -157,6 +182,106 @@ def test_a_download_says_what_and_how_big_with_progress(
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "silent"))
     fetch_model(SMOLLM2)  # stderr is not a terminal here: nothing is printed
     assert capsys.readouterr().err == ""
+
+
+class _SlowWheels(http.server.SimpleHTTPRequestHandler):
+    """A package index (pip's ``--find-links`` page) that sends files in chunks, as a real download arrives."""
+
+    def copyfile(self, source, outputfile) -> None:  # type: ignore[no-untyped-def]
+        while chunk := source.read(128 * 1024):
+            outputfile.write(chunk)
+            outputfile.flush()
+            time.sleep(0.1)
+
+    def log_message(self, format, *args) -> None:  # type: ignore[no-untyped-def]
+        pass
+
+
+def _probe_wheel(folder: Path) -> WheelPart:
+    """A 2 MiB wheel of random bytes (stored, not compressed): 16 chunks of the slow index."""
+    import hashlib
+    import os
+    import zipfile
+
+    wheel = folder / "selfspec_fetch_probe-0.1-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_STORED) as archive:
+        info = "selfspec_fetch_probe-0.1.dist-info"
+        archive.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: selfspec-fetch-probe\nVersion: 0.1\n")
+        archive.writestr(
+            f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
+        archive.writestr("selfspec_fetch_probe/model.bin", os.urandom(2 * 1024 * 1024))
+        archive.writestr(f"{info}/RECORD", "")
+    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    return WheelPart(
+        "selfspec-fetch-probe==0.1", wheel.name, digest, "selfspec_fetch_probe/model.bin", wheel.stat().st_size
+    )
+
+
+_FETCH = """
+import json, sys
+from pathlib import Path
+from selfspec.modeling.realmodels import WheelPart, _download_wheel, _pip_version
+part = WheelPart(*json.loads(sys.argv[1]))
+seen = []
+_download_wheel(part, Path(sys.argv[2]), quiet=True, on_bytes=seen.append)
+print(json.dumps({"pip": _pip_version(), "seen": seen}))
+"""
+
+
+@pytest.mark.slow
+def test_the_fetch_shows_progress_with_the_pip_python_ships_and_with_a_recent_one(tmp_path: Path) -> None:
+    """A stock Python 3.11's pip (23.2) has no ``--progress-bar raw``: the fetch works and draws progress anyway.
+
+    Both pips download from a local, slow index (no package index, no model hub): the old one in a fresh
+    venv (its ensurepip pip; the test's own packages added after it), the recent one in the test's venv.
+    """
+    import dataclasses
+    import functools
+    import json
+    import os
+    import sys
+    import sysconfig
+    import threading
+
+    from selfspec.modeling.realmodels import RAW_PROGRESS_PIP
+
+    index = tmp_path / "index"
+    index.mkdir()
+    part = _probe_wheel(index)
+    venv = tmp_path / "stock-pip"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True, timeout=300)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    (site / "zz-selfspec-test.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")  # after the venv's own pip
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_SlowWheels, directory=str(index)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env.update(
+        PIP_CONFIG_FILE=os.devnull,  # no site index, find-links or constraints: the slow index only
+        PIP_NO_INDEX="1",
+        PIP_FIND_LINKS=f"http://127.0.0.1:{server.server_port}/",
+        PIP_NO_CACHE_DIR="1",
+        PYTHONPATH=str(ROOT / "src"),
+    )
+    runs = {}
+    try:
+        for label, python in (("stock", venv / "bin" / "python"), ("recent", Path(sys.executable))):
+            folder = tmp_path / f"download-{label}"
+            folder.mkdir()
+            command = [str(python), "-c", _FETCH, json.dumps(dataclasses.astuple(part)), str(folder)]
+            result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+            assert result.returncode == 0, result.stderr
+            runs[label] = json.loads(result.stdout.splitlines()[-1])
+            assert (folder / part.wheel).read_bytes() == (index / part.wheel).read_bytes()
+    finally:
+        server.shutdown()
+        server.server_close()
+    if tuple(runs["stock"]["pip"]) >= RAW_PROGRESS_PIP:
+        pytest.skip(f"this Python's ensurepip ships pip {runs['stock']['pip']}, which has --progress-bar raw")
+    assert tuple(runs["recent"]["pip"]) >= RAW_PROGRESS_PIP, runs
+    for label, run in runs.items():
+        assert sum(run["seen"]) == part.size, (label, run)
+        assert len([count for count in run["seen"] if count]) >= 3, (label, run)  # progress during the download
 
 
 class _Terminal:

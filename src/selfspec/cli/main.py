@@ -51,10 +51,27 @@ def _format_stats(stats: Any) -> str:
     )
 
 
+def generate_prompt(text: str, tokenizer: Any, *, raw: bool = False, chat: bool = False) -> str | list[dict[str, str]]:
+    """What ``selfspec generate`` sends: one user turn when the model has a chat template, else the text.
+
+    An instruct model given bare text often ends at once (SmolLM2 answers the Italy question with an
+    empty line), so the text becomes a user message in the model's chat template, as chat UIs and
+    servers do. ``raw`` sends the text as is; ``chat`` asks for the template even where the tokenizer
+    has none (the engine then says it has none).
+    """
+    if raw:
+        return text
+    if chat or getattr(tokenizer, "chat_template", None):
+        return [{"role": "user", "content": text}]
+    return text
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     """Generate a completion for one prompt and print it."""
     engine = _load(args)
-    prompt: Any = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    prompt = generate_prompt(args.prompt, engine.tokenizer, raw=args.raw, chat=args.chat)
+    if not isinstance(prompt, str):
+        print("selfspec: chat template applied (--raw sends the text as is)", file=sys.stderr, flush=True)
     stream = engine.stream(prompt, **_sampling(args))
     for delta in stream:
         print(delta, end="", flush=True)
@@ -214,7 +231,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(gen, "generate", default_model=DEMO_MODEL)
     _sampling_args(gen)
     gen.add_argument("prompt")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user chat message")
+    template = gen.add_mutually_exclusive_group()
+    template.add_argument(
+        "--raw",
+        action="store_true",
+        help="send the prompt as is (default: as a user turn in the model's chat template, when it has one)",
+    )
+    template.add_argument("--chat", action="store_true", help="deprecated, the default: the prompt as a user turn")
     gen.add_argument("--stats", action="store_true", help="print speculation stats to stderr")
     gen.set_defaults(func=cmd_generate)
 

