@@ -9,7 +9,6 @@ from typing import Any
 import torch
 
 from ...errors import ConfigurationError
-from ..attention import ROW_EXACT_DTYPES
 from .launch import KERNELS_EXTRA
 
 #: the attribute :func:`use_row_invariant_kernels` sets on the model (read by ``ModelRunner``)
@@ -113,7 +112,7 @@ def resolve_row_exact(
         ConfigurationError: ``row_exact=True`` on CUDA where the kernels cannot run, or
             ``row_exact=False`` on a marked model.
     """
-    half = dtype in ROW_EXACT_DTYPES
+    half = dtype in (torch.bfloat16, torch.float16)  # half precision (no import of ..attention: it loads this)
     if marked:
         if row_exact is False:
             raise ConfigurationError(
