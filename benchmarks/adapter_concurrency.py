@@ -88,7 +88,7 @@ def langchain_calls(fields: dict[str, Any], max_tokens: int) -> tuple[Callable[[
 def llamaindex_calls(fields: dict[str, Any], max_tokens: int) -> tuple[Callable[[str], str], Any]:
     from llama_index.llms.selfspec import SpeculativeLLM
 
-    llm = SpeculativeLLM(model="selfspec-demo", max_new_tokens=max_tokens, **fields)
+    llm = SpeculativeLLM(model="selfspec-demo", max_tokens=max_tokens, **fields)
 
     async def astream(prompt: str) -> str:
         stream = await llm.astream_complete(prompt)

@@ -64,7 +64,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    llm = SpeculativeLLM(model=args.model, max_new_tokens=args.max_new_tokens)
+    llm = SpeculativeLLM(model=args.model, max_tokens=args.max_new_tokens)
     Settings.llm = llm
     Settings.embed_model = MockEmbedding(embed_dim=64)
     # MockEmbedding scores every chunk alike and ties are broken by node id: fixed ids keep the context's order
@@ -92,7 +92,7 @@ def main() -> None:
     )
 
     if args.compare:
-        plain = SpeculativeLLM(model=args.model, max_new_tokens=args.max_new_tokens, drafter="none")
+        plain = SpeculativeLLM(model=args.model, max_tokens=args.max_new_tokens, drafter="none")
         same = answer(plain, index, args.question) == text
         speed = last.info["tokens_per_second"]
         print(

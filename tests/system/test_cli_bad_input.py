@@ -42,8 +42,12 @@ def assert_next_call_is_fine(capsys: pytest.CaptureFixture[str], reference: str)
 @pytest.mark.parametrize(
     ("args", "match"),
     [
-        pytest.param(["--max-new-tokens", "0"], "max_new_tokens must be an int >= 1", id="max_new_tokens=0"),
-        pytest.param(["--max-new-tokens", "-4"], "max_new_tokens", id="max_new_tokens<0"),
+        pytest.param(
+            ["--max-tokens", "0"], "--max-tokens/--max-new-tokens: max_tokens must be an int >= 1", id="max_tokens=0"
+        ),
+        pytest.param(
+            ["--max-new-tokens", "-4"], "--max-tokens/--max-new-tokens: max_tokens must", id="max_new_tokens<0"
+        ),
         pytest.param(["--temperature", "-1"], "temperature must be >= 0", id="negative-temperature"),
         pytest.param(["--top-p", "0"], r"top_p must be in \(0, 1\]", id="top_p=0"),
         pytest.param(["--top-p", "1.5"], "top_p", id="top_p>1"),
@@ -193,7 +197,7 @@ ARGUMENT_ERRORS = [
     pytest.param(["generate", "--seed", "-1", PROMPT], "seed must be", id="seed=-1"),
     pytest.param(
         ["generate", "--max-new-tokens", "lots", PROMPT],
-        "argument --max-new-tokens: expected an int",
+        "argument --max-tokens/--max-new-tokens: expected an int",
         id="max-new-tokens=lots",
     ),
     pytest.param(

@@ -199,3 +199,16 @@ def test_keywords_replace_the_options_and_a_typo_names_the_option() -> None:
     assert GenerateOptions.of(None, {}, "generate") == GenerateOptions()
     with pytest.raises(TypeError, match=r"generate\(\) got an unexpected keyword argument 'temprature' \(did you mean"):
         GenerateOptions.of(None, {"temprature": 0.5}, "generate")
+
+
+@pytest.mark.parametrize("verb", ["generate", "chat", "calibrate", "bench", "demo"])
+def test_every_verb_takes_max_tokens_and_its_alias(verb: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from selfspec.cli.main import build_parser
+
+    parser = build_parser()
+    tail = {"generate": ["hi"], "calibrate": ["-m", "M"], "bench": ["-m", "M"]}.get(verb, [])
+    assert parser.parse_args([verb, "--max-tokens", "7", *tail]).max_new_tokens == 7
+    assert parser.parse_args([verb, "--max-new-tokens", "9", *tail]).max_new_tokens == 9
+    with pytest.raises(SystemExit):
+        parser.parse_args([verb, "--max-tokens", "0", *tail])
+    assert "max_tokens must be an int >= 1, got int 0" in capsys.readouterr().err

@@ -7,7 +7,7 @@ from llama_index.core.base.llms.base import BaseLLM
 from llama_index.core.base.llms.types import ChatMessage, ChatResponse, MessageRole, ToolCallBlock
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.tools import FunctionTool
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from llama_index.llms.selfspec import SpeculativeLLM
 from llama_index.llms.selfspec import base as selfspec_base
@@ -53,6 +53,20 @@ def test_construction_loads_nothing(monkeypatch):
     assert llm.metadata.model_name == "/no/such/model"
     assert "model='/no/such/model'" in repr(llm)
     assert llm.class_name() == "SpeculativeLLM"
+
+
+def test_max_tokens_and_its_alias_max_new_tokens() -> None:
+    """The budget is max_tokens, as in ChatSpeculative and OpenAI; max_new_tokens (the engine's name) is an alias."""
+    assert SpeculativeLLM(model="m", max_tokens=32).max_tokens == 32
+    alias = SpeculativeLLM(model="m", max_new_tokens=16, context_window=512)
+    assert alias.max_tokens == alias.max_new_tokens == 16 and alias.metadata.num_output == 16
+    assert "max_tokens=16" in repr(alias)
+    assert SpeculativeLLM.from_dict(alias.to_dict()).max_tokens == 16  # serialised under the field's name
+    for name in ("max_tokens", "max_new_tokens"):
+        with pytest.raises(ValidationError, match=rf"{name}\n  Input should be greater than 0"):
+            SpeculativeLLM(model="m", **{name: 0})  # the error names what was written
+    with pytest.raises(ValidationError, match="either max_tokens or its alias max_new_tokens"):
+        SpeculativeLLM(model="m", max_tokens=8, max_new_tokens=8)
 
 
 def test_engine_arguments_follow_the_fields(monkeypatch):

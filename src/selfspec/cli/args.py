@@ -44,10 +44,23 @@ def _int(value: str) -> int:
         raise ValueError(f"expected an int, got {value!r}") from None
 
 
-def _max_new_tokens(value: str) -> int:
+def _max_tokens(value: str) -> int:
     from ..core.validation import check_max_new_tokens
 
-    return check_max_new_tokens(_int(value))
+    return check_max_new_tokens(_int(value), name="max_tokens")
+
+
+def add_max_tokens(parser: argparse.ArgumentParser, default: int) -> None:
+    """``--max-tokens`` (as the adapters and OpenAI name the budget), alias ``--max-new-tokens`` (the engine's name)."""
+    parser.add_argument(
+        "--max-tokens",
+        "--max-new-tokens",
+        dest="max_new_tokens",
+        metavar="N",
+        type=checked_type(_max_tokens),
+        default=default,
+        help=f"the most new tokens (default {default}; --max-new-tokens is the same)",
+    )
 
 
 def _temperature(value: str) -> float:
@@ -121,7 +134,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, verb: str, default_mod
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-new-tokens", type=checked_type(_max_new_tokens), default=256)
+    add_max_tokens(parser, 256)
     parser.add_argument("--temperature", type=checked_type(_temperature), default=0.0, help="0 (greedy) or > 0")
     parser.add_argument("--top-k", type=checked_type(_top_k), default=None)
     parser.add_argument("--top-p", type=checked_type(_top_p), default=None)

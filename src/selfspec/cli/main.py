@@ -20,6 +20,7 @@ from .args import (
     ArgumentParser,
     _sampling_args,
     add_engine_arguments,
+    add_max_tokens,
     engine_kwargs,
 )
 
@@ -249,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     cal = sub.add_parser("calibrate", help="choose exit layer and draft length by measurement")
     add_engine_arguments(cal, "calibrate")
-    cal.add_argument("--max-new-tokens", type=int, default=48)
+    add_max_tokens(cal, 48)
     cal.add_argument("--no-save", action="store_true", help="print the result without saving it")
     cal.add_argument(
         "--trees", action="store_true", help="also race early-exit token trees against the chain (tree_nodes='auto')"
@@ -265,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmark plain, transformers' speculative modes and selfspec")
     add_engine_arguments(bench, "bench", default_model=DEMO_MODEL)
     bench.add_argument("--prompts", default=None, help='JSON file {"category": [prompt, ...]}')
-    bench.add_argument("--max-new-tokens", type=int, default=96)
+    add_max_tokens(bench, 96)
     bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--exit-layer", type=int, default=None)
     bench.add_argument("--num-draft-tokens", type=int, default=None)
@@ -300,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="plain vs speculative decoding on the bundled demo model")
     add_engine_arguments(demo, "demo", default_model=DEMO_MODEL)
     demo.add_argument("--prompt", default=DEMO_PROMPT)
-    demo.add_argument("--max-new-tokens", type=int, default=128)
+    add_max_tokens(demo, 128)
     demo.set_defaults(func=cmd_demo)
 
     from ..drafting.eagle.cli import add_train_eagle_parser

@@ -145,17 +145,19 @@ def check_logprobs(value: Any) -> int | None:
     return count
 
 
-def check_max_new_tokens(value: Any, context_window: int | None = -1) -> int:
+def check_max_new_tokens(value: Any, context_window: int | None = -1, *, name: str = "max_new_tokens") -> int:
     """An int ``>= 1``, and at most ``2**20`` when ``context_window`` is ``None`` (the model declares none).
 
     The default ``-1`` means "the window is not known here": only the type and sign are checked.
+    ``name`` is what the caller called the budget (``max_tokens`` in the adapters and the server):
+    the error names it.
     """
     number = as_integer(value)
     if number is None or number < 1:
-        raise SamplingError(f"max_new_tokens must be an int >= 1, got {_kind(value)} {value!r}")
+        raise SamplingError(f"{name} must be an int >= 1, got {_kind(value)} {value!r}")
     if context_window is None and number > MAX_NEW_TOKENS_WITHOUT_WINDOW:
         raise SamplingError(
-            f"max_new_tokens must be at most {MAX_NEW_TOKENS_WITHOUT_WINDOW} for a model without a declared "
+            f"{name} must be at most {MAX_NEW_TOKENS_WITHOUT_WINDOW} for a model without a declared "
             f"context window (the KV cache is allocated up front), got {number}"
         )
     return number

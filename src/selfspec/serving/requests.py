@@ -717,7 +717,9 @@ class RequestPlan:
 INCOMPLETE_REASONS = ("length", "repetition")
 
 
-def cut_off_message(what: str, max_tokens: int | None, used: int | None, finish_reason: str = "length") -> str:
+def cut_off_message(
+    what: str, max_tokens: int | None, used: int | None, finish_reason: str = "length", *, name: str = "max_tokens"
+) -> str:
     """The error text for structured output or a tool call cut off by the budget or by repetition.
 
     Args:
@@ -725,17 +727,18 @@ def cut_off_message(what: str, max_tokens: int | None, used: int | None, finish_
         max_tokens: the budget.
         used: the tokens generated.
         finish_reason: ``"length"`` (the budget ran out) or ``"repetition"`` (stopped on a loop).
+        name: what the caller called the budget (``SpeculativeLLM``'s alias ``max_new_tokens``).
     """
     if finish_reason == "repetition":
         return (
             f"the {what} degenerated into repetition (one piece of text repeated over and over inside a JSON "
-            f"string) and was stopped after {used} tokens used (max_tokens={max_tokens}) before it was "
+            f"string) and was stopped after {used} tokens used ({name}={max_tokens}) before it was "
             "complete; the model loops on this prompt: state the fields' meaning in the prompt, rephrase it, "
             "or sample (temperature > 0)"
         )
     return (
-        f"the {what} was cut off at max_tokens={max_tokens} ({used} tokens used) before it was complete; "
-        "raise max_tokens (docs/langchain.md and docs/llamaindex.md say how many tokens a schema needs)"
+        f"the {what} was cut off at {name}={max_tokens} ({used} tokens used) before it was complete; "
+        f"raise {name} (docs/langchain.md and docs/llamaindex.md say how many tokens a schema needs)"
     )
 
 
@@ -819,6 +822,7 @@ def plan_request(
     escape_special_tokens: bool = False,
     fit_max_tokens: bool = True,
     logprobs: int | None = None,
+    budget_name: str = "max_tokens",
 ) -> RequestPlan:
     """Plan one call on ``engine``: everything but the framework's own types.
 
@@ -844,13 +848,20 @@ def plan_request(
             adapters); ``False`` leaves it for the engine to refuse (``selfspec serve``).
         logprobs: report each token's log-probability and this many most likely alternatives
             (``None``: none; see :meth:`SpeculativeEngine.generate`).
+        budget_name: what the caller called ``max_tokens`` (``SpeculativeLLM``'s ``max_new_tokens``
+            alias): a bad budget's error names it.
 
     Raises:
+        SamplingError: ``max_tokens`` is not an int >= 1 (before the prompt is encoded).
         RequestFieldError: bad tools, ``tool_choice`` or ``response_format`` (a ``ValueError``
             naming the field).
         InvalidSchemaError: tools or a schema over the bounds.
         InvalidPromptError: an empty prompt or one that fills the context window.
     """
+    if max_tokens is not None:
+        from ..core.validation import check_max_new_tokens  # torch: a local engine is loaded already
+
+        max_tokens = check_max_new_tokens(max_tokens, name=budget_name)
     offer = offer_tools(tools, tool_choice)
     normalized, forced = offer.tools, offer.forced
     with _field("response_format"):

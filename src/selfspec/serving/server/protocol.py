@@ -85,6 +85,8 @@ _ENGINE_PARAMS = {
     "top_k": "top_k",
     "top_p": "top_p",
     "max_new_tokens": "max_tokens",
+    "max_tokens": "max_tokens",
+    "max_completion_tokens": "max_completion_tokens",
     "seed": "seed",
     "stop": "stop",
 }
@@ -138,11 +140,16 @@ class _SamplingRequest(BaseModel):
         """The requested budget (``None``: the planner's default)."""
         return self.max_tokens
 
+    @property
+    def token_limit_field(self) -> str:
+        """The request field :attr:`token_limit` comes from (errors name it)."""
+        return "max_tokens"
+
     def check_supported(self) -> None:
         """Refuse options that would change the answer and that selfspec cannot honour, and out-of-range limits."""
-        limit = self.token_limit
+        limit, field = self.token_limit, self.token_limit_field
         if limit is not None and limit < 1:
-            raise APIError(400, f"max_tokens must be >= 1, got {limit}", param="max_tokens")
+            raise APIError(400, f"{field} must be >= 1, got {limit}", param=field)
         if self.n not in (None, 1):
             raise APIError(400, "only n=1 is supported", param="n")
         if self.temperature is not None and self.temperature > MAX_TEMPERATURE:
@@ -210,6 +217,10 @@ class ChatCompletionRequest(_SamplingRequest):
     def token_limit(self) -> int | None:
         """``max_completion_tokens`` (the newer name) or ``max_tokens``."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def token_limit_field(self) -> str:  # noqa: D102 - documented in the base class
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def check_supported(self) -> None:  # noqa: D102 - documented in the base class
         super().check_supported()

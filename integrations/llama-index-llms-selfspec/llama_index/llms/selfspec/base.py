@@ -53,6 +53,7 @@ from llama_index.core.llms.llm import ToolSelection
 from llama_index.core.llms.utils import parse_partial_json
 from llama_index.core.program.utils import FlexibleModel, create_flexible_model
 from llama_index.core.types import PydanticProgramMode
+from pydantic import AliasChoices
 
 from selfspec.decoding.options import check_drafter_name
 from selfspec.errors import ConfigurationError
@@ -132,7 +133,7 @@ class SpeculativeLLM(FunctionCallingLLM):
         from llama_index.core.llms import ChatMessage
         from llama_index.llms.selfspec import SpeculativeLLM
 
-        llm = SpeculativeLLM(model="selfspec-demo", max_new_tokens=64)  # loads on first use
+        llm = SpeculativeLLM(model="selfspec-demo", max_tokens=64)  # loads on first use
         print(llm.complete("Who is Mr. Darcy?").text)
 
         response = llm.chat([ChatMessage(role="user", content="Tell me about Longbourn.")])
@@ -252,11 +253,13 @@ class SpeculativeLLM(FunctionCallingLLM):
         "(drafter 'eagle', 'eagle_hybrid', or 'auto' choosing one); the text never changes.",
     )
     temperature: float = Field(default=0.0, ge=0.0, description="0 for greedy decoding; > 0 samples.")
-    max_new_tokens: int = Field(
+    max_tokens: int = Field(
         default=DEFAULT_MAX_TOKENS,
         gt=0,
-        description="The most new tokens per response (default: selfspec.serving.requests.DEFAULT_MAX_TOKENS, "
-        "the default of selfspec serve and ChatSpeculative too); never past the context window.",
+        validation_alias=AliasChoices("max_tokens", "max_new_tokens"),
+        description="The most new tokens per response, as ChatSpeculative and OpenAI name it (max_new_tokens, "
+        "the engine's name, is an alias; default: selfspec.serving.requests.DEFAULT_MAX_TOKENS, the default of "
+        "selfspec serve and ChatSpeculative too); never past the context window.",
     )
     top_k: int | None = Field(default=None, gt=0, description="Sample among the top_k most likely tokens.")
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
@@ -283,7 +286,7 @@ class SpeculativeLLM(FunctionCallingLLM):
     )
     truncate_prompt: bool = Field(
         default=False,
-        description="When the prompt and max_new_tokens do not fit in the context window, keep only the "
+        description="When the prompt and max_tokens do not fit in the context window, keep only the "
         "prompt's end (left truncation) instead of raising InvalidPromptError.",
     )
     # -- endpoint mode: an OpenAI-compatible server instead of a local engine
@@ -320,7 +323,7 @@ class SpeculativeLLM(FunctionCallingLLM):
     @model_validator(mode="before")
     @classmethod
     def _known_arguments(cls, values: Any) -> Any:
-        """``model_name`` is an alias of ``model``; an unknown argument names the closest field."""
+        """The aliases ``model_name`` (of ``model``) and ``max_new_tokens`` (of ``max_tokens``); no unknown names."""
         if not isinstance(values, dict):
             return values
         values = dict(values)
@@ -328,9 +331,16 @@ class SpeculativeLLM(FunctionCallingLLM):
             if "model" in values and values["model"] != values["model_name"]:
                 raise ValueError("pass either model or its alias model_name, not both")
             values["model"] = values.pop("model_name")
-        known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+        if "max_tokens" in values and "max_new_tokens" in values:
+            raise ValueError("pass either max_tokens or its alias max_new_tokens, not both")
+        known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias} | {"max_new_tokens"}
         check_arguments("SpeculativeLLM", values, known | {"class_name"})
         return values
+
+    @property
+    def max_new_tokens(self) -> int:
+        """The alias of :attr:`max_tokens` (the engine's name for the budget)."""
+        return self.max_tokens
 
     @classmethod
     def class_name(cls) -> str:
@@ -342,8 +352,7 @@ class SpeculativeLLM(FunctionCallingLLM):
             f"SpeculativeLLM(model={self.model!r}, quantization={self.quantization!r}, "
             f"exit_layer={self.exit_layer!r}, num_draft_tokens={self.num_draft_tokens!r}, "
             f"drafter={self.drafter!r}, device={self.device!r}, temperature={self.temperature}, "
-            f"max_new_tokens={self.max_new_tokens}"
-            + (f", base_url={self.base_url!r})" if self.base_url is not None else ")")
+            f"max_tokens={self.max_tokens}" + (f", base_url={self.base_url!r})" if self.base_url is not None else ")")
         )
 
     # ----------------------------------------------------------------- engine and metadata
@@ -396,7 +405,7 @@ class SpeculativeLLM(FunctionCallingLLM):
         window = window or _config_context_window(self.model, self.trust_remote_code)
         return LLMMetadata(
             context_window=window,
-            num_output=self.max_new_tokens,
+            num_output=self.max_tokens,
             is_chat_model=True,
             is_function_calling_model=True,
             model_name=self.model if self.base_url is not None else _display_name(self.model),
@@ -417,7 +426,7 @@ class SpeculativeLLM(FunctionCallingLLM):
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         """Answer a conversation rendered through the tokenizer's chat template.
 
-        Keyword arguments override the fields ``max_new_tokens`` (or ``max_tokens``),
+        Keyword arguments override the fields ``max_tokens`` (or its alias ``max_new_tokens``),
         ``temperature``, ``top_k``, ``top_p``, ``stop`` and ``seed`` for this call; ``tools``
         (LlamaIndex tools or OpenAI-style dicts), ``tool_choice`` (``"auto"``, ``"none"``,
         ``"required"`` or a tool name) and ``parallel_tool_calls`` offer tools, as
@@ -534,11 +543,11 @@ class SpeculativeLLM(FunctionCallingLLM):
 
         The default ``pydantic_program_mode`` generates the answer under a grammar of
         ``output_cls.model_json_schema()`` (applied to draft and target alike), so the text is
-        always valid JSON of that schema unless ``max_new_tokens`` cuts it off. Other modes use
+        always valid JSON of that schema unless ``max_tokens`` cuts it off. Other modes use
         LlamaIndex's programs.
 
         Raises:
-            ValueError: the JSON was cut off at ``max_new_tokens``.
+            ValueError: the JSON was cut off at ``max_tokens``.
         """
         if self.pydantic_program_mode != PydanticProgramMode.DEFAULT:
             return super().structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
@@ -546,7 +555,7 @@ class SpeculativeLLM(FunctionCallingLLM):
             LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt, template_args=prompt_args)
         )
         messages, kwargs = self._structured_request(output_cls, prompt, llm_kwargs, prompt_args)
-        result = _validate_json(output_cls, self.chat(messages, **kwargs))
+        result = _validate_json(output_cls, self.chat(messages, **kwargs), _budget_name(kwargs))
         dispatcher.event(LLMStructuredPredictEndEvent(output=result))
         return result
 
@@ -565,7 +574,7 @@ class SpeculativeLLM(FunctionCallingLLM):
             LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt, template_args=prompt_args)
         )
         messages, kwargs = self._structured_request(output_cls, prompt, llm_kwargs, prompt_args)
-        result = _validate_json(output_cls, await self.achat(messages, **kwargs))
+        result = _validate_json(output_cls, await self.achat(messages, **kwargs), _budget_name(kwargs))
         dispatcher.event(LLMStructuredPredictEndEvent(output=result))
         return result
 
@@ -584,7 +593,7 @@ class SpeculativeLLM(FunctionCallingLLM):
         Other program modes use LlamaIndex's programs (which read the streamed tool calls).
 
         Raises:
-            ValueError: the JSON was cut off at ``max_new_tokens``.
+            ValueError: the JSON was cut off at ``max_tokens``.
         """
         if self.pydantic_program_mode != PydanticProgramMode.DEFAULT:
             yield from super().stream_structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
@@ -598,7 +607,7 @@ class SpeculativeLLM(FunctionCallingLLM):
         for response in self.stream_chat(messages, **kwargs):
             yield from partials.feed(response.message.content or "")
         assert response is not None
-        result = _validate_json(output_cls, response)
+        result = _validate_json(output_cls, response, _budget_name(kwargs))
         dispatcher.event(LLMStructuredPredictEndEvent(output=result))
         yield result
 
@@ -625,7 +634,7 @@ class SpeculativeLLM(FunctionCallingLLM):
                 for partial in partials.feed(response.message.content or ""):
                     yield partial
             assert response is not None
-            result = _validate_json(output_cls, response)
+            result = _validate_json(output_cls, response, _budget_name(kwargs))
             dispatcher.event(LLMStructuredPredictEndEvent(output=result))
             yield result
 
@@ -704,12 +713,10 @@ class SpeculativeLLM(FunctionCallingLLM):
     def _options(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """A call's options: its keyword arguments over the fields (unknown ones are refused)."""
         kwargs = dict(kwargs)
-        max_tokens = kwargs.pop("max_tokens", None)  # the name other LlamaIndex LLMs use
-        max_new_tokens = kwargs.pop("max_new_tokens", None)
-        if max_new_tokens is None:
-            max_new_tokens = max_tokens if max_tokens is not None else self.max_new_tokens
+        budget = _call_budget(kwargs, self.max_tokens)
         options = {
-            "max_tokens": max_new_tokens,
+            "max_tokens": budget.value,
+            "budget_name": budget.name,
             "temperature": kwargs.pop("temperature", self.temperature),
             "top_k": kwargs.pop("top_k", self.top_k),
             "top_p": kwargs.pop("top_p", self.top_p),
@@ -788,6 +795,32 @@ class _Answer:
     stats: dict[str, Any]
     model: str
     max_tokens: int | None
+
+
+@dataclass(frozen=True)
+class _CallBudget:
+    """A call's token budget and the name its caller gave it (a bad budget's error names it)."""
+
+    value: int
+    name: str
+
+
+def _call_budget(kwargs: dict[str, Any], default: int) -> _CallBudget:
+    """``max_tokens`` or its alias ``max_new_tokens`` from a call's keyword arguments (popped), else the field.
+
+    Raises:
+        ValueError: both names given, with different values.
+    """
+    given = {name: kwargs.pop(name) for name in ("max_tokens", "max_new_tokens") if kwargs.get(name) is not None}
+    if len(set(map(repr, given.values()))) > 1:
+        raise ValueError(f"pass either max_tokens or its alias max_new_tokens, not both (got {given})")
+    name = _budget_name(given)
+    return _CallBudget(given.get(name, default), name)
+
+
+def _budget_name(kwargs: dict[str, Any]) -> str:
+    """``max_new_tokens`` when a call's keyword arguments use that alias, else ``max_tokens``."""
+    return "max_new_tokens" if kwargs.get("max_new_tokens") is not None else "max_tokens"
 
 
 def _local_answer(plan: RequestPlan, model: str, output: GenerationOutput) -> _Answer:
@@ -1042,7 +1075,7 @@ def tool_schema(tool: Any) -> dict[str, Any]:
     return normalize(tool)
 
 
-def _validate_json(output_cls: type[Model], response: ChatResponse) -> Model:
+def _validate_json(output_cls: type[Model], response: ChatResponse, budget_name: str = "max_tokens") -> Model:
     """The validated object, or a clear ``ValueError`` naming the budget when the JSON was cut off."""
     text = response.message.content or ""
     try:
@@ -1052,8 +1085,8 @@ def _validate_json(output_cls: type[Model], response: ChatResponse) -> Model:
         reason = extra.get("finish_reason")
         if reason in INCOMPLETE_REASONS:
             what = f"{output_cls.__name__} JSON"
-            message = cut_off_message(what, extra.get("max_tokens"), extra.get("completion_tokens"), reason)
-            raise ValueError(message.replace("max_tokens=", "max_new_tokens=", 1)) from exc
+            used = extra.get("completion_tokens")
+            raise ValueError(cut_off_message(what, extra.get("max_tokens"), used, reason, name=budget_name)) from exc
         raise
 
 
