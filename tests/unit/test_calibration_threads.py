@@ -96,7 +96,7 @@ def test_the_summary_says_the_count_the_timings_and_the_load() -> None:
 
 def _slower_with_more_threads() -> None:
     """A step that, like a decode step on a busy machine, takes longer at more threads."""
-    time.sleep(0.0005 * torch.get_num_threads())
+    time.sleep(0.002 * torch.get_num_threads() ** 2)
 
 
 def test_the_timing_is_per_count_and_the_choice_sets_torch() -> None:
@@ -119,6 +119,12 @@ def test_a_load_change_has_the_choice_timed_again() -> None:
     assert (tuner.choice.threads, tuner.choice.rechecks, torch.get_num_threads()) == (1, 1, 1)
     assert tuner.choice.load is not None and abs(tuner.choice.load - here) < LOAD_CHANGE
     assert not AutoThreads(ThreadChoice(2, "given")).on_request(now=time.monotonic() + 10 * RECHECK_SECONDS)
+
+
+def test_each_call_sets_its_engines_count() -> None:
+    torch.set_num_threads(2)  # another engine's call, or the application
+    assert not AutoThreads(ThreadChoice(1, "given")).on_request()
+    assert torch.get_num_threads() == 1
 
 
 def test_the_flag_is_in_serve_help() -> None:

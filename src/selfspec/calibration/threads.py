@@ -261,7 +261,16 @@ class AutoThreads:
         self._chosen_at = self._looked_at = time.monotonic()
 
     def on_request(self, now: float | None = None) -> bool:
-        """Called as each call starts: re-time when :func:`recheck_due` says so (``True``: it did)."""
+        """Called as each call starts: set torch to the count; re-time when :func:`recheck_due` says so.
+
+        Setting the count at each call lets engines of different counts share a process (torch's
+        count is process-wide: the engine whose call starts last sets it).
+
+        Returns:
+            Whether it re-timed.
+        """
+        if torch.get_num_threads() != self.choice.threads:
+            torch.set_num_threads(self.choice.threads)
         if self._step is None:
             return False
         now = time.monotonic() if now is None else now
