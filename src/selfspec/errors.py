@@ -63,6 +63,21 @@ class ModelNotFoundError(SelfSpecError, OSError):
     """The model name is neither a local folder nor a reachable hub repository."""
 
 
+class ModelConfigError(SelfSpecError, ValueError):
+    """A model's config holds a value it cannot run with (out of bounds, the wrong type, or not its weights').
+
+    Raised before any module is built. ``file`` is the config (or GGUF) file, ``field`` and
+    ``value`` the offending entry, ``valid`` what would be valid.
+    """
+
+    def __init__(self, file: str, field: str, value: object, valid: str) -> None:
+        """Name the file, the field, its value and what would be valid, in one line."""
+        shown = repr(value)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        super().__init__(f"{file}: {field}={shown} is invalid; it must be {valid}")
+        self.file, self.field, self.value, self.valid = file, field, value, valid
+
+
 class CorruptCheckpointError(SelfSpecError, OSError):
     """A checkpoint file exists but cannot be read (truncated, corrupt); the message names the file."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import re
 import struct
 import warnings
 from pathlib import Path
@@ -17,11 +18,13 @@ from ..errors import (
     ConfigurationError,
     CorruptCheckpointError,
     MissingDependencyError,
+    ModelConfigError,
     ModelNotFoundError,
     QuantizationError,
     UnsafeCheckpointError,
     UnsupportedArchitectureError,
 )
+from .config_check import check_config_values, check_config_weights, config_file, read_weight_shapes, resolved_values
 from .hardware import native_dtypes
 from .runner import SUPPORTED_ARCHITECTURES, check_architecture
 
@@ -333,7 +336,15 @@ def resolve_dtype(
 
 
 def load_config(path_or_id: str, *, trust_remote_code: bool, gguf_file: str | None = None) -> Any:
-    """Load a model config, turning hub, GGUF and remote-code failures into clear errors."""
+    """Load a model config, turning hub, GGUF and remote-code failures into clear errors.
+
+    The config's sizes are checked (:mod:`.config_check`) on the raw ``config.json`` before
+    transformers reads it, and again once resolved.
+
+    Raises:
+        ModelConfigError: a size is out of bounds or of the wrong type; the message names the file.
+    """
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
     extra: dict[str, Any] = {}
@@ -341,8 +352,13 @@ def load_config(path_or_id: str, *, trust_remote_code: bool, gguf_file: str | No
         require_gguf()
         extra["gguf_file"] = gguf_file
     local_config = _read_local_config(path_or_id) if gguf_file is None else None  # issue 18: honest errors
+    shown = config_file(path_or_id, gguf_file)
+    if local_config is not None and local_config.get("model_type") in SUPPORTED_ARCHITECTURES:
+        check_config_values(local_config, shown)  # issue 44: before transformers divides by it or builds it
     try:
         config = AutoConfig.from_pretrained(path_or_id, trust_remote_code=trust_remote_code, **extra)
+    except StrictDataclassError as exc:  # transformers' own field checks (types, rope parameters, ...)
+        raise _strict_config_error(exc, shown, local_config or {}) from None
     except OSError as exc:
         offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
         hint = " (HF_HUB_OFFLINE is set: only locally cached models can load)" if offline else ""
@@ -371,7 +387,33 @@ def load_config(path_or_id: str, *, trust_remote_code: bool, gguf_file: str | No
                 f"{str(exc).splitlines()[0]}); supported architectures: {supported}"
             ) from exc
         raise
+    if getattr(config, "model_type", None) in SUPPORTED_ARCHITECTURES:
+        check_config_values(resolved_values(config), shown)  # defaults filled in; hub and GGUF configs too
     return config
+
+
+def _strict_config_error(exc: Exception, file: str, values: dict[str, Any]) -> ModelConfigError:
+    """Turn transformers' rejection of a config field as a :class:`ModelConfigError` naming the file."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    match = re.search(r"field '(\w+)'", lines[0]) if lines else None
+    field = match.group(1) if match else "config"
+    detail = " ".join(lines[1:])[:200] or (lines[0] if lines else type(exc).__name__)
+    return ModelConfigError(file, field, values.get(field, "?"), f"what transformers accepts ({detail})")
+
+
+def check_model_weights(config: Any, path: str) -> None:
+    """Compare a local folder's config with its safetensors headers (no tensor data read); hub ids pass.
+
+    Raises:
+        ModelConfigError: the config's layers, vocabulary or sizes are not the weights'.
+        CorruptCheckpointError: a weight file's header cannot be read.
+    """
+    folder = Path(path)
+    if not folder.is_dir() or getattr(config, "model_type", None) not in SUPPORTED_ARCHITECTURES:
+        return
+    weights = read_weight_shapes(folder)
+    if weights is not None:
+        check_config_weights(config, weights, config_file(path))
 
 
 def _read_local_config(path_or_id: str) -> dict[str, Any] | None:
@@ -508,6 +550,7 @@ def load_model_and_tokenizer(
     config = load_config(path, trust_remote_code=trust_remote_code)
     check_architecture(config)
     uses_pickle = check_weights(path, allow_pickle=allow_pickle)
+    check_model_weights(config, path)  # before a module is built (issue 44)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device, config)
     if dtype == "auto" and torch_device.type == "cpu" and torch_dtype != torch.float32:
