@@ -52,6 +52,7 @@ from ..requests import (  # noqa: F401 - DEFAULT_MAX_TOKENS: the server's defaul
     plan_request,
 )
 from ..tools import ContentDelta, ToolCallChunk, ToolCallStreamParser
+from .allocator import limit_arenas
 from .limits import (
     CLIENT_CLOSED,
     Admission,
@@ -927,6 +928,7 @@ def serve(
     """
     import sys
 
+    limit_arenas()  # before any worker thread allocates (docs/limits.md, Memory); MALLOC_ARENA_MAX wins
     limits = limits or ServerLimits()
     if isinstance(model, str):
         engine = get_engine(model, **engine_args)
