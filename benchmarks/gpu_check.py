@@ -90,6 +90,7 @@ from forced_acceptance import (
 
 from selfspec import SpeculativeEngine
 from selfspec.artifacts import atomic_write_text
+from selfspec.drafting.base import DecodeState, Draft, Drafter
 
 SHAPES: dict[str, dict[str, Any]] = {
     "llama3-8b": {
@@ -120,6 +121,7 @@ SECTIONS = (
     "forced",
     "eagle3",
     "eager_verify",
+    "row_invariant",
     "hf_static",
     "long_context",
     "bnb4",
@@ -133,6 +135,7 @@ BUDGETS = {
     "forced": 60,
     "eagle3": 90,
     "eager_verify": 40,
+    "row_invariant": 150,
     "hf_static": 120,
     "long_context": 75,
     "bnb4": 60,
@@ -146,6 +149,7 @@ NEEDS = {
     "forced": 10,
     "eagle3": 20,
     "eager_verify": 10,
+    "row_invariant": 40,
     "hf_static": 45,
     "long_context": 30,
     "bnb4": 20,
@@ -319,8 +323,14 @@ def engine_of(check: Check) -> SpeculativeEngine:
     if "engine" not in check.kept:
         model = model_of(check)
         drafter = ForcedAcceptanceDrafter(list(range(model.config.vocab_size)), 0)  # plain until ``forced``
-        engine = SpeculativeEngine(
-            model, None, drafter=drafter, num_draft_tokens=DRAFTS, calibration={}, compile=compile_option(check)
+        engine = SpeculativeEngine(  # cuBLAS and SDPA (row_exact=False): the baseline the kernels are timed against
+            model,
+            None,
+            drafter=drafter,
+            num_draft_tokens=DRAFTS,
+            calibration={},
+            compile=compile_option(check),
+            row_exact=False,
         )
         if engine.static_round is None:
             raise RuntimeError(f"the engine has no static round (compile={compile_option(check)!r})")
@@ -686,6 +696,7 @@ def eagle3_section(check: Check, out: dict[str, Any]) -> None:
         num_draft_tokens=DRAFTS,
         calibration={},
         compile=compile_option(check),
+        row_exact=False,
     )
     drafter = engine.drafter
     reason: str | None = "the engine has no static round" if engine.static_round is None else None
@@ -741,8 +752,9 @@ def eager_verify_section(check: Check, out: dict[str, Any]) -> None:
     model = model_of(check)
     out["row_invariance"] = row_invariance(model)
     check.save()
-    engine = SpeculativeEngine(model, None, drafter="none", calibration={}, compile=False)
+    engine = SpeculativeEngine(model, None, drafter="none", calibration={}, compile=False, row_exact=False)
     runner = engine.runner
+    runner.row_exact = True  # the eager row-by-row verify this section prices (not the row-invariant kernels)
     context = check.args.prompt_len
     prompt = prompt_of(check)
     cache = runner.new_cache(context + max(WIDTHS) + 2)
@@ -791,6 +803,165 @@ def row_invariance(model: Any, widths: tuple[int, ...] = (2, 3, 5, 9, 17), block
 
 
 # ----------------------------------------------------------------------------- 8. transformers' static cache + compile
+class OracleDrafter(Drafter):
+    """Drafts the next ``k`` tokens of a reference text (the plain loop's): the real oracle, not forced.
+
+    Where the speculative text follows the reference, every draft is accepted (``k + 1`` tokens a
+    round); from the first token where it leaves it, the drafts stop matching. ``k = 0``: plain.
+    """
+
+    name = "oracle"
+    chain_only = True
+
+    def __init__(self, reference: list[int], num_draft_tokens: int) -> None:
+        self.reference, self.num_draft_tokens = reference, num_draft_tokens
+
+    def propose(self, state: DecodeState, max_tokens: int) -> Draft:
+        start = len(state.token_ids)
+        return Draft(tokens=self.reference[start : start + min(self.num_draft_tokens, max_tokens)])
+
+
+def row_invariant_section(check: Check, out: dict[str, Any]) -> None:
+    """The row-invariant Triton kernels on the device (issue 41, item 4).
+
+    - ``linear_widths_differing``: per weight of layer 0 and the LM head, the widths 1..9 whose rows
+      differ from the same rows computed alone through the kernel (should be empty everywhere);
+      ``attention_widths_differing`` likewise for ``chain_attention`` after ``prompt_len`` keys.
+    - ``ms``: each kernel against cuBLAS (``F.linear``) and SDPA at widths 1 and 9, CUDA events;
+      ``step_linears_ms``: every layer's weights plus the LM head at that width (kernel vs cuBLAS).
+    - ``step_ms``: the compiled (graphed) width-1 and width-9 static step with ``row_exact=True``
+      against the cuBLAS engine's (``widths``), and ``graph_launches`` of the kernel step.
+    - ``text``: per prompt, the plain text with ``row_exact=True`` (the compiled static round), then
+      the oracle drafting that text 8 tokens a round: the first divergence (``null``: none) and the
+      tokens per round (``9`` when every draft is accepted), and ``generate``'s first divergence.
+    """
+    if not check.cuda:
+        raise Skip(
+            "no CUDA: the kernels' bits on tensor cores and their speed exist only on a GPU (their logic "
+            "runs under Triton's interpreter in tests/exact/test_modeling_kernels.py)"
+        )
+    from selfspec.modeling.kernels import chain_attention, linear
+
+    model, device = model_of(check), check.device
+    generator = torch.Generator(device=device).manual_seed(0)
+    widths = range(1, DRAFTS + 2)
+    differing: dict[str, list[int]] = {}
+    timings: dict[str, dict[str, float]] = {}
+    with torch.inference_mode():
+        for name, weight in weight_shapes(model).items():
+            x = torch.randn(max(widths), weight.shape[1], device=device, dtype=weight.dtype, generator=generator)
+            alone = torch.cat([linear(x[i : i + 1], weight) for i in range(max(widths))])
+            differing[name] = [w for w in widths if not torch.equal(linear(x[:w], weight), alone[:w])]
+            timings[name] = {}
+            for w in (1, max(widths)):
+                rows = x[:w]
+                timings[name][f"kernel_w{w}"] = timed_ms(
+                    check, lambda r=rows, m=weight: linear(r, m), check.args.repeats
+                )
+                timings[name][f"cublas_w{w}"] = timed_ms(
+                    check, lambda r=rows, m=weight: F.linear(r, m), check.args.repeats
+                )
+        out["linear_widths_differing"] = differing
+        out["ms"] = timings
+        layers = model.config.num_hidden_layers
+        out["step_linears_ms"] = {
+            f"{kind}_w{w}": round(
+                layers * sum(t[f"{kind}_w{w}"] for n, t in timings.items() if n != "lm_head")
+                + timings["lm_head"][f"{kind}_w{w}"],
+                3,
+            )
+            for kind in ("kernel", "cublas")
+            for w in (1, max(widths))
+        }
+        check.save()
+        config = model.config
+        head_dim = config.hidden_size // config.num_attention_heads
+        past = check.args.prompt_len
+        shape = (1, config.num_key_value_heads, past + max(widths), head_dim)
+        key = torch.randn(shape, device=device, dtype=model.dtype, generator=generator)
+        value = torch.randn(shape, device=device, dtype=model.dtype, generator=generator)
+        query = torch.randn(
+            1, config.num_attention_heads, max(widths), head_dim, device=device, dtype=model.dtype, generator=generator
+        )
+        alone = torch.cat(
+            [chain_attention(query[:, :, i : i + 1], key, value, past + i) for i in range(max(widths))], dim=2
+        )
+        out["attention_widths_differing"] = [
+            w for w in widths if not torch.equal(chain_attention(query[:, :, :w], key, value, past), alone[:, :, :w])
+        ]
+    check.save()
+    row_invariant_text(check, out)
+
+
+def row_invariant_text(check: Check, out: dict[str, Any]) -> None:
+    """``row_invariant``'s compiled steps and texts: the kernels engine (``row_exact=True``) and its oracle."""
+    model = model_of(check)
+    oracle = OracleDrafter([], 0)
+    engine = SpeculativeEngine(
+        model,
+        None,
+        drafter=oracle,
+        num_draft_tokens=DRAFTS,
+        calibration={},
+        compile=compile_option(check),
+        row_exact=True,
+    )
+    out["exactness"] = engine.exactness
+    assert engine.static_round is not None and engine.runner.row_kernels
+    step = engine.static_round.step
+    step.reserve(call_slots(check))
+    context = check.args.prompt_len
+    steps: dict[str, Any] = {}
+    with torch.inference_mode():
+        for width in (1, DRAFTS + 1):
+            replay = step_replay(check, step, width, context)
+            replay()  # compiles
+            steps[f"kernels_w{width}"] = timed_ms(check, replay, check.args.repeats)
+            baseline = check.kept.get("engine")
+            if baseline is not None and baseline.static_round.step.cache is not None:
+                steps[f"cublas_w{width}"] = timed_ms(
+                    check, step_replay(check, baseline.static_round.step, width, context), check.args.repeats
+                )
+            check.save()
+        steps["graph_launches_w1"] = launches(check, step_replay(check, step, 1, context)).get("graph_launch_calls")
+    if "cublas_w1" in steps:
+        steps["kernels_over_cublas_w1"] = round(steps["kernels_w1"] / steps["cublas_w1"], 3)
+    out["step_ms"] = steps
+    check.save()
+    texts = []
+    for seed in (1, 2, 3):
+        prompt = prompt_of(check, seed=seed)
+        oracle.num_draft_tokens = 0
+        plain = engine.generate_ids(prompt, max_new_tokens=check.args.new_tokens).token_ids
+        oracle.reference, oracle.num_draft_tokens = prompt + plain, DRAFTS
+        speculative = engine.generate_ids(prompt, max_new_tokens=check.args.new_tokens)
+        rounds = max(speculative.stats.target_forwards - 1, 1)
+        texts.append(
+            {
+                "new_tokens": len(plain),
+                "speculative_vs_plain": first_divergence(speculative.token_ids, plain),
+                "tokens_per_round": round(len(speculative.token_ids) / rounds, 2),
+            }
+        )
+        out["text"] = texts
+        check.save()
+    oracle.num_draft_tokens = 0
+    prompt = prompt_of(check, seed=1)
+    plain = engine.generate_ids(prompt, max_new_tokens=64).token_ids
+    with torch.inference_mode():
+        ids = torch.tensor([prompt], device=check.device)
+        reference = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=64)
+    out["plain_vs_generate_64"] = first_divergence(plain, reference[0, ids.shape[1] :].tolist())
+
+
+def first_divergence(left: list[int], right: list[int]) -> int | None:
+    """The first index where two texts differ (one ending first counts), or ``None`` when identical."""
+    for index, (a, b) in enumerate(zip(left, right, strict=False)):
+        if a != b:
+            return index
+    return None if len(left) == len(right) else min(len(left), len(right))
+
+
 def hf_static_section(check: Check, out: dict[str, Any]) -> None:
     """transformers' ``generate`` with a static cache, its decode step compiled by transformers itself."""
     from transformers import CompileConfig
@@ -947,6 +1118,7 @@ BODIES: dict[str, Callable[[Check, dict[str, Any]], None]] = {
     "forced": forced_section,
     "eagle3": eagle3_section,
     "eager_verify": eager_verify_section,
+    "row_invariant": row_invariant_section,
     "hf_static": hf_static_section,
     "long_context": long_context_section,
     "bnb4": bnb4_section,

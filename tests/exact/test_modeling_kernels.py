@@ -209,3 +209,74 @@ def test_the_runner_refuses_what_the_kernels_do_not_cover(tiny_bf16_on_kernels) 
         runner.run_layers(hidden, 0, runner.num_layers, torch.tensor([3]), runner.new_cache(8), tree=tree)
     with pytest.raises(ConfigurationError, match="lean path"):
         ModelRunner(tiny_bf16_on_kernels, fast_path=False)
+
+
+# ----------------------------------------------------------------------------- the static round's steps
+STATIC_NEW = 9  # plain tokens decoded one at a time, then re-verified in blocks of every width up to 9
+
+
+@pytest.fixture(scope="module")
+def two_layer_bf16_on_kernels() -> Any:
+    """Item 3's toy: a random 2-layer Llama, hidden 32, in bf16, every forward through the kernels."""
+    model = make_model("llama", dtype=torch.bfloat16, agreeing=False, num_hidden_layers=2, seed=3)
+    return use_row_invariant_kernels(model)
+
+
+def test_the_static_step_through_the_kernels_gives_each_row_its_decode_bits_at_every_width(
+    two_layer_bf16_on_kernels,
+) -> None:
+    """The static round's forwards (fixed width, the length on the device) through the kernels.
+
+    The plain loop of width-1 greedy steps gives the eager plain text through the kernels, and a
+    verify of every fixed width up to 9 over the same text gives every row bitwise the logits its
+    one-token decode gave: so a greedy round's acceptance sees exactly the plain loop's argmaxes.
+    """
+    from selfspec.modeling.static_step import WIDTHS, StaticStep, bucket_for, static_prefill
+
+    model = two_layer_bf16_on_kernels
+    prompt = torch.randint(3, VOCAB, (5,), generator=torch.Generator().manual_seed(4)).tolist()
+    plain = SpeculativeEngine(model, None, drafter="none", calibration={}).generate_ids(
+        prompt, max_new_tokens=STATIC_NEW + 1
+    )
+    runner = ModelRunner(model)
+    assert runner.row_kernels
+    step = StaticStep(runner)  # eager steps: the interpreter cannot be traced by torch.compile
+    slots = len(prompt) + STATIC_NEW + WIDTHS[-1]
+    cache, bucket = step.reserve(slots), bucket_for(slots)
+    with torch.inference_mode():
+        _, first = static_prefill(runner, cache, torch.tensor([prompt]))
+        text, decoded = [int(first.argmax())], []
+        for _ in range(STATIC_NEW):  # the plain loop: width 1, nothing drafted
+            decided, _, logits = step.greedy(torch.tensor([[text[-1]]]), torch.tensor(0), bucket)
+            decoded.append(logits[0])
+            text.append(int(decided[1]))
+        assert text == plain.token_ids, "the static step's plain loop left the eager plain loop through the kernels"
+        for width in (w for w in WIDTHS if 1 < w <= STATIC_NEW):
+            cache.length.fill_(len(prompt))  # re-verify the same text from the first new token
+            _, logits = step.forward(torch.tensor([text[:width]]), bucket)
+            for row in range(width):
+                assert torch.equal(logits[row], decoded[row]), (width, row)
+
+
+def test_bf16_speculation_in_the_static_round_through_the_kernels_gives_the_plain_text(
+    two_layer_bf16_on_kernels,
+) -> None:
+    """End to end in the static round (fixed widths, acceptance on the device) through the kernels.
+
+    On a GPU ``row_exact`` compiles these steps; the interpreter cannot be traced by
+    ``torch.compile``, so here the engine's static round runs its steps eagerly
+    (``StaticStep(runner)``, no backend): the same forwards, kernels and acceptance.
+    """
+    from selfspec.decoding.static_round import StaticRounds
+    from selfspec.modeling.static_step import StaticStep
+
+    model = two_layer_bf16_on_kernels
+    prompt = torch.randint(3, VOCAB, (6,), generator=torch.Generator().manual_seed(1)).tolist() * 2
+    plain = SpeculativeEngine(model, None, drafter="none", calibration={}).generate_ids(prompt, max_new_tokens=12)
+    engine = SpeculativeEngine(model, None, drafter="prompt_lookup", num_draft_tokens=8, calibration={})
+    assert engine.row_exactness.kernels and "selfspec's plain text bit for bit" in engine.exactness
+    engine._static = StaticRounds(StaticStep(engine.runner))  # the static round, its steps eager
+    out = engine.generate_ids(prompt, max_new_tokens=12)
+    assert engine.static_round is not None and engine.static_round.step.compiled  # the round's steps ran
+    assert out.stats.num_drafted > 0 and out.stats.num_accepted > 0
+    assert out.token_ids == plain.token_ids

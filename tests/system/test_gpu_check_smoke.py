@@ -25,6 +25,7 @@ SECTIONS = (
     "forced",
     "eagle3",
     "eager_verify",
+    "row_invariant",
     "hf_static",
     "long_context",
     "bnb4",
@@ -52,9 +53,10 @@ def test_every_section_runs_in_smoke_mode_inside_its_deadline(tmp_path) -> None:
     failures = {name: s["reason"] for name, s in sections.items() if s["status"] not in ("ok", "skipped")}
     assert not failures, failures
     assert result["finished"] and result["elapsed_s"] < result["args"]["deadline"]
-    # only the 4-bit section cannot run on CPU; every other one runs its CPU equivalent
-    assert [n for n, s in sections.items() if s["status"] == "skipped"] == ["bnb4"]
+    # only the 4-bit section and the kernels' device bits cannot run on CPU; every other one runs its CPU equivalent
+    assert [n for n, s in sections.items() if s["status"] == "skipped"] == ["row_invariant", "bnb4"]
     assert sections["bnb4"]["reason"].startswith("no CUDA")
+    assert sections["row_invariant"]["reason"].startswith("no CUDA: the kernels' bits")
     assert sections["ceilings"]["copy"]["gb_s"] > 0 and "lm_head" in sections["ceilings"]["gemv_one_row"]
     graphs = sections["graphs"]
     assert graphs["graphs_recorded"] is None and graphs["cuda_only"].startswith("no CUDA")  # a figure, not a section
