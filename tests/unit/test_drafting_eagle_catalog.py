@@ -159,4 +159,7 @@ def test_with_no_copy_the_resolution_is_missing_and_names_the_command(tmp_path, 
     monkeypatch.setenv(catalog.FETCH_ENV, "0")
     off = catalog.resolve_published_head(name, LLAMA_8B)
     assert off is not None and off.status == "missing" and "SELFSPEC_HEAD_FETCH=0" in off.reason
+    monkeypatch.delenv(catalog.FETCH_ENV)
+    unasked = catalog.resolve_published_head(name, LLAMA_8B, fetch=False)  # online, the hub not asked: not "offline"
+    assert unasked is not None and unasked.status == "missing" and unasked.reason == "no local copy"
     assert catalog.resolve_published_head("HuggingFaceTB/SmolLM2-135M-Instruct", LLAMA_8B) is None

@@ -37,6 +37,7 @@ is pinned to a commit yet (none was at hand): an unpinned entry resolves the rep
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -486,6 +487,24 @@ def fetch_head(entry: PublishedHead, model: Any, name_or_path: str, hub: Path | 
 _UNREACHABLE: dict[str, str] = {}
 
 
+def network_errors() -> tuple[type[Exception], ...]:
+    """What a fetch raises when the hub cannot be reached or the connection fails partway.
+
+    ``OSError`` covers huggingface_hub's own errors (offline, not found, gated, HTTP errors, a file
+    it could not locate) and, before 1.0, ``requests``'; the ``RequestError`` of its HTTP client
+    (``httpx2`` from 2.0, ``httpx`` in 1.x) covers a connection that drops or stalls in the middle
+    of a file, which huggingface_hub passes on once its retries are spent and which is not an
+    ``OSError``.
+    """
+    errors: list[type[Exception]] = [OSError]
+    for client in ("httpx2", "httpx"):
+        try:
+            errors.append(importlib.import_module(client).RequestError)
+        except (ImportError, AttributeError):
+            continue
+    return tuple(errors)
+
+
 def _checked(
     entry: PublishedHead, folder: Path, model: Any, name_or_path: str, status: str, hub: Path | None
 ) -> HeadResolution:
@@ -536,19 +555,21 @@ def resolve_published_head(name_or_path: str, model: Any, *, fetch: bool = True)
     if first_refusal is not None:
         return first_refusal
     entry = entries[0]
-    if not fetch or hub_offline():
+    if entry.repo_id in _UNREACHABLE:  # asked once in this process already: why it failed
+        return HeadResolution(entry, "missing", reason=_UNREACHABLE[entry.repo_id], hub=hub)
+    if hub_offline():
         return HeadResolution(entry, "missing", reason="offline: no local copy", hub=hub)
     if os.environ.get(FETCH_ENV, "").strip().lower() in ("0", "false", "no", "off"):
         return HeadResolution(
             entry, "missing", reason=f"no local copy, and {FETCH_ENV}={os.environ[FETCH_ENV]}", hub=hub
         )
-    if entry.repo_id in _UNREACHABLE:  # asked once in this process already
-        return HeadResolution(entry, "missing", reason=_UNREACHABLE[entry.repo_id], hub=hub)
+    if not fetch:
+        return HeadResolution(entry, "missing", reason="no local copy", hub=hub)
     try:
         folder = fetch_head(entry, model, name_or_path, hub)
     except (HeadMismatchError, UnsafeCheckpointError) as error:
         return HeadResolution(entry, "refused", None, str(error), error, hub)
-    except OSError as error:  # no network, the hub refused, a gated repository: go on without it
+    except network_errors() as error:  # no network, a dropped connection, a gated repository: go on without it
         _UNREACHABLE[entry.repo_id] = f"the hub was not reached: {error}"
         return HeadResolution(entry, "missing", reason=_UNREACHABLE[entry.repo_id], hub=hub)
     return _checked(entry, folder, model, name_or_path, "fetched", hub)
