@@ -7,7 +7,7 @@ own cache (``models--owner--name/refs/main`` + ``snapshots/<commit>/``, read by 
 offline); an extra table (``SELFSPEC_HEAD_CATALOG``) names the pairing. Then:
 ``from_pretrained(..., eagle_head="auto")`` loads that head and decodes greedily token for token
 as transformers' ``generate`` in float32; ``drafter="auto"`` measures it; a head whose config
-does not fit (verifier name, hidden size, vocabulary, tapped layers) is refused with the field
+does not fit (verifier name or class, hidden size, vocabulary, tapped layers) is refused with the field
 and both values; with no copy and the hub offline, decoding goes on and the plan names the head
 and the command that fetches it. Online, huggingface_hub's real client fetches the head from a
 stand-in for the hub on localhost (``tests/fake_hub.py``): the config first (a head that does not
@@ -120,6 +120,9 @@ def test_drafter_auto_measures_the_found_head(table, tiny, model_folder) -> None
 MISMATCHES = {
     "verifier": ({"speculators_config": {"verifier": {"name_or_path": "meta-llama/Llama-3.1-8B-Instruct"}}},
                  "meta-llama/Llama-3.1-8B-Instruct"),
+    "verifier architectures": ({"speculators_config": {"verifier": {"name_or_path": TARGET,
+                                                                     "architectures": ["Qwen3ForCausalLM"]}}},
+                               ["Qwen3ForCausalLM"]),
     "hidden size": ({"target_hidden_size": 64}, 64),
     "vocabulary": ({"transformer_layer_config": {"vocab_size": 128}}, 128),
     "tapped layers": ({"eagle_aux_hidden_state_layer_ids": [1, 3, 9]}, [1, 3, 9]),
@@ -136,7 +139,8 @@ def test_a_mismatched_head_is_refused_with_the_field_and_both_values(table, tiny
     with pytest.raises(HeadMismatchError) as refused:
         SpeculativeEngine.from_pretrained(str(model_folder), drafter="eagle", eagle_head="auto", dtype=torch.float32)
     error = refused.value
-    model_value = {"verifier": str(model_folder), "hidden size": 32, "vocabulary": 96, "tapped layers": "layers 0..6"}
+    model_value = {"verifier": str(model_folder), "verifier architectures": ["LlamaForCausalLM"], "hidden size": 32,
+                   "vocabulary": 96, "tapped layers": "layers 0..6"}  # fmt: skip
     assert (error.field, error.head_value, error.model_value) == (field, head_value, model_value[field])
     assert isinstance(error, ConfigurationError) and f"{field} {head_value!r}" in str(error) and HEAD_REPO in str(error)
     # drafter="auto" goes on without it (and says why, once)

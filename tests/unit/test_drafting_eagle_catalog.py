@@ -28,7 +28,9 @@ from selfspec.errors import ConfigurationError
 
 #: A Llama-3.1-8B-shaped target (the facts of its config.json that the check reads).
 LLAMA_8B = SimpleNamespace(
-    config=SimpleNamespace(hidden_size=4096, vocab_size=128256, num_hidden_layers=32, _name_or_path="")
+    config=SimpleNamespace(
+        hidden_size=4096, vocab_size=128256, num_hidden_layers=32, _name_or_path="", architectures=["LlamaForCausalLM"]
+    )
 )
 
 
@@ -111,11 +113,18 @@ def test_the_shipped_head_is_found_unchanged_when_no_published_head_matches() ->
 def test_check_head_config_names_the_field_and_both_values() -> None:
     name = "meta-llama/Llama-3.1-8B-Instruct"
     check_head_config(speculators_head(), LLAMA_8B, "h", name)  # fits
+    listed = {"verifier": {"name_or_path": name, "architectures": ["LlamaForCausalLM"]}}
+    check_head_config(speculators_head(speculators_config=listed), LLAMA_8B, "h", name)  # its verifier's class: fits
+    no_classes = SimpleNamespace(config=SimpleNamespace(**{**vars(LLAMA_8B.config), "architectures": None}))
+    check_head_config(speculators_head(speculators_config=listed), no_classes, "h", name)  # the model names none
+    qwen_class = {"verifier": {"name_or_path": name, "architectures": ["Qwen3ForCausalLM"]}}
     safeailab = {"hidden_size": 4096, "vocab_size": 128256, "draft_vocab_size": 32000}
     check_head_config(safeailab, LLAMA_8B, "h", name)  # no verifier named: the table's pairing stands
     cases = {
         "verifier": (speculators_head(speculators_config={"verifier": {"name_or_path": "Qwen/Qwen3-8B"}}),
                      "Qwen/Qwen3-8B", name),
+        "verifier architectures": (speculators_head(speculators_config=qwen_class),
+                                   ["Qwen3ForCausalLM"], ["LlamaForCausalLM"]),
         "hidden size": (speculators_head(target_hidden_size=5120), 5120, 4096),
         "vocabulary": ({**safeailab, "vocab_size": 151936}, 151936, 128256),
         "tapped layers": (speculators_head(eagle_aux_hidden_state_layer_ids=[2, 16, 40]), [2, 16, 40], "layers 0..32"),

@@ -368,8 +368,10 @@ def _head_facts(raw: dict[str, Any]) -> dict[str, Any]:
     """What a head's ``config.json`` says about its target, in either layout (``None``: not said)."""
     if "speculators_model_type" in raw:
         layer = _object(raw.get("transformer_layer_config"))
+        verifier = _object(_object(raw.get("speculators_config")).get("verifier"))
         return {
-            "verifier": _object(_object(raw.get("speculators_config")).get("verifier")).get("name_or_path"),
+            "verifier": verifier.get("name_or_path"),
+            "verifier architectures": verifier.get("architectures"),
             "hidden size": raw.get("target_hidden_size") or layer.get("hidden_size"),
             "vocabulary": layer.get("vocab_size"),
             "tapped layers": raw.get("eagle_aux_hidden_state_layer_ids"),
@@ -378,6 +380,7 @@ def _head_facts(raw: dict[str, Any]) -> dict[str, Any]:
     nested = _object(raw.get("eagle_config"))
     return {
         "verifier": None,  # SafeAILab / SpecForge configs name no verifier: the table's entry does
+        "verifier architectures": None,
         "hidden size": raw.get("target_hidden_size") or raw.get("hidden_size"),
         "vocabulary": raw.get("vocab_size"),
         "tapped layers": raw.get("eagle_aux_hidden_state_layer_ids") or nested.get("eagle_aux_hidden_state_layer_ids"),
@@ -388,8 +391,9 @@ def _head_facts(raw: dict[str, Any]) -> dict[str, Any]:
 def check_head_config(raw: dict[str, Any], model: Any, head: str, name_or_path: str = "") -> None:
     """Check a published head's ``config.json`` against the loaded model, before any weight is read.
 
-    Checks the verifier the head names (against the model's names, :func:`model_names`), the
-    target hidden size, the vocabulary, the tapped layers (each in ``0..L``) and the draft
+    Checks the verifier the head names (against the model's names, :func:`model_names`) and its
+    architectures (``speculators_config.verifier.architectures``: one of them must be the model's),
+    the target hidden size, the vocabulary, the tapped layers (each in ``0..L``) and the draft
     vocabulary (at most the model's).
 
     Args:
@@ -407,6 +411,9 @@ def check_head_config(raw: dict[str, Any], model: Any, head: str, name_or_path: 
     verifier = facts["verifier"]
     if verifier and names and loose_name(str(verifier)) not in names:
         raise HeadMismatchError(head, "verifier", str(verifier), name_or_path or sorted(names)[0])
+    head_classes, model_classes = facts["verifier architectures"], list(getattr(config, "architectures", None) or [])
+    if isinstance(head_classes, list) and head_classes and model_classes and not set(head_classes) & set(model_classes):
+        raise HeadMismatchError(head, "verifier architectures", head_classes, model_classes)
     hidden, vocab, layers = int(config.hidden_size), int(config.vocab_size), int(config.num_hidden_layers)
     for field, theirs in (("hidden size", hidden), ("vocabulary", vocab)):
         if facts[field] is not None and int(facts[field]) != theirs:
