@@ -105,6 +105,22 @@ def test_auto_finds_checks_and_loads_the_published_head(table, tiny, model_folde
         assert out.stats.num_drafted > 0  # the found head drafted
 
 
+def test_a_pinned_entry_takes_only_its_own_commit(table, tiny, model_folder) -> None:
+    """In a huggingface_hub cache layout, an entry pinned to a commit finds that snapshot, never another."""
+    folder = write_hub(table, tiny, "hf-cache", head_config(tiny))  # snapshots/COMMIT, refs/main -> COMMIT
+    (table / f"models--{HEAD_REPO.replace('/', '--')}" / "refs" / "main").unlink()  # only the commit names it
+    extra = Path(os.environ[CATALOG_ENV])
+    other = "f" * 40
+    for revision, status in ((COMMIT, "found"), (other, "missing")):
+        entry = {"target": TARGET, "repo_id": HEAD_REPO, "revision": revision}
+        extra.write_text(json.dumps({"version": 1, "heads": [entry]}), encoding="utf-8")
+        resolution = catalog.resolve_published_head(str(model_folder), tiny)
+        assert resolution is not None and resolution.status == status, resolution
+        assert resolution.folder == (folder if status == "found" else None)
+        assert f"--revision {revision}" in resolution.fetch_command
+        assert resolution.entry.label == f"{HEAD_REPO}@{revision}"
+
+
 def test_drafter_auto_measures_the_found_head(table, tiny, model_folder) -> None:
     """``drafter="auto"`` considers the found head like the shipped one: calibration measures it."""
     folder = write_hub(table, tiny, "plain", head_config(tiny))
