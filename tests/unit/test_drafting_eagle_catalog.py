@@ -172,3 +172,38 @@ def test_with_no_copy_the_resolution_is_missing_and_names_the_command(tmp_path, 
     unasked = catalog.resolve_published_head(name, LLAMA_8B, fetch=False)  # online, the hub not asked: not "offline"
     assert unasked is not None and unasked.status == "missing" and unasked.reason == "no local copy"
     assert catalog.resolve_published_head("HuggingFaceTB/SmolLM2-135M-Instruct", LLAMA_8B) is None
+
+
+def test_the_eagle_heads_command_lists_the_table_and_what_is_here(tmp_path, monkeypatch, capsys) -> None:
+    from selfspec.cli.main import main
+
+    hub = tmp_path / "hub"
+    held, partial = (
+        hub / repo for repo in ("RedHatAI/Qwen3-8B-speculator.eagle3", "RedHatAI/Qwen3-14B-speculator.eagle3")
+    )
+    for folder in (held, partial):
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps(speculators_head()), encoding="utf-8")
+    (held / "model.safetensors").write_bytes(b"weights")  # partial holds its config only: an interrupted fetch
+    monkeypatch.setenv(HUB_ENV, str(hub))
+    assert main(["eagle-heads"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"published EAGLE heads (table version {CATALOG_VERSION}; local hub {hub} (SELFSPEC_HEAD_HUB)):"
+    assert all(lines.count(entry.target) == 1 for entry in PUBLISHED_HEADS)  # each target once, on its own line
+    by_head = {line.split(" layout: ")[0].rsplit(", ", 1)[0].strip(): line for line in lines if line.startswith("  ")}
+    assert set(by_head) == {entry.label for entry in PUBLISHED_HEADS}
+    for entry in PUBLISHED_HEADS:
+        where = f"here: {held}" if entry.repo_id == "RedHatAI/Qwen3-8B-speculator.eagle3" else "not here"
+        assert f"{entry.layout} layout: {where}" in by_head[entry.label]
+        if where == "not here":
+            assert by_head[entry.label].endswith(f"fetch: {entry.fetch_command(hub)}")
+    assert main(["eagle-heads", "--model", "Qwen/Qwen3-8B"]) == 0
+    assert capsys.readouterr().out.splitlines()[1:] == [
+        "Qwen/Qwen3-8B",
+        f"  {next(e for e in PUBLISHED_HEADS if e.repo_id == held.relative_to(hub).as_posix()).label}, "
+        f"speculators layout: here: {held}",
+    ]
+    assert main(["eagle-heads", "-m", "HuggingFaceTB/SmolLM2-135M-Instruct"]) == 1
+    assert (
+        "no published EAGLE head in selfspec's table for HuggingFaceTB/SmolLM2-135M-Instruct" in capsys.readouterr().out
+    )

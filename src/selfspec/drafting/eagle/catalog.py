@@ -349,6 +349,12 @@ def local_copy(entry: PublishedHead, hub: Path | None = None) -> Path | None:
     return _cached_snapshot(entry, None)
 
 
+def held_copy(entry: PublishedHead, hub: Path | None = None) -> Path | None:
+    """:func:`local_copy` when it holds the weights too (not yet checked against a model), else ``None``."""
+    folder = local_copy(entry, hub)
+    return folder if folder is not None and _holds_head(folder) else None
+
+
 # ----------------------------------------------------------------------------- the check
 def _read_json(path: Path) -> dict[str, Any]:
     try:
@@ -651,7 +657,7 @@ def missing_head_advice(name_or_path: str) -> str:
     """
     entries = entries_for(name_or_path) if name_or_path else []
     hub = hub_folder()
-    if not entries or any(_holds_head(folder) for folder in filter(None, (local_copy(e, hub) for e in entries))):
+    if not entries or any(held_copy(entry, hub) is not None for entry in entries):
         return ""
     reason = "offline: no local copy" if hub_offline() else "no local copy"
     return missing_sentence(HeadResolution(entries[0], "missing", reason=reason, hub=hub))
