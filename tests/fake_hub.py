@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -19,12 +20,17 @@ from urllib.parse import unquote, urlparse
 
 @dataclass
 class FakeHub:
-    """One repository ``repo_id`` at commit ``commit`` holding ``files`` (name -> bytes)."""
+    """One repository ``repo_id`` at commit ``commit`` holding ``files`` (name -> bytes).
+
+    The bodies of the files named in ``dropped`` are cut off partway (the connection closes after
+    half of the bytes the ``Content-Length`` announced): a network that fails in the middle of a file.
+    """
 
     repo_id: str
     commit: str
     files: dict[str, bytes]
     requests: list[str] = field(default_factory=list)
+    dropped: frozenset[str] = frozenset()
     server: Any = None
 
     @property
@@ -76,7 +82,12 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 self.send_header(key, value)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            if send_body:
+            if send_body and any(self.path.endswith(f"/{name}") for name in hub.dropped):
+                self.wfile.write(body[: len(body) // 2])
+                self.wfile.flush()
+                self.close_connection = True
+                self.connection.shutdown(socket.SHUT_RDWR)  # the rest never comes
+            elif send_body:
                 self.wfile.write(body)
 
         def do_GET(self) -> None:

@@ -7,7 +7,7 @@ own cache (``models--owner--name/refs/main`` + ``snapshots/<commit>/``, read by 
 offline); an extra table (``SELFSPEC_HEAD_CATALOG``) names the pairing. Then:
 ``from_pretrained(..., eagle_head="auto")`` loads that head and decodes greedily token for token
 as transformers' ``generate`` in float32; ``drafter="auto"`` measures it; a head whose config
-does not fit (verifier name, hidden size, vocabulary, tapped layers) is refused with the field
+does not fit (verifier name or class, hidden size, vocabulary, tapped layers) is refused with the field
 and both values; with no copy and the hub offline, decoding goes on and the plan names the head
 and the command that fetches it. Online, huggingface_hub's real client fetches the head from a
 stand-in for the hub on localhost (``tests/fake_hub.py``): the config first (a head that does not
@@ -105,6 +105,22 @@ def test_auto_finds_checks_and_loads_the_published_head(table, tiny, model_folde
         assert out.stats.num_drafted > 0  # the found head drafted
 
 
+def test_a_pinned_entry_takes_only_its_own_commit(table, tiny, model_folder) -> None:
+    """In a huggingface_hub cache layout, an entry pinned to a commit finds that snapshot, never another."""
+    folder = write_hub(table, tiny, "hf-cache", head_config(tiny))  # snapshots/COMMIT, refs/main -> COMMIT
+    (table / f"models--{HEAD_REPO.replace('/', '--')}" / "refs" / "main").unlink()  # only the commit names it
+    extra = Path(os.environ[CATALOG_ENV])
+    other = "f" * 40
+    for revision, status in ((COMMIT, "found"), (other, "missing")):
+        entry = {"target": TARGET, "repo_id": HEAD_REPO, "revision": revision}
+        extra.write_text(json.dumps({"version": 1, "heads": [entry]}), encoding="utf-8")
+        resolution = catalog.resolve_published_head(str(model_folder), tiny)
+        assert resolution is not None and resolution.status == status, resolution
+        assert resolution.folder == (folder if status == "found" else None)
+        assert f"--revision {revision}" in resolution.fetch_command
+        assert resolution.entry.label == f"{HEAD_REPO}@{revision}"
+
+
 def test_drafter_auto_measures_the_found_head(table, tiny, model_folder) -> None:
     """``drafter="auto"`` considers the found head like the shipped one: calibration measures it."""
     folder = write_hub(table, tiny, "plain", head_config(tiny))
@@ -120,6 +136,9 @@ def test_drafter_auto_measures_the_found_head(table, tiny, model_folder) -> None
 MISMATCHES = {
     "verifier": ({"speculators_config": {"verifier": {"name_or_path": "meta-llama/Llama-3.1-8B-Instruct"}}},
                  "meta-llama/Llama-3.1-8B-Instruct"),
+    "verifier architectures": ({"speculators_config": {"verifier": {"name_or_path": TARGET,
+                                                                     "architectures": ["Qwen3ForCausalLM"]}}},
+                               ["Qwen3ForCausalLM"]),
     "hidden size": ({"target_hidden_size": 64}, 64),
     "vocabulary": ({"transformer_layer_config": {"vocab_size": 128}}, 128),
     "tapped layers": ({"eagle_aux_hidden_state_layer_ids": [1, 3, 9]}, [1, 3, 9]),
@@ -136,7 +155,8 @@ def test_a_mismatched_head_is_refused_with_the_field_and_both_values(table, tiny
     with pytest.raises(HeadMismatchError) as refused:
         SpeculativeEngine.from_pretrained(str(model_folder), drafter="eagle", eagle_head="auto", dtype=torch.float32)
     error = refused.value
-    model_value = {"verifier": str(model_folder), "hidden size": 32, "vocabulary": 96, "tapped layers": "layers 0..6"}
+    model_value = {"verifier": str(model_folder), "verifier architectures": ["LlamaForCausalLM"], "hidden size": 32,
+                   "vocabulary": 96, "tapped layers": "layers 0..6"}  # fmt: skip
     assert (error.field, error.head_value, error.model_value) == (field, head_value, model_value[field])
     assert isinstance(error, ConfigurationError) and f"{field} {head_value!r}" in str(error) and HEAD_REPO in str(error)
     # drafter="auto" goes on without it (and says why, once)
@@ -202,37 +222,57 @@ else:
 """
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("fits", [True, False], ids=["fits", "mismatch"])
-def test_online_the_head_is_fetched_config_first(tmp_path, tiny, model_folder, fits) -> None:
-    folder = write_hub(
-        tmp_path / "written", tiny, "plain", head_config(tiny, **({} if fits else {"target_hidden_size": 64}))
-    )
+def fetch_in_a_fresh_process(
+    tmp_path: Path, tiny: Any, model_folder: Path, config: dict[str, Any], dropped: frozenset[str] = frozenset()
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any], list[str], dict[str, bytes]]:
+    """Run :data:`FETCHING` online against a :class:`FakeHub` serving the head: the run, its result, the requests."""
+    folder = write_hub(tmp_path / "written", tiny, "plain", config)
     files = {name: (folder / name).read_bytes() for name in ("config.json", "model.safetensors")}
     files["README.md"] = b"a model card (not fetched)"
     table = tmp_path / "heads.json"
     table.write_text(json.dumps({"version": 1, "heads": [{"target": TARGET, "repo_id": HEAD_REPO}]}), encoding="utf-8")
-    cache = tmp_path / "hf-cache"
-    with FakeHub(HEAD_REPO, COMMIT, files) as hub:
+    with FakeHub(HEAD_REPO, COMMIT, files, dropped=dropped) as hub:
         env = {k: v for k, v in os.environ.items() if k != HUB_ENV}
-        env.update(HF_HUB_OFFLINE="0", HF_ENDPOINT=hub.endpoint, HF_HUB_CACHE=str(cache), HF_HUB_DISABLE_TELEMETRY="1")
-        env[CATALOG_ENV] = str(table)
+        env.update(HF_HUB_OFFLINE="0", HF_ENDPOINT=hub.endpoint, HF_HUB_DISABLE_TELEMETRY="1")
+        env.update(HF_HUB_CACHE=str(tmp_path / "hf-cache"), **{CATALOG_ENV: str(table)})
         run = subprocess.run(
             [sys.executable, "-c", FETCHING, str(model_folder), json.dumps(PROMPTS[0])],
             env=env, capture_output=True, text=True, timeout=300,
         )  # fmt: skip
     assert run.returncode == 0, run.stderr
-    result = json.loads(run.stdout.split("RESULT ", 1)[1])
+    return run, json.loads(run.stdout.split("RESULT ", 1)[1]), hub.requests, files
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fits", [True, False], ids=["fits", "mismatch"])
+def test_online_the_head_is_fetched_config_first(tmp_path, tiny, model_folder, fits) -> None:
+    config = head_config(tiny, **({} if fits else {"target_hidden_size": 64}))
+    run, result, requests, files = fetch_in_a_fresh_process(tmp_path, tiny, model_folder, config)
     weights = f"GET /{HEAD_REPO}/resolve/{COMMIT}/model.safetensors"
-    assert f"GET /{HEAD_REPO}/resolve/main/config.json" in hub.requests  # the config first
-    assert not any("README.md" in r for r in hub.requests)  # only the head's files
+    assert f"GET /{HEAD_REPO}/resolve/main/config.json" in requests  # the config first
+    assert not any("README.md" in r for r in requests)  # only the head's files
     if not fits:
         assert result["error"] == "HeadMismatchError" and "hidden size 64" in result["message"], result
-        assert weights not in hub.requests  # refused before its weights were asked for
+        assert weights not in requests  # refused before its weights were asked for
         return
-    snapshot = cache / f"models--{HEAD_REPO.replace('/', '--')}" / "snapshots" / COMMIT
-    assert Path(result["source"]) == snapshot and weights in hub.requests
+    snapshot = tmp_path / "hf-cache" / f"models--{HEAD_REPO.replace('/', '--')}" / "snapshots" / COMMIT
+    assert Path(result["source"]) == snapshot and weights in requests
     assert result["ids"] == reference_greedy(tiny, PROMPTS[0], 16)
     size = sum(len(body) for name, body in files.items() if name != "README.md")
     assert f"fetching the published EAGLE head {HEAD_REPO} (main, unpinned) for {TARGET}: 2 file(s)" in run.stdout
     assert catalog._size(size) in run.stdout
+
+
+@pytest.mark.slow
+def test_a_connection_dropped_mid_weights_leaves_the_head_missing(tmp_path, tiny, model_folder) -> None:
+    """The hub's connection closes halfway through the weights (huggingface_hub gives up with
+    httpx's error, not an OSError): the load is not broken by it; the head is missing, the error
+    names the command that fetches it, and the half-written weights are not taken for a head."""
+    run, result, requests, _ = fetch_in_a_fresh_process(
+        tmp_path, tiny, model_folder, head_config(tiny), dropped=frozenset({"model.safetensors"})
+    )
+    assert f"GET /{HEAD_REPO}/resolve/{COMMIT}/model.safetensors" in requests  # the weights were asked for
+    assert result["error"] == "ConfigurationError", result  # drafter="eagle": no head, with how to get it
+    assert f"fetch it with `hf download {HEAD_REPO} --include" in result["message"]
+    assert "(the hub was not reached: peer closed connection" in result["message"]  # why, not "offline"
+    assert "peer closed connection" in run.stdout  # the log said why as it went on without the head

@@ -304,6 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_max_tokens(demo, 128)
     demo.set_defaults(func=cmd_demo)
 
+    from ..drafting.eagle.catalog_cli import add_eagle_heads_parser
     from ..drafting.eagle.cli import add_train_eagle_parser
     from ..drafting.eagle.export_cli import add_export_eagle_parser
     from ..drafting.exit_adapter.cli import add_train_adapter_parser
@@ -312,6 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_adapter_parser(sub)
     add_train_eagle_parser(sub)
     add_export_eagle_parser(sub)
+    add_eagle_heads_parser(sub)
 
     add_train_medusa_parser(sub)
 

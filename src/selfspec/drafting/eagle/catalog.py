@@ -37,6 +37,7 @@ is pinned to a commit yet (none was at hand): an unpinned entry resolves the rep
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -348,6 +349,12 @@ def local_copy(entry: PublishedHead, hub: Path | None = None) -> Path | None:
     return _cached_snapshot(entry, None)
 
 
+def held_copy(entry: PublishedHead, hub: Path | None = None) -> Path | None:
+    """:func:`local_copy` when it holds the weights too (not yet checked against a model), else ``None``."""
+    folder = local_copy(entry, hub)
+    return folder if folder is not None and _holds_head(folder) else None
+
+
 # ----------------------------------------------------------------------------- the check
 def _read_json(path: Path) -> dict[str, Any]:
     try:
@@ -367,8 +374,10 @@ def _head_facts(raw: dict[str, Any]) -> dict[str, Any]:
     """What a head's ``config.json`` says about its target, in either layout (``None``: not said)."""
     if "speculators_model_type" in raw:
         layer = _object(raw.get("transformer_layer_config"))
+        verifier = _object(_object(raw.get("speculators_config")).get("verifier"))
         return {
-            "verifier": _object(_object(raw.get("speculators_config")).get("verifier")).get("name_or_path"),
+            "verifier": verifier.get("name_or_path"),
+            "verifier architectures": verifier.get("architectures"),
             "hidden size": raw.get("target_hidden_size") or layer.get("hidden_size"),
             "vocabulary": layer.get("vocab_size"),
             "tapped layers": raw.get("eagle_aux_hidden_state_layer_ids"),
@@ -377,6 +386,7 @@ def _head_facts(raw: dict[str, Any]) -> dict[str, Any]:
     nested = _object(raw.get("eagle_config"))
     return {
         "verifier": None,  # SafeAILab / SpecForge configs name no verifier: the table's entry does
+        "verifier architectures": None,
         "hidden size": raw.get("target_hidden_size") or raw.get("hidden_size"),
         "vocabulary": raw.get("vocab_size"),
         "tapped layers": raw.get("eagle_aux_hidden_state_layer_ids") or nested.get("eagle_aux_hidden_state_layer_ids"),
@@ -387,8 +397,9 @@ def _head_facts(raw: dict[str, Any]) -> dict[str, Any]:
 def check_head_config(raw: dict[str, Any], model: Any, head: str, name_or_path: str = "") -> None:
     """Check a published head's ``config.json`` against the loaded model, before any weight is read.
 
-    Checks the verifier the head names (against the model's names, :func:`model_names`), the
-    target hidden size, the vocabulary, the tapped layers (each in ``0..L``) and the draft
+    Checks the verifier the head names (against the model's names, :func:`model_names`) and its
+    architectures (``speculators_config.verifier.architectures``: one of them must be the model's),
+    the target hidden size, the vocabulary, the tapped layers (each in ``0..L``) and the draft
     vocabulary (at most the model's).
 
     Args:
@@ -406,6 +417,9 @@ def check_head_config(raw: dict[str, Any], model: Any, head: str, name_or_path: 
     verifier = facts["verifier"]
     if verifier and names and loose_name(str(verifier)) not in names:
         raise HeadMismatchError(head, "verifier", str(verifier), name_or_path or sorted(names)[0])
+    head_classes, model_classes = facts["verifier architectures"], list(getattr(config, "architectures", None) or [])
+    if isinstance(head_classes, list) and head_classes and model_classes and not set(head_classes) & set(model_classes):
+        raise HeadMismatchError(head, "verifier architectures", head_classes, model_classes)
     hidden, vocab, layers = int(config.hidden_size), int(config.vocab_size), int(config.num_hidden_layers)
     for field, theirs in (("hidden size", hidden), ("vocabulary", vocab)):
         if facts[field] is not None and int(facts[field]) != theirs:
@@ -486,6 +500,24 @@ def fetch_head(entry: PublishedHead, model: Any, name_or_path: str, hub: Path | 
 _UNREACHABLE: dict[str, str] = {}
 
 
+def network_errors() -> tuple[type[Exception], ...]:
+    """What a fetch raises when the hub cannot be reached or the connection fails partway.
+
+    ``OSError`` covers huggingface_hub's own errors (offline, not found, gated, HTTP errors, a file
+    it could not locate) and, before 1.0, ``requests``'; the ``RequestError`` of its HTTP client
+    (``httpx2`` from 2.0, ``httpx`` in 1.x) covers a connection that drops or stalls in the middle
+    of a file, which huggingface_hub passes on once its retries are spent and which is not an
+    ``OSError``.
+    """
+    errors: list[type[Exception]] = [OSError]
+    for client in ("httpx2", "httpx"):
+        try:
+            errors.append(importlib.import_module(client).RequestError)
+        except (ImportError, AttributeError):
+            continue
+    return tuple(errors)
+
+
 def _checked(
     entry: PublishedHead, folder: Path, model: Any, name_or_path: str, status: str, hub: Path | None
 ) -> HeadResolution:
@@ -536,19 +568,21 @@ def resolve_published_head(name_or_path: str, model: Any, *, fetch: bool = True)
     if first_refusal is not None:
         return first_refusal
     entry = entries[0]
-    if not fetch or hub_offline():
+    if entry.repo_id in _UNREACHABLE:  # asked once in this process already: why it failed
+        return HeadResolution(entry, "missing", reason=_UNREACHABLE[entry.repo_id], hub=hub)
+    if hub_offline():
         return HeadResolution(entry, "missing", reason="offline: no local copy", hub=hub)
     if os.environ.get(FETCH_ENV, "").strip().lower() in ("0", "false", "no", "off"):
         return HeadResolution(
             entry, "missing", reason=f"no local copy, and {FETCH_ENV}={os.environ[FETCH_ENV]}", hub=hub
         )
-    if entry.repo_id in _UNREACHABLE:  # asked once in this process already
-        return HeadResolution(entry, "missing", reason=_UNREACHABLE[entry.repo_id], hub=hub)
+    if not fetch:
+        return HeadResolution(entry, "missing", reason="no local copy", hub=hub)
     try:
         folder = fetch_head(entry, model, name_or_path, hub)
     except (HeadMismatchError, UnsafeCheckpointError) as error:
         return HeadResolution(entry, "refused", None, str(error), error, hub)
-    except OSError as error:  # no network, the hub refused, a gated repository: go on without it
+    except network_errors() as error:  # no network, a dropped connection, a gated repository: go on without it
         _UNREACHABLE[entry.repo_id] = f"the hub was not reached: {error}"
         return HeadResolution(entry, "missing", reason=_UNREACHABLE[entry.repo_id], hub=hub)
     return _checked(entry, folder, model, name_or_path, "fetched", hub)
@@ -623,7 +657,7 @@ def missing_head_advice(name_or_path: str) -> str:
     """
     entries = entries_for(name_or_path) if name_or_path else []
     hub = hub_folder()
-    if not entries or any(_holds_head(folder) for folder in filter(None, (local_copy(e, hub) for e in entries))):
+    if not entries or any(held_copy(entry, hub) is not None for entry in entries):
         return ""
     reason = "offline: no local copy" if hub_offline() else "no local copy"
     return missing_sentence(HeadResolution(entries[0], "missing", reason=reason, hub=hub))
