@@ -167,7 +167,8 @@ class StaticRounds:
         started = time.perf_counter()
         runner = self.step.runner
         cache = self.step.reserve(slots)
-        hidden, logits = static_prefill(runner, cache, device_ids([run.prompt_ids], runner.device))
+        ids = device_ids([run.prompt_ids], runner.device)
+        hidden, logits = static_prefill(runner, cache, ids, drafter.feature_layers)  # EAGLE-3: its taps
         return first_row(runner, drafter, run, cache, eos_token_ids, Prefilled(hidden, logits, started))
 
     def _round(self, drafter: Drafter, row: Row, bucket: int) -> list[int]:
@@ -179,10 +180,11 @@ class StaticRounds:
         drafted = time.perf_counter()
         tokens, width = rows.tokens, rows.tokens.shape[1]
         exits = rows.exit_states, rows.exit_layer  # (None, 0): the forward runs every layer
+        taps = drafter.feature_layers  # EAGLE-3: the verify hands back the states entering these layers
         if state.params.greedy:
-            decided, hidden, logits = self.step.greedy(tokens, rows.real, bucket, *exits)
+            decided, hidden, logits = self.step.greedy(tokens, rows.real, bucket, *exits, feature_layers=taps)
         else:
-            hidden, logits = self.step.forward(tokens, bucket, *exits)
+            hidden, logits = self.step.forward(tokens, bucket, *exits, feature_layers=taps)
             target_probs = logits_to_probs(logits, state.params)
             draft_probs = _padded(rows.draft_probs, width - 1)
             decided = accept_sampled_step(tokens, rows.real, draft_probs, target_probs, run.generator)

@@ -313,9 +313,10 @@ class Drafter(ABC):
 
         The default: the verify of every width over every layer (``kinds``: ``"greedy"`` and,
         for sampled calls, ``"forward"``). A drafter that drafts through the target's own
-        layers prepares those steps instead (the early exit).
+        layers prepares those steps instead (the early exit). With :attr:`feature_layers`
+        (EAGLE-3), the verify steps hand back those layers' inputs.
         """
-        step.prepare(slots, kinds=kinds)
+        step.prepare(slots, kinds=kinds, feature_layers=self.feature_layers)
 
     def draft_static(self, state: DecodeState, budget: int, step: StaticStep, bucket: int) -> StaticDraft:
         """The static round's draft of at most ``budget`` (``>= 1``) tokens.

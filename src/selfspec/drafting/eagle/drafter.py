@@ -118,7 +118,8 @@ class EagleDrafter(Drafter):
         self.costs = costs
         self.lookup = PromptLookupDrafter(max_ngram=3, min_ngram=2) if lookup else None
         self.feature_layers = head.capture_layers  # EAGLE-3: the target layers whose inputs the verifier keeps
-        self.chain_only = not tree_nodes and self.feature_layers is None  # the static round verifies its chains
+        # the static round verifies its chains (EAGLE-3's too: its verify hands back the tapped states)
+        self.chain_only = not tree_nodes
         if lookup:
             self.name = "eagle_hybrid"
         #: chains (no tree, no prompt lookup) draft on the device too (:meth:`propose_device`)
@@ -138,8 +139,13 @@ class EagleDrafter(Drafter):
 
     @property
     def static_drafting(self) -> StaticDrafting:
-        """Chains on the device (:meth:`propose_device`); with prompt lookup, host chains; trees: the eager loop."""
-        if self.tree_nodes or self.feature_layers is not None:
+        """Chains on the device (:meth:`propose_device`); with prompt lookup, host chains; trees: the eager loop.
+
+        An EAGLE-3 head (:attr:`feature_layers`) drafts there too: the static verify hands back
+        the tapped layers' inputs, and its draft step (the draft vocabulary mapped to the target's
+        on the device) compiles like an EAGLE-1 head's.
+        """
+        if self.tree_nodes:
             return StaticDrafting.NONE
         return StaticDrafting.DEVICE if self.supports_device_chain else StaticDrafting.HOST
 
