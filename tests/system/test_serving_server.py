@@ -425,6 +425,34 @@ HTTP_BAD_INPUT = [
     ("float ids", "completions", {**GOOD, "prompt": [1.5, 2.0]}, {}, 400, "prompt"),
     ("bool ids", "completions", {**GOOD, "prompt": [True]}, {}, 400, "prompt"),
     ("two prompts", "completions", {**GOOD, "prompt": ["a", "b"]}, {}, 400, "prompt"),
+    ("two token-id prompts", "completions", {**GOOD, "prompt": [[1, 2, 3], [1, 2, 3]]}, {}, 400, "prompt"),
+    ("an empty token-id prompt", "completions", {**GOOD, "prompt": [[]]}, {}, 400, "prompt"),
+    ("a negative id in a list", "completions", {**GOOD, "prompt": [[5, -1]]}, {}, 400, "prompt"),
+    ("an id over the vocabulary in a list", "completions", {**GOOD, "prompt": [[10**6]]}, {}, 400, "prompt"),
+    ("float ids in a list", "completions", {**GOOD, "prompt": [[1.5]]}, {}, 400, "prompt"),
+    ("text and ids mixed", "completions", {**GOOD, "prompt": ["a", 1]}, {}, 400, "prompt"),
+    ("a prompt object", "completions", {**GOOD, "prompt": {"text": "a"}}, {}, 400, "prompt"),
+    ("legacy functions", "chat/completions", {**CHAT, "functions": [SMALL_TOOL["function"]]}, {}, 400, "functions"),
+    ("legacy function_call", "chat/completions", {**CHAT, "function_call": "auto"}, {}, 400, "function_call"),
+    (
+        "a legacy function message",
+        "chat/completions",
+        {**CHAT, "messages": [*MESSAGES, {"role": "function", "name": "f", "content": "1"}]},
+        {},
+        400,
+        "messages[1]",
+    ),
+    (
+        "a legacy assistant function_call",
+        "chat/completions",
+        {
+            **CHAT,
+            "messages": [{"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}],
+        },
+        {},
+        400,
+        "messages[0].function_call",
+    ),
     ("prompt over the window", "completions", {**GOOD, "prompt": "word " * 3000}, {}, 400, "prompt"),
     (
         "1 MB prompt (characters)",
@@ -617,6 +645,51 @@ def test_http_bad_input_table(base_url: str, good_text: str, path, body, headers
         # the server answers the next valid call with the right text
         reply = http.post("/v1/completions", json=GOOD)
         assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == good_text
+
+
+def test_completions_take_each_single_prompt_form(client: Any, base_url: str, demo_engine: Any) -> None:
+    """Issue 44: text, token ids, and a one-element list of either are one prompt; several are a clear 400."""
+    ids = [int(i) for i in demo_engine.tokenizer.encode(PROMPT, add_special_tokens=False)]
+    expected = demo_engine.generate_ids(ids, max_new_tokens=6).text
+    for prompt in (ids, [ids]):
+        reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+        assert reply.choices[0].text == expected and reply.usage.prompt_tokens == len(ids)
+    streamed = client.completions.create(model=MODEL, prompt=[ids], max_tokens=6, temperature=0, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == expected
+    text = client.completions.create(model=MODEL, prompt=[PROMPT], max_tokens=6, temperature=0)
+    assert text.choices[0].text == demo_engine.generate(PROMPT, max_new_tokens=6).text
+    with httpx.Client(base_url=base_url, headers=JSON_HEADERS, timeout=60) as http:
+
+        def refusal(prompt: Any) -> str:
+            response = http.post("/v1/completions", json={**GOOD, "prompt": prompt})
+            assert response.status_code == 400 and response.json()["error"]["param"] == "prompt", response.text
+            return str(response.json()["error"]["message"])
+
+        assert refusal([ids, ids]) == (
+            "only one prompt per request is served, got 2: send one request per prompt "
+            "(concurrent requests are served together)"
+        )
+        assert "got 3" in refusal([PROMPT, PROMPT, PROMPT])
+        assert refusal([[]]) == refusal([]) == "the prompt is empty; pass some text or token ids"
+        assert "a list of token ids (integers), or a one-element list of either" in refusal([[0.5]])
+        vocab = int(refusal([[-1]]).rsplit(", ", 1)[1].rstrip(")"))  # "... not in the vocabulary [0, N)"
+        assert refusal([[ids[0], vocab]]) == f"token id {vocab} is not in the vocabulary [0, {vocab})"
+        assert http.post("/v1/completions", json={**GOOD, "prompt": [[vocab - 1]]}).status_code == 200
+
+
+def test_legacy_function_calling_is_refused_naming_tools(base_url: str) -> None:
+    """Issue 44: ``functions`` / ``function_call`` were silently ignored; now a 400 pointing to tools."""
+    with httpx.Client(base_url=base_url, headers=JSON_HEADERS, timeout=60) as http:
+        for field, value in (("functions", [SMALL_TOOL["function"]]), ("function_call", {"name": "f"})):
+            response = http.post("/v1/chat/completions", json={**CHAT, field: value})
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert (error["param"], error["code"]) == (field, "unsupported")
+            assert error["message"].startswith(f"{field} is OpenAI's deprecated function-calling API")
+            assert "tools=[" in error["message"] and "tool_choice" in error["message"]
+        # the same function as a tool is served
+        reply = http.post("/v1/chat/completions", json={**CHAT, "tools": [SMALL_TOOL], "tool_choice": "none"})
+        assert reply.status_code == 200, reply.text
 
 
 def test_http_get_and_unknown_paths(base_url: str) -> None:

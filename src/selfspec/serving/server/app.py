@@ -461,13 +461,7 @@ class _Server:
 
     def prepare_completion(self, body: CompletionRequest) -> _Job:
         """Hand the prompt (text or token ids) to the planner; nothing is decoded yet."""
-        prompt = body.prompt
-        if not prompt:
-            raise APIError(400, "the prompt is empty; pass some text", param="prompt")
-        if isinstance(prompt, list) and isinstance(prompt[0], str):
-            if len(prompt) > 1:
-                raise APIError(400, "only one prompt per request is supported", param="prompt")
-            prompt = str(prompt[0])
+        prompt = body.single_prompt()
         with _bad_request("prompt"):
             plan = plan_request(
                 self.engine,
@@ -537,14 +531,15 @@ class _Server:
         Text prompts, messages, tools and schemas are bounded by the planner, once, before anything is
         rendered or tokenized (:func:`selfspec.serving.requests.check_request_bounds`).
         """
-        if body.truncate_prompt or not isinstance(body, CompletionRequest) or not body.prompt:
+        if not isinstance(body, CompletionRequest):
             return
-        if isinstance(body.prompt[0], str) or self.engine.context_window is None:
+        prompt = body.single_prompt()  # several prompts, or an empty one: a 400 before a worker is taken
+        if body.truncate_prompt or isinstance(prompt, str) or self.engine.context_window is None:
             return
-        if len(body.prompt) > self.engine.context_window:
+        if len(prompt) > self.engine.context_window:
             raise APIError(
                 400,
-                f"the prompt has {len(body.prompt)} tokens; the context window holds {self.engine.context_window}",
+                f"the prompt has {len(prompt)} tokens; the context window holds {self.engine.context_window}",
                 param="prompt",
                 code="context_length_exceeded",
             )
@@ -631,9 +626,17 @@ async def _read_body(request: Request, model: type[_Body]) -> _Body:
         # pydantic names the member of a union that failed ("prompt.str"): keep the field's path
         parts = [str(part) for part in first["loc"] if not _UNION_TAG.match(str(part))]
         param = ".".join(parts) or None
-        raise APIError(400, f"invalid request: {param}: {first['msg']}", param=param) from error
+        message = first["msg"]
+        if parts[:1] == ["prompt"]:  # the union's first member's message ("a valid string") would mislead
+            param, message = "prompt", PROMPT_FORMS
+        raise APIError(400, f"invalid request: {param}: {message}", param=param) from error
 
 
+#: What a completions ``prompt`` may be (the message of a 400 for any other value).
+PROMPT_FORMS = (
+    "must be a string, a list of token ids (integers), or a one-element list of either "
+    '("text", [1, 2, 3], ["text"], [[1, 2, 3]])'
+)
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|function-.*)$")
 
 

@@ -31,6 +31,11 @@ MAX_TEMPERATURE = 2.0
 MAX_TOP_LOGPROBS = 20
 #: OpenAI's largest completions ``logprobs``.
 MAX_COMPLETION_LOGPROBS = 5
+#: The refusal of OpenAI's deprecated function-calling fields (``{name}``: the field sent).
+LEGACY_FUNCTIONS = (
+    "{name} is OpenAI's deprecated function-calling API and is not supported: pass "
+    'tools=[{{"type": "function", "function": {{"name": ..., "parameters": ...}}}}] and tool_choice instead'
+)
 
 
 class APIError(Exception):
@@ -212,6 +217,9 @@ class ChatCompletionRequest(_SamplingRequest):
     #: plain text (``selfspec serve --escape-special-tokens`` does it for every request; a request
     #: cannot turn it off)
     escape_special_tokens: bool = False
+    #: OpenAI's deprecated function calling: refused with a 400 that points to ``tools`` (never ignored)
+    functions: Any = None
+    function_call: Any = None
 
     @property
     def token_limit(self) -> int | None:
@@ -224,6 +232,9 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def check_supported(self) -> None:  # noqa: D102 - documented in the base class
         super().check_supported()
+        for name in ("functions", "function_call"):
+            if getattr(self, name) is not None:
+                raise APIError(400, LEGACY_FUNCTIONS.format(name=name), param=name, code="unsupported")
         if self.top_logprobs is not None:
             if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
                 raise APIError(
@@ -242,7 +253,9 @@ class ChatCompletionRequest(_SamplingRequest):
 class CompletionRequest(_SamplingRequest):
     """The body of ``POST /v1/completions``."""
 
-    prompt: str | list[str] | list[int]
+    #: OpenAI's forms: a string, a list of token ids, or a list of strings or of token-id lists
+    #: (one prompt per item; this server serves one: :meth:`single_prompt`)
+    prompt: str | list[str] | list[int] | list[list[int]]
     #: each token's log-probability and this many most likely alternatives (0 .. 5)
     logprobs: int | None = None
     echo: bool = False
@@ -268,6 +281,31 @@ class CompletionRequest(_SamplingRequest):
     def engine_logprobs(self) -> int | None:  # noqa: D102 - documented in the base class
         return self.logprobs
 
+    def single_prompt(self) -> str | list[int]:
+        """The request's one prompt: its text, or its token ids.
+
+        ``"text"``, ``[1, 2, 3]``, ``["text"]`` and ``[[1, 2, 3]]`` are one prompt each; a list of
+        several is several prompts, which this server does not batch into one answer (send one
+        request per prompt: concurrent requests are served together). Token ids are checked
+        against the vocabulary by the engine.
+
+        Raises:
+            APIError: several prompts, or an empty one (400, ``param: prompt``).
+        """
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) > 1:
+                raise APIError(
+                    400,
+                    f"only one prompt per request is served, got {len(prompt)}: send one request per prompt "
+                    "(concurrent requests are served together)",
+                    param="prompt",
+                )
+            prompt = prompt[0]
+        if not prompt:
+            raise APIError(400, "the prompt is empty; pass some text or token ids", param="prompt")
+        return prompt  # type: ignore[return-value]  # a str, or a list of ints (the union's other members)
+
     @property
     def token_limit(self) -> int | None:
         """``max_tokens`` (OpenAI's completions default is 16; here ``serving.requests.DEFAULT_MAX_TOKENS``)."""
@@ -289,6 +327,21 @@ def engine_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     names: dict[str, str] = {}  # tool-call id -> tool name
     for i, message in enumerate(messages):
         param = f"messages[{i}]"
+        if isinstance(message, dict) and message.get("role") == "function":
+            raise APIError(
+                400,
+                f"{param}: role 'function' is OpenAI's deprecated function-calling API and is not supported: "
+                "send a function's result as role 'tool' with the 'tool_call_id' of the call it answers",
+                param=param,
+            )
+        if isinstance(message, dict) and message.get("function_call") is not None:
+            raise APIError(
+                400,
+                f"{param}.function_call is OpenAI's deprecated function-calling API and is not supported: "
+                'give the assistant\'s calls as \'tool_calls\' ([{"id": ..., "type": "function", '
+                '"function": {"name": ..., "arguments": ...}}])',
+                param=f"{param}.function_call",
+            )
         if not isinstance(message, dict) or message.get("role") not in ROLES:
             role = message.get("role") if isinstance(message, dict) else None
             raise APIError(400, f"{param}: role must be one of {', '.join(ROLES)}, got {role!r}", param=param)
