@@ -309,7 +309,7 @@ def test_a_head_trained_after_calibration_is_measured_on_the_next_load(tmp_path,
 
 
 def test_first_load_says_what_it_measures_and_where_it_saves(tmp_path, monkeypatch, caplog, capsys) -> None:
-    """Two lines (what, once, where; then how long and the plan); no progress bar off a terminal."""
+    """What, once, where; a line per phase with its estimate; then how long and the plan; no bar off a terminal."""
     import logging
 
     from selfspec.calibration import calibration_path
@@ -319,22 +319,24 @@ def test_first_load_says_what_it_measures_and_where_it_saves(tmp_path, monkeypat
     model = make_model("llama", agreeing=True, dtype=torch.float32)
     model.config._name_or_path = str(tmp_path / "model")
     engine = SpeculativeEngine(model, calibration={})
-    assert not show_progress()  # pytest's stderr is not a terminal
+    assert show_progress() == "lines"  # pytest's stderr is not a terminal: lines, not a bar
     with caplog.at_level(logging.WARNING, logger="selfspec"):
         calibrate_on_first_load(engine)
     lines = [r.getMessage() for r in caplog.records if r.name.startswith("selfspec")]
     where = calibration_path(str(tmp_path / "model"), "cpu", "float32")
-    assert len(lines) == 2, lines
     assert "this happens once" in lines[0] and str(where) in lines[0] and "cpu float32" in lines[0]
-    assert lines[1].startswith(f"calibrated {tmp_path / 'model'} in ") and engine.plan.summary() in lines[1]
+    phases = [line for line in lines[1:-1] if not line.startswith("... ")]  # "..." lines: a phase still running
+    assert [line[: len("calibrating (1/5)")] for line in phases] == [f"calibrating ({i}/5)" for i in range(1, 6)]
+    assert "continuations" in phases[0] and "(" in phases[0].split(": ", 1)[1]  # with its estimate
+    assert lines[-1].startswith(f"calibrated {tmp_path / 'model'} in ") and engine.plan.summary() in lines[-1]
     assert where is not None and where.is_file()
-    assert "calibrating" not in capsys.readouterr().err  # the bar stayed off
+    assert "%|" not in capsys.readouterr().err  # the bar stayed off
     logging.getLogger("selfspec").setLevel(logging.ERROR)  # a user who silences selfspec silences the bar too
     try:
         monkeypatch.setattr("sys.stderr.isatty", lambda: True)
-        assert not show_progress()
+        assert show_progress() == "off"
         logging.getLogger("selfspec").setLevel(logging.NOTSET)
-        assert show_progress()
+        assert show_progress() == "bar"
     finally:
         logging.getLogger("selfspec").setLevel(logging.NOTSET)
 

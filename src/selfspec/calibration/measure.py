@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import platform
 import random
 import time
@@ -31,7 +32,6 @@ from datetime import datetime, timezone
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from ..core.speed import AcceptanceEstimate, CostModel, expected_tokens, next_draft_length
 from ..decoding.config import DEFAULT_CALIBRATION_BUDGET
@@ -41,7 +41,8 @@ from ..drafting.planning import PLAIN, Candidate, DrafterCalibration
 from ..drafting.registry import registered
 from ..errors import ConfigurationError
 from ..prompts import CHAT_CALIBRATION_PROMPTS, DEFAULT_CALIBRATION_PROMPTS, PASSAGES
-from .precision import describe_precision, measure_precision
+from .precision import describe_precision, measure_precision, precision_skip_reason
+from .progress import CalibrationProgress, ProgressMode, progress_mode
 from .store import load_per_core, machine_fingerprint, save_or_keep_calibration
 
 logger = logging.getLogger(__name__)
@@ -96,7 +97,10 @@ class CalibrationResult:
             sampled drafts do not pay; ``None`` when not measured (skipped for the budget).
         calibration_budget: the time budget in seconds (``None``: none).
         seconds: how long calibration took.
-        skipped: the measurements left out for the budget (their drafters were not candidates).
+        skipped: the measurements left out or cut short for the budget (the drafters whose own
+            measurement was left out were not candidates).
+        phase_seconds: how long each phase took (``continuations``, ``acceptance``, ``costs``,
+            ``drafters``, ``sampled``, ``precision``, ``trees``: those that ran).
     """
 
     exit_layer: int
@@ -122,6 +126,7 @@ class CalibrationResult:
     seconds: float = 0.0
     skipped: list[str] = field(default_factory=list)
     precision: dict[str, Any] = field(default_factory=dict)
+    phase_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def predicted_tokens_per_second(self) -> dict[str, float]:
@@ -147,6 +152,7 @@ class CalibrationResult:
         data["plan"] = self.plan.to_json()
         data["sampled_plan"] = None if self.sampled_plan is None else self.sampled_plan.to_json()
         data["seconds"] = round(self.seconds, 1)
+        data["phase_seconds"] = {k: round(v, 1) for k, v in self.phase_seconds.items()}
         data["candidates"] = {k: round(v, 3) for k, v in sorted(self.candidates.items(), key=lambda kv: -kv[1])}
         data["predicted_tokens_per_second"] = {k: round(v, 1) for k, v in self.predicted_tokens_per_second.items()}
         data["costs"] = {
@@ -200,12 +206,27 @@ class Continuations:
 
 
 def generate_continuations(
-    engine: SpeculativeEngine, prompt_ids: Sequence[list[int]], max_new_tokens: int
+    engine: SpeculativeEngine,
+    prompt_ids: Sequence[list[int]],
+    max_new_tokens: int,
+    *,
+    until: float | None = None,
+    on_prompt: Callable[[int, int], None] | None = None,
 ) -> Continuations:
-    """Plain greedy continuations of each prompt (what any lossless method must reproduce)."""
+    """Plain greedy continuations of each prompt (what any lossless method must reproduce).
+
+    With ``until`` (a ``time.perf_counter()`` time), the prompts after the one that ends past it
+    are left out (the first is always continued); ``on_prompt(done, total)`` follows each prompt.
+    """
     plain = SpeculativeEngine(engine.model, engine.tokenizer, drafter=PLAIN, calibration={})
-    sequences = [ids + plain.generate_ids(ids, max_new_tokens=max_new_tokens).token_ids for ids in prompt_ids]
-    return Continuations(sequences, [len(ids) for ids in prompt_ids])
+    sequences: list[list[int]] = []
+    for ids in prompt_ids:
+        if sequences and until is not None and time.perf_counter() >= until:
+            break
+        sequences.append(ids + plain.generate_ids(ids, max_new_tokens=max_new_tokens).token_ids)
+        if on_prompt is not None:
+            on_prompt(len(sequences), len(prompt_ids))
+    return Continuations(sequences, [len(ids) for ids in prompt_ids[: len(sequences)]])
 
 
 def exit_matches(
@@ -261,30 +282,72 @@ def measure_agreement(
 # ----------------------------------------------------------------------------- costs
 
 
-def _interleaved_fastest(variants: dict[Any, Callable[[], None]], repeats: int) -> dict[Any, float]:
+#: Timing turns of the cost curves always run (then they stop once settled).
+MIN_TURNS = 3
+#: A turn that lowers no variant's fastest time by more than this fraction ends the timing.
+SETTLED = 0.02
+
+
+def _interleaved_fastest(
+    variants: dict[Any, Callable[[], None]],
+    repeats: int,
+    *,
+    until: float | None = None,
+    on_turn: Callable[[int, int], None] | None = None,
+) -> dict[Any, float]:
     """Fastest seconds of each variant, timed round-robin.
 
     Round-robin so that machine noise hits every variant alike; the fastest run rather than the
     median, because other work on a shared machine only ever adds time: under load (a busy
     2-core CPU) medians of multi-token forwards rose more than those of one-token steps and made
-    every draft look too dear, so a busy first load settled on plain decoding.
+    every draft look too dear, so a busy first load settled on plain decoding. With ``until`` (a
+    ``time.perf_counter()`` time) no turn starts after it, and when the warm-up turn already ended
+    past it, the warm-up's own times are what is returned (a tight budget's price: a first run is
+    a little slower); ``on_turn(done, repeats)`` follows each turn. After :data:`MIN_TURNS`
+    turns, a turn that lowered no variant's fastest time by more than :data:`SETTLED` ends the
+    timing: the minima have settled (noise on a shared machine only adds time, so a minimum that
+    a whole round-robin turn did not lower is not waiting for a luckier run).
     """
-    for fn in variants.values():
-        fn()  # warm up
-    times: dict[Any, list[float]] = {key: [] for key in variants}
+    warm: dict[Any, float] = {}
+    for key, fn in variants.items():  # warm up
+        started = time.perf_counter()
+        fn()
+        warm[key] = time.perf_counter() - started
+    fastest = dict.fromkeys(variants, math.inf)
     for turn in range(repeats):
+        if until is not None and time.perf_counter() >= until:
+            if not turn:
+                return warm
+            break
         keys = list(variants)
         keys = keys[turn % len(keys) :] + keys[: turn % len(keys)]
+        lowered = False
         for key in keys:
             started = time.perf_counter()
             variants[key]()
-            times[key].append(time.perf_counter() - started)
-    return {key: min(values) for key, values in times.items()}
+            seconds = time.perf_counter() - started
+            lowered |= seconds < fastest[key] * (1 - SETTLED)
+            fastest[key] = min(fastest[key], seconds)
+        if on_turn is not None:
+            on_turn(turn + 1, repeats)
+        if turn + 1 >= MIN_TURNS and not lowered:  # settled: more turns would not move a minimum
+            break
+    return fastest
 
 
 def _monotonic(values: dict[int, float], tolerance: float = 0.03) -> bool:
     ordered = [values[k] for k in sorted(values)]
     return all(b >= a * (1 - tolerance) for a, b in itertools.pairwise(ordered))
+
+
+def _offending(values: dict[int, float], tolerance: float = 0.03) -> list[int]:
+    """The keys on either side of each dip of more than ``tolerance`` (what :func:`_monotonic` refuses)."""
+    ordered = sorted(values)
+    found: list[int] = []
+    for a, b in itertools.pairwise(ordered):
+        if values[b] < values[a] * (1 - tolerance):
+            found += [key for key in (a, b) if key not in found]
+    return found
 
 
 def _running_max(values: dict[int, float]) -> dict[int, float]:
@@ -319,22 +382,34 @@ def measure_costs(
     retries: int = 1,
     checks: dict[str, Any] | None = None,
     sampled: dict[int, float] | None = None,
+    *,
+    until: float | None = None,
+    on_turn: Callable[[int, int], None] | None = None,
 ) -> tuple[dict[int, float], dict[int, float], float]:
     """Relative costs of a draft step per exit layer and of a verify per draft length.
 
-    Timings are the fastest of ``repeats`` interleaved runs (:func:`_interleaved_fastest`). A
-    curve that is not monotonic beyond 3% is measured again with more repeats, up to ``retries``
-    times. Then the draft costs are made monotonic (running maximum: a deeper exit is never
-    cheaper), while a verify curve that is still not monotonic is kept as measured: it is the
-    hardware's (fp32 GEMMs on an AMD EPYC: 3 rows cost 2.07 steps, 4 rows 1.50): the loop pads a
-    shorter verify to the cheapest measured width (:meth:`~selfspec.core.speed.CostModel.padded`)
-    and the planner prices draft lengths that way. What happened is recorded in ``checks``, with the
-    machine's load average (per core) before and after.
+    Timings are the fastest of up to ``repeats`` interleaved runs (:func:`_interleaved_fastest`:
+    they stop early once a turn no longer lowers any variant's fastest time by :data:`SETTLED`).
+    Where a curve dips by more than 3% (not monotonic), the points on either side of each dip are
+    measured again, with the plain step they are relative to, with twice the repeats, up to
+    ``retries`` times (the rest of the curve is kept: it already rose as it should, and
+    re-timing all of it cost SmolLM2's first load two thirds of its cost phase). Then the draft
+    costs are made monotonic (running maximum: a deeper exit is never cheaper), while a verify
+    curve that is still not monotonic is kept as measured: it is the hardware's (fp32 GEMMs on an
+    AMD EPYC: 3 rows cost 2.07 steps, 4 rows 1.50): the loop pads a shorter verify to the
+    cheapest measured width (:meth:`~selfspec.core.speed.CostModel.padded`) and the planner
+    prices draft lengths that way. What happened is recorded in ``checks``, with the machine's
+    load average (per core) before and after.
 
     Greedy steps take their argmax from the runner's exact-argmax head where it has one
     (:mod:`selfspec.modeling.argmax_head`), so the plain step and the verify curve are measured
     that way; ``sampled`` (a dict, filled in place) then receives the curve of rounds that read
     every logit (sampling), relative to such a plain step, measured in the same interleaved runs.
+
+    With ``until`` (a ``time.perf_counter()`` time: the calibration budget's share for the costs)
+    no timing turn starts after it once one is timed, and a curve is measured again only while
+    there is time (``checks["turns"]`` counts the turns, ``checks["remeasure_skipped"]`` says a
+    re-measurement was left out); ``on_turn(done, planned)`` follows each turn.
     """
     runner = engine.runner
     device = runner.device
@@ -368,19 +443,47 @@ def measure_costs(
             variants[("sampled", 0)] = step(runner.num_layers, 1)
             variants.update({("sampled", k): step(runner.num_layers, k + 1) for k in draft_lengths})
         checks.setdefault("remeasured", 0)
+        checks["turns"] = 0
+        planned = sum(repeats * (attempt + 1) for attempt in range(retries + 1))
+
+        def turned(done: int, _: int) -> None:
+            checks["turns"] += 1
+            if on_turn is not None:
+                on_turn(checks["turns"], planned)
+
+        draft: dict[int, float] = {}
+        verify: dict[int, float] = {}
+        full = 0.0
+        timing = variants
+        if sampled is not None:
+            sampled.clear()
         for attempt in range(retries + 1):
-            seconds = _interleaved_fastest(variants, repeats * (attempt + 1))
-            full = seconds[("full", 1)]
-            draft = {layer: seconds[("draft", layer)] / full for layer in layers}
-            verify = {k: seconds[("verify", k)] / full for k in draft_lengths}
+            seconds = _interleaved_fastest(timing, repeats * (attempt + 1), until=until, on_turn=turned)
+            reference = seconds[("full", 1)]  # each run's ratios are to its own plain step
+            full = full or reference
+            draft.update({n: seconds[("draft", n)] / reference for n in layers if ("draft", n) in seconds})
+            verify.update({k: seconds[("verify", k)] / reference for k in draft_lengths if ("verify", k) in seconds})
             if ("sampled", 0) in seconds and sampled is not None:
-                sampled.clear()
-                sampled.update({k: seconds[("sampled", k)] / seconds[("sampled", 0)] for k in draft_lengths})
-            if _monotonic(draft) and _monotonic({0: 1.0, **verify}):
+                base = seconds[("sampled", 0)]
+                sampled.update({k: seconds[("sampled", k)] / base for k in draft_lengths if ("sampled", k) in seconds})
+            offending = [("draft", key) for key in _offending(draft)]
+            offending += [("verify", key) for key in _offending({0: 1.0, **verify}) if key]
+            if not offending:
                 checks["monotonic"] = True
                 break
             checks["remeasured"] += 1
-            logger.info("cost curves not monotonic (attempt %d); measuring again", attempt + 1)
+            if attempt < retries and until is not None and time.perf_counter() >= until:
+                checks["monotonic"] = False
+                checks["remeasure_skipped"] = True
+                draft = _running_max(draft)
+                break
+            # measure again only where the curve dips: the dipping points, their neighbours, the plain step
+            again = {("full", 1), *offending}
+            if ("sampled", 0) in variants:
+                again |= {("sampled", 0), *(("sampled", k) for kind, k in offending if kind == "verify")}
+            timing = {key: run for key, run in variants.items() if key in again}
+            checks["remeasured_variants"] = len(timing)
+            logger.info("cost curves not monotonic (attempt %d); measuring %d again", attempt + 1, len(timing))
         else:
             checks["monotonic"] = False
             draft = _running_max(draft)
@@ -664,6 +767,27 @@ class Deadline:
         """Whether the budget is spent (a measurement starting now would exceed it)."""
         return self.budget is not None and time.perf_counter() - self.started >= self.budget
 
+    def remaining(self) -> float:
+        """Seconds left (infinite without a budget, never negative)."""
+        if self.budget is None:
+            return math.inf
+        return max(0.0, self.budget - (time.perf_counter() - self.started))
+
+    def until(self, share: float) -> float | None:
+        """When a phase allowed ``share`` of the remaining time must stop starting work (``None``: no budget)."""
+        if self.budget is None:
+            return None
+        return time.perf_counter() + share * self.remaining()
+
+    def bounded(self, estimate: float, share: float) -> float:
+        """A phase's estimate, at most its ``share`` of the remaining time (what it announces)."""
+        return min(estimate, share * self.remaining())
+
+    def cut(self, what: str) -> None:
+        """Record (and log) a measurement cut short for the budget (it ran, on less)."""
+        self.skipped.append(what)
+        logger.warning("calibration budget of %.0f s: measured only %s", self.budget, what)
+
     def skip(self, what: str) -> None:
         """Record (and log) a measurement left out for the budget."""
         self.skipped.append(what)
@@ -672,6 +796,64 @@ class Deadline:
             "--calibration-budget, to measure it)",
             self.budget, what,
         )  # fmt: skip
+
+
+#: The share of the calibration budget the continuations may take (the first prompt always runs).
+CONTINUATIONS_SHARE = 0.3
+#: The share of the time left after the acceptance that the cost timings may take (one turn always runs).
+COSTS_SHARE = 0.5
+#: Interleaved timing turns of the cost curves (doubled once when a curve is not monotonic).
+COST_REPEATS = 7
+#: About how many tokens of a teacher-forced forward cost one plain step (CPU, float32): for estimates.
+PREFILL_TOKENS_PER_STEP = 8.0
+#: About how many plain steps the precision comparison and the tree race take: for estimates.
+PRECISION_STEPS = 280.0
+TREE_STEPS = 500.0
+
+
+class _PhaseTimer:
+    """``with _PhaseTimer(phases, name):`` records the block's seconds as ``phases[name]``."""
+
+    def __init__(self, phases: dict[str, float], name: str) -> None:
+        self.phases, self.name = phases, name
+
+    def __enter__(self) -> None:
+        self.started = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.phases[self.name] = time.perf_counter() - self.started
+
+
+def _probe_step(runner: Any) -> float:
+    """Seconds of one plain one-token step with a short cache (after one warm-up): the estimates' unit."""
+    with torch.inference_mode():
+        cache = runner.new_cache(4)
+        seconds = math.inf
+        for position in range(2):
+            token = torch.tensor([[1]], device=runner.device)
+            started = time.perf_counter()
+            at = torch.tensor([position], device=runner.device)
+            hidden = runner.run_layers(runner.embed(token), 0, runner.num_layers, at, cache)
+            runner.logits(hidden)
+            seconds = time.perf_counter() - started
+    return seconds
+
+
+def _turn_steps(runner: Any, layers: Sequence[int], draft_lengths: Sequence[int]) -> float:
+    """About how many plain steps one turn of :func:`measure_costs` takes (for its estimate)."""
+    verify = sum(1.0 + (k + 1) / PREFILL_TOKENS_PER_STEP for k in draft_lengths)
+    screened = runner.argmax_screen and runner.argmax_head is not None
+    return 1.0 + sum(layers) / runner.num_layers + verify * (2 if screened else 1)
+
+
+def _measuring(context: MeasureContext, methods: Sequence[str] | None) -> list[str]:
+    """The figures keys :func:`measure_drafters` would measure (what the phase line names)."""
+    keys: list[str] = []
+    for name, hooks in _measure_order(context):
+        key = hooks.figures_key or name
+        if key not in keys and _wanted(key, methods) and type(hooks).measure is not DrafterCalibration.measure:
+            keys.append(key)
+    return keys
 
 
 def rank_candidates(context: MeasureContext, figures: dict[str, Any], skipped: Sequence[str] = ()) -> list[Candidate]:
@@ -739,6 +921,9 @@ def measure_sampled_plan(
     context: MeasureContext,
     calibration: dict[str, Any],
     temperature: float = SAMPLED_TEMPERATURE,
+    *,
+    until: float | None = None,
+    on_prompt: Callable[[int, int], None] | None = None,
 ) -> Plan:
     """The plan for sampling requests: ``plan`` run on the model's own sampled continuations.
 
@@ -755,6 +940,9 @@ def measure_sampled_plan(
         context: what calibration measured (prompts, verify costs).
         calibration: the drafters' saved figures (what the plan's drafter reads, e.g. a head).
         temperature: the sampling temperature.
+        until: a ``time.perf_counter()`` time after which no further prompt is decoded (the
+            first always is): the calibration budget.
+        on_prompt: called with ``(done, total)`` after each prompt.
     """
     if plan.method == PLAIN or chosen is None:
         return Plan(PLAIN, predicted_speedup=1.0, reason="the greedy plan is plain decoding")
@@ -771,6 +959,8 @@ def measure_sampled_plan(
     tokens = drafted = accepted = 0
     cost = 0.0
     for seed, ids in enumerate(context.prompt_ids):
+        if seed and until is not None and time.perf_counter() >= until:
+            break
         out = sampling.generate_ids(ids, max_new_tokens=context.max_new_tokens, temperature=temperature, seed=seed)
         rounds = max(out.stats.target_forwards - 1, 1)
         per_round = out.stats.num_drafted / rounds
@@ -779,6 +969,8 @@ def measure_sampled_plan(
         tokens += len(out.token_ids) - 1  # the prefill's token costs no round
         drafted += out.stats.num_drafted
         accepted += out.stats.num_accepted
+        if on_prompt is not None:
+            on_prompt(seed + 1, len(context.prompt_ids))
     speedup = tokens / cost if cost else 1.0
     rate = accepted / drafted if drafted else 0.0
     if speedup < PLAIN_MARGIN:
@@ -806,7 +998,7 @@ def calibrate(
     max_exit_layer: int | None = None,
     max_draft_tokens: int = 8,
     save: bool = True,
-    progress: bool = True,
+    progress: bool | ProgressMode = True,
     trees: bool = False,
     methods: Sequence[str] | None = None,
     budget: float | None = None,
@@ -826,17 +1018,22 @@ def calibrate(
         max_exit_layer: the deepest exit layer to consider (default: half the layers).
         max_draft_tokens: the longest draft length to consider.
         save: write ``selfspec.json`` (beside a local model folder, else in the user cache).
-        progress: show a progress bar.
+        progress: ``True`` or ``"bar"``: a progress bar; ``"lines"``: a line per phase with its
+            estimate and a line every few seconds while one runs; ``False`` or ``"off"``: nothing
+            (:mod:`~selfspec.calibration.progress`).
         trees: also race early-exit token trees of :data:`TREE_CANDIDATES` nodes against
             the chain at the best exit layer and draft length, and save the fastest as
             ``tree_nodes`` (``None``: the chain), which ``tree_nodes="auto"`` uses.
         methods: let the plan choose only among these methods (and plain decoding);
             ``None``: every measured one.
-        budget: a time budget in seconds (``None``: no limit). The essentials are measured first
-            (the continuations, the exit layers' acceptance, the costs), then the drafters' own
-            measurements in order of expected value, then the sampled plan and the tree race;
-            one that would start after the budget is spent is skipped, logged and listed in
-            ``skipped`` (so the budget is exceeded by one measurement at most).
+        budget: a time budget in seconds (``None``: no limit) that bounds every phase. The
+            essentials are measured first, each on a share of the time: the continuations on
+            :data:`CONTINUATIONS_SHARE` of it (prompt by prompt, the first always), the exit
+            layers' acceptance (one forward per continuation), the costs on :data:`COSTS_SHARE`
+            of what is left (turn by turn, the warm-up turn always); then the drafters' own
+            measurements in order of expected value, the sampled plan (prompt by prompt) and the
+            tree race. What is cut short or skipped is logged and listed in ``skipped``; the
+            budget is exceeded by one prompt, timing turn or drafter measurement at most.
         **options: options of the drafters' calibrations, each documented by the drafter that
             reads it (its calibration's ``options``); an option no registered drafter reads is an error.
 
@@ -867,25 +1064,64 @@ def calibrate(
     max_new_tokens = max(2, min(max_new_tokens, window - max(len(p) for p in prompt_ids) - 1))
     exit_adapter = engine.config.exit_adapter
     deadline = Deadline(budget)
+    reason = precision_skip_reason(engine)  # (a float32 model has no precision to compare)
+    show = CalibrationProgress(progress_mode(progress), phases=5 + (reason is None) + trees)
+    phases: dict[str, float] = {}
+    show.step_seconds = step = _probe_step(runner)
+    sizes = [len(ids) for ids in prompt_ids]
 
-    bar = tqdm(total=7, desc="calibrating", disable=not progress, leave=False)
-    bar.set_postfix_str("the model's own continuations")
-    data = generate_continuations(engine, prompt_ids, max_new_tokens)
-    bar.update()
-    bar.set_postfix_str("acceptance per exit layer")
-    matches, _ = exit_matches(engine, data, layers, exit_adapter)
+    def timed(name: str) -> _PhaseTimer:
+        return _PhaseTimer(phases, name)
+
+    # 1. the model's own continuations (a share of the budget: the rest needs time too)
+    until = deadline.until(CONTINUATIONS_SHARE)
+    show.phase(
+        f"the model's own greedy continuations of {len(prompt_ids)} prompts",
+        deadline.bounded(step * sum(max_new_tokens + n / PREFILL_TOKENS_PER_STEP for n in sizes), CONTINUATIONS_SHARE),
+    )
+    with timed("continuations"):
+        data = generate_continuations(
+            engine, prompt_ids, max_new_tokens, until=until, on_prompt=lambda d, t: show.advance(d, t, "prompts")
+        )
+    if len(data.sequences) < len(prompt_ids):
+        deadline.cut(f"continuations of {len(prompt_ids) - len(data.sequences)} of {len(prompt_ids)} prompts")
+        prompt_ids = prompt_ids[: len(data.sequences)]
+    if data.num_tokens:
+        step = max(step, phases["continuations"] / data.num_tokens)  # the measured pace, prefills included
+
+    # 2. the exit layers' acceptance (one teacher-forced forward per continuation)
+    forwards = sum(len(sequence) for sequence in data.sequences) / PREFILL_TOKENS_PER_STEP
+    show.phase("acceptance per exit layer", step * max(1.0, forwards))
+    with timed("acceptance"):
+        matches, _ = exit_matches(engine, data, layers, exit_adapter)
     agreement = {layer: agreement_of(matches[layer]) for layer in layers}
-    bar.update()
-    bar.set_postfix_str("draft and verify costs")
+
+    # 3. the draft and verify costs (repeated interleaved timings, a share of what is left)
     draft_lengths = verify_lengths(max_draft_tokens, window)
     cost_prompt = (prompt_ids[0] * (200 // len(prompt_ids[0]) + 1))[: min(200, window - max(draft_lengths) - 2)]
     checks: dict[str, Any] = {}
     sampled_verify_cost: dict[int, float] = {}
-    draft_cost, verify_cost, step_seconds = measure_costs(
-        engine, cost_prompt, layers, draft_lengths, checks=checks, sampled=sampled_verify_cost
-    )
-    bar.update()
-    bar.set_postfix_str("the drafters' own measurements")
+    per_turn = step * _turn_steps(runner, layers, draft_lengths)
+    show.phase("draft and verify costs", deadline.bounded(per_turn * (COST_REPEATS + 1), COSTS_SHARE))
+    with timed("costs"):
+        draft_cost, verify_cost, step_seconds = measure_costs(
+            engine,
+            cost_prompt,
+            layers,
+            draft_lengths,
+            repeats=COST_REPEATS,
+            checks=checks,
+            sampled=sampled_verify_cost,
+            until=deadline.until(COSTS_SHARE),
+            on_turn=lambda d, t: show.advance(d, t, "timing rounds"),
+        )
+    if budget is not None and checks.get("turns", COST_REPEATS) < COST_REPEATS:
+        turns = checks["turns"]
+        deadline.cut(f"cost timings ({f'{turns} of {COST_REPEATS} rounds' if turns else 'the warm-up round only'})")
+    if checks.get("remeasure_skipped"):
+        deadline.cut("re-measuring the non-monotonic cost curves")
+
+    # 4. the drafters' own measurements, in order of expected value
     context = MeasureContext(
         data,
         matches,
@@ -900,30 +1136,59 @@ def calibrate(
         options=options,
         sampled_verify_cost=sampled_verify_cost,
     )
-    figures = measure_drafters(context, methods, deadline)
-    bar.update()
-    bar.set_postfix_str("the plan")
+    measuring = _measuring(context, methods)
+    show.phase(
+        f"the drafters' own measurements ({', '.join(measuring) or 'none needed'})",
+        deadline.bounded(len(measuring) * phases["acceptance"] * 2, 1.0),
+    )
+    with timed("drafters"):
+        figures = measure_drafters(context, methods, deadline)
     candidates = rank_candidates(context, figures, deadline.skipped)
     plan, chosen = pick(candidates, methods)
     saved, notes = _saved(figures, candidates)
-    bar.update()
-    bar.set_postfix_str("sampled acceptance")
+
+    # 5. the plan on sampled continuations (free for plain decoding)
     sampled_plan: Plan | None = None
     if plan.method != PLAIN and deadline.passed():
         deadline.skip("sampled acceptance")
-    else:  # (free for plain decoding)
-        sampled_plan = measure_sampled_plan(engine, plan, chosen, context, saved)
-    bar.update()
-    bar.set_postfix_str("half precision against float32")
-    precision = {"skipped": "time budget"} if deadline.passed() else measure_precision(engine, prompt_ids[0])
-    bar.update()
-    bar.close()
+    else:
+        free = plan.method == PLAIN
+        show.phase(
+            "acceptance when sampling" + (" (none: the plan is plain decoding)" if free else ""),
+            0.0 if free else deadline.bounded(phases["continuations"], 1.0),
+        )
+        with timed("sampled"):
+            sampled_plan = measure_sampled_plan(
+                engine,
+                plan,
+                chosen,
+                context,
+                saved,
+                until=deadline.until(1.0),
+                on_prompt=lambda d, t: show.advance(d, t, "prompts"),
+            )
+
+    # 6. half precision against float32 (CPU, half-precision models only)
+    if reason is not None:
+        precision: dict[str, Any] = {"skipped": reason}
+    elif deadline.passed():
+        precision = {"skipped": "time budget"}
+        deadline.skip("half precision against float32")
+    else:
+        show.phase("half precision against float32", step * PRECISION_STEPS)
+        with timed("precision"):
+            precision = measure_precision(engine, prompt_ids[0])
+
+    # 7. with trees=True: token trees raced against the chain
     exit_layer, num_draft_tokens, exit_speed = context.best_exit
     tree_speed: dict[str, float] = {}
     if trees and deadline.passed():
         deadline.skip("token trees")
     elif trees:
-        tree_speed = measure_tree_speed(engine, prompt_ids[:3], exit_layer, num_draft_tokens)
+        show.phase("token trees against the chain", step * TREE_STEPS)
+        with timed("trees"):
+            tree_speed = measure_tree_speed(engine, prompt_ids[:3], exit_layer, num_draft_tokens)
+    show.close()
     result = CalibrationResult(
         exit_layer=exit_layer,
         num_draft_tokens=num_draft_tokens,
@@ -948,6 +1213,7 @@ def calibrate(
         seconds=time.perf_counter() - deadline.started,
         skipped=list(deadline.skipped),
         precision=precision,
+        phase_seconds=phases,
     )
     logger.info("calibrated %s: %s", engine.name_or_path or "the model", plan.summary())
     if sampled_plan is not None:
@@ -971,11 +1237,17 @@ def head_found_since(engine: SpeculativeEngine) -> bool:
     return find_eagle_head(engine.name_or_path, engine.runner.model) is not None
 
 
-def show_progress() -> bool:
-    """Whether first-load calibration shows its progress bar: on a terminal, unless logging silences selfspec."""
+def show_progress() -> ProgressMode:
+    """How first-load calibration shows its progress (:mod:`.progress`).
+
+    A bar on a terminal, lines off one (a log, a CI job, ``make demo | tee``), nothing when
+    logging silences the ``selfspec`` logger's warnings.
+    """
     import sys
 
-    return sys.stderr.isatty() and logging.getLogger("selfspec").getEffectiveLevel() <= logging.WARNING
+    if logging.getLogger("selfspec").getEffectiveLevel() > logging.WARNING:
+        return "off"
+    return "bar" if sys.stderr.isatty() else "lines"
 
 
 def _saved(figures: dict[str, Any], candidates: list[Candidate]) -> tuple[dict[str, Any], list[str]]:
@@ -1003,10 +1275,12 @@ def calibrate_on_first_load(
     """The loader's first-load step: measure a model without a saved calibration, save it, use it.
 
     Says once (a ``WARNING`` of the ``selfspec`` logger, which Python prints by default) what is
-    measured, that it happens once, and where the result is saved; then how long it took and the
-    plan. The progress bar shows on a terminal only (:func:`show_progress`). Shorter continuations
-    than :func:`calibrate`'s default; ``engine`` is reconfigured in place from what was measured.
-    ``budget`` bounds the time (seconds, ``None``: no limit; see :func:`calibrate`).
+    measured, that it happens once, and where the result is saved; then each phase with its
+    estimate, and how far it is (a bar on a terminal, a line every few seconds off one:
+    :func:`show_progress`, :mod:`~selfspec.calibration.progress`); then how long it took and the
+    plan. Shorter continuations than :func:`calibrate`'s default; ``engine`` is reconfigured in
+    place from what was measured. ``budget`` bounds the time of every phase (seconds, ``None``: no
+    limit; see :func:`calibrate`).
 
     One process at a time measures a model (:func:`~selfspec.calibration.store.calibration_lock`):
     a second one says that the first is measuring, waits, and uses the plan it saved.
