@@ -21,8 +21,8 @@ from ..core.speed import CostModel
 from ..drafting import Drafter, drafter_spec
 from ..drafting.auto import Plan, plan_of, sampled_drafts_pay, uncalibrated_plan
 from ..drafting.exit_adapter.adapter import ExitAdapter
-from ..drafting.medusa.drafter import MedusaHeads, load_medusa_heads
-from ..drafting.registry import drafters_using
+from ..drafting.medusa.drafter import MedusaHeads
+from ..drafting.registry import drafters_declaring
 from ..errors import ConfigurationError
 from ..modeling.attention import ROW_EXACT_DTYPES
 from ..modeling.cache import CachePool
@@ -33,7 +33,7 @@ from .config import EngineConfig, check_arguments, eos_token_ids, wants_calibrat
 from .controller import DraftController
 from .generation import Generation, GenerationRequest, GenerationStream, Prompt, encode_prompt
 from .loop import decode
-from .options import DEFAULT_CALIBRATION_BUDGET, EngineOptions, GenerateOptions, engine_settings
+from .options import DEFAULT_CALIBRATION_BUDGET, LOADING_OPTIONS, EngineOptions, GenerateOptions, engine_settings
 from .outputs import FinishReason, GenerationOutput
 from .static_round import StaticRounds, static_rounds
 
@@ -42,9 +42,9 @@ if TYPE_CHECKING:
 
     from .options import GenerateKeywords
 
-#: The :class:`EngineConfig` fields an engine exposes as its own attributes.
+#: The :class:`EngineConfig` fields an engine exposes as its own attributes (and every drafter option).
 _SETTINGS = frozenset("exit_layer num_draft_tokens adaptive draft_confidence tree_nodes calibration".split())
-_SETTINGS |= frozenset("exit_adapter batching draft_model medusa_heads eagle_head learn_online".split())
+_SETTINGS |= frozenset("exit_adapter batching".split())
 
 
 class SpeculativeEngine:
@@ -106,6 +106,9 @@ class SpeculativeEngine:
             (see :mod:`selfspec.decoding.batching`; generations with a constraint, or a drafter
             without a batched path, run alone).
         drafter_options: keyword options for the drafter's factory (``factory(engine, **options)``).
+        **drafter_settings: the options of a drafter registered after :mod:`selfspec.decoding.options`
+            was imported (its :class:`~selfspec.drafting.declaring.DrafterOption`; the built-in ones
+            are the keywords above). Every drafter option reads as ``engine.config.<name>``.
         fast_path: use the lean layer path where it applies (``None``: on, unless the
             environment sets ``SELFSPEC_FAST_PATH=0``).
         compile: run single calls in the static round (:mod:`selfspec.decoding.static_round`: a
@@ -165,23 +168,12 @@ class SpeculativeEngine:
         escape_special_tokens: bool = False,
         compile: bool | str = "auto",
         row_exact: bool | str = "auto",
+        **drafter_settings: Any,
     ) -> None:
-        self.options = EngineOptions(
-            exit_layer=exit_layer,
-            num_draft_tokens=num_draft_tokens,
-            drafter=drafter,
-            draft_confidence=draft_confidence,
-            draft_model=draft_model,
-            exit_adapter=exit_adapter,
-            medusa_heads=medusa_heads,
-            eagle_head=eagle_head,
-            learn_online=learn_online,
-            tree_nodes=tree_nodes,
-            batching=batching,
-            escape_special_tokens=escape_special_tokens,
-            compile=compile,
-            row_exact=row_exact,
-        )  # checked once; from_pretrained sets the loading options it used
+        given = {name: value for name, value in locals().items() if name in EngineOptions.names()}
+        given = {name: value for name, value in given.items() if name not in LOADING_OPTIONS}
+        self.options = EngineOptions.of({**given, **drafter_settings}, "SpeculativeEngine")
+        # checked once; from_pretrained sets the loading options it used
         self.escape_special_tokens = escape_special_tokens
         self._draft_tokenizer, self._drafter_options = draft_tokenizer, drafter_options
         self.model = model
@@ -318,10 +310,11 @@ class SpeculativeEngine:
         """Settings read through to :attr:`config`: ``engine.exit_layer`` is ``engine.config.exit_layer``.
 
         So are ``num_draft_tokens``, ``adaptive``, ``draft_confidence``, ``tree_nodes``,
-        ``calibration``, ``exit_adapter``, ``batching``, ``draft_model`` and ``medusa_heads``.
+        ``calibration``, ``exit_adapter``, ``batching``, and every drafter's option (``draft_model``,
+        ``medusa_heads``, ``eagle_head``, ``learn_online``, a custom head's).
         """
         config = self.__dict__.get("config")
-        if name in _SETTINGS and config is not None:
+        if config is not None and (name in _SETTINGS or name in config.drafter_settings):
             return getattr(config, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
@@ -354,6 +347,7 @@ class SpeculativeEngine:
         compile: bool | str = "auto",
         row_exact: bool | str = "auto",
         calibration_budget: float | None = DEFAULT_CALIBRATION_BUDGET,
+        **drafter_settings: Any,
     ) -> SpeculativeEngine:
         """Load a model from the hub, a local folder, or ``"selfspec-demo"``.
 
@@ -402,6 +396,9 @@ class SpeculativeEngine:
                 ``medusa_lm_head.pt`` pickle loads only with ``allow_pickle=True``).
             eagle_head: with ``drafter="eagle"``: see :class:`SpeculativeEngine`.
             learn_online: see :class:`SpeculativeEngine`.
+            **drafter_settings: the options of a drafter registered after
+                :mod:`selfspec.decoding.options` was imported (``my_head="heads/"``;
+                ``docs/custom_drafter.md``); an unknown keyword names the closest option.
 
         Raises:
             ModelNotFoundError: no such folder or hub model (an ``OSError``).
@@ -409,7 +406,8 @@ class SpeculativeEngine:
             QuantizationError: the requested quantization cannot run here.
         """
         given = locals()  # exactly the options: a test pins this signature to EngineOptions
-        options = EngineOptions(**{name: given[name] for name in EngineOptions.names()})
+        declared = {name: given[name] for name in EngineOptions.names() if name in given}
+        options = EngineOptions.of({**declared, **drafter_settings}, "from_pretrained")
         check_arguments(exit_layer, num_draft_tokens, drafter, tree_nodes)  # before any weight is read
         return cls._load(name_or_path, options)
 
@@ -428,17 +426,11 @@ class SpeculativeEngine:
         model, tokenizer, path = load_model_and_tokenizer(name_or_path, gguf_file=options.gguf_file, **loading)
         model.config._name_or_path = path
         settings = engine_settings(options)
-        draft_tokenizer = None
-        if isinstance(options.draft_model, (str, os.PathLike)):
-            settings["draft_model"], draft_tokenizer, _ = load_model_and_tokenizer(options.draft_model, **loading)
-        medusa_heads = options.medusa_heads
-        if (
-            options.allow_pickle
-            and isinstance(medusa_heads, (str, os.PathLike))
-            and options.drafter in drafters_using("medusa_heads")
-        ):
-            settings["medusa_heads"] = load_medusa_heads(medusa_heads, allow_pickle=True)
-        engine = cls(model, tokenizer, draft_tokenizer=draft_tokenizer, **settings)
+        for name, option in EngineOptions.drafter_options().items():  # a file option its drafter loads now
+            value = getattr(options, name)
+            if option.load is not None and option.given(value) and options.drafter in drafters_declaring(name):
+                settings.update(option.load(value, loading))
+        engine = cls(model, tokenizer, **settings)
         engine.options = options  # with the loading options it was loaded with
         if options.threads is not None:  # before calibration: its costs are measured at the chosen count
             from ..calibration.threads import settle_threads  # the lazy edge up

@@ -51,6 +51,7 @@ from ..tree_grower import ROOT, TreeGrower, grow_tree
 from .calibration import EagleCalibration
 from .head import EagleHead, HeadCache, StaticHeadCache, check_fits, find_eagle_head, load_eagle_head
 from .online import OnlineLearner, OnlineSequence, OnlineSettings, online_head_folder
+from .options import OPTIONS
 
 
 @dataclass
@@ -439,7 +440,7 @@ register_drafter(
     make_eagle,
     description="an EAGLE-style feature head trained on the model's own text (eagle_head=, selfspec train-eagle)",
     trees=True,
-    engine_options=("eagle_head",),
+    options=OPTIONS,
     calibration=EagleCalibration(),
 )
 register_drafter(
@@ -447,6 +448,6 @@ register_drafter(
     make_eagle_hybrid,
     description="prompt-lookup copies where the text repeats, else the EAGLE head (eagle_head=)",
     trees=True,
-    engine_options=("eagle_head",),
+    options=OPTIONS,
     calibration=EagleCalibration(lookup=True),
 )

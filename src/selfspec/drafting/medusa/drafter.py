@@ -45,6 +45,7 @@ from ...errors import (
 from ..base import DecodeState, Draft, Drafter, draft_autoregressively
 from ..planning import BenchContext, BenchRow, DrafterBench, sampled, tree_rows
 from ..registry import register_drafter
+from .options import OPTIONS
 
 #: File names of the published layout.
 MEDUSA_CONFIG = "config.json"
@@ -487,6 +488,6 @@ register_drafter(
     make_medusa,
     description="Medusa heads on the last hidden state (medusa_heads=)",
     trees=True,
-    engine_options=("medusa_heads",),
+    options=OPTIONS,
     bench=DrafterBench(_rows, {"medusa": "selfspec_medusa* (when Medusa heads are saved beside the model)"}),
 )
