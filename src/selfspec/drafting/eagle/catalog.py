@@ -32,8 +32,9 @@ entries (``{"version": 1, "heads": [{"target": ..., "repo_id": ..., ...}]}``), c
 
 Sources of the table: the speculators README's table of pre-trained EAGLE-3 models (RedHatAI
 heads and their verifiers), vLLM's speculators tests (RedHatAI Llama-3.1-8B / Qwen3-8B heads and
-their verifiers), SafeAILab/EAGLE's list of heads (yuhuili/EAGLE3-*), code that pairs
-AngelSlim/Qwen3-*_eagle3 with Qwen/Qwen3-*; research notes in the project's HEADS.md. No entry
+their verifiers) and its EAGLE tests (AngelSlim/Qwen3-8B_eagle3 for Qwen/Qwen3-8B), SafeAILab/EAGLE's
+list of heads (yuhuili/EAGLE3-*), SGLang's EAGLE-3 scripts (lmsys/sglang-EAGLE3-LLaMA3.1-Instruct-8B),
+code that pairs AngelSlim/Qwen3-*_eagle3 with Qwen/Qwen3-*; research notes in the project's HEADS.md. No entry
 is pinned to a commit yet (none was at hand): an unpinned entry resolves the repository's
 ``main`` and says so.
 """
@@ -156,6 +157,12 @@ PUBLISHED_HEADS: tuple[PublishedHead, ...] = (
         source="SafeAILab/EAGLE README; vLLM and SGLang EAGLE-3 docs",
     ),
     PublishedHead(
+        "meta-llama/Llama-3.1-8B-Instruct",
+        "lmsys/sglang-EAGLE3-LLaMA3.1-Instruct-8B",
+        layout="safeailab",
+        source="SGLang's EAGLE-3 benchmark scripts and docs (its draft for Llama-3.1-8B-Instruct); SpecForge layout",
+    ),
+    PublishedHead(
         "meta-llama/Llama-3.3-70B-Instruct",
         "RedHatAI/Llama-3.3-70B-Instruct-speculator.eagle3",
         source="speculators README (pre-trained EAGLE-3 models)",
@@ -177,7 +184,19 @@ PUBLISHED_HEADS: tuple[PublishedHead, ...] = (
         "RedHatAI/Qwen3-8B-speculator.eagle3",
         source="speculators README; vLLM tests/speculators",
     ),
+    PublishedHead(
+        "Qwen/Qwen3-8B",
+        "AngelSlim/Qwen3-8B_eagle3",
+        layout="safeailab",
+        source="vLLM tests/v1/e2e/test_spec_decode.py (eagle3, Qwen/Qwen3-8B); AngelSlim docs (EAGLE-3 benchmarks)",
+    ),
     PublishedHead("Qwen/Qwen3-14B", "RedHatAI/Qwen3-14B-speculator.eagle3", source="speculators README"),
+    PublishedHead(
+        "Qwen/Qwen3-14B",
+        "AngelSlim/Qwen3-14B_eagle3",
+        layout="safeailab",
+        source="AngelSlim docs (EAGLE-3 benchmarks); layout as SafeAILab's (not confirmed)",
+    ),
     PublishedHead("Qwen/Qwen3-32B", "RedHatAI/Qwen3-32B-speculator.eagle3", source="speculators README; model card"),
     PublishedHead(
         "Qwen/Qwen3-1.7B",
