@@ -99,6 +99,7 @@ def test_model_names_and_matching() -> None:
     assert [e.repo_id for e in entries_for("meta-llama/Llama-3.1-8B-Instruct")] == [
         "RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3",
         "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
+        "lmsys/sglang-EAGLE3-LLaMA3.1-Instruct-8B",
     ]
     assert entries_for(snapshot) == entries_for("meta-llama/Llama-3.1-8B-Instruct")
     assert entries_for("meta-llama/Llama-3.1-8B-Instruct-abliterated") == []  # names match whole, not in part
@@ -198,10 +199,10 @@ def test_the_eagle_heads_command_lists_the_table_and_what_is_here(tmp_path, monk
         if where == "not here":
             assert by_head[entry.label].endswith(f"fetch: {entry.fetch_command(hub)}")
     assert main(["eagle-heads", "--model", "Qwen/Qwen3-8B"]) == 0
+    qwen3_8b = [entry for entry in PUBLISHED_HEADS if entry.target == "Qwen/Qwen3-8B"]
     assert capsys.readouterr().out.splitlines()[1:] == [
         "Qwen/Qwen3-8B",
-        f"  {next(e for e in PUBLISHED_HEADS if e.repo_id == held.relative_to(hub).as_posix()).label}, "
-        f"speculators layout: here: {held}",
+        *(by_head[entry.label] for entry in qwen3_8b),  # only its heads, as in the whole table
     ]
     assert main(["eagle-heads", "-m", "HuggingFaceTB/SmolLM2-135M-Instruct"]) == 1
     assert (
