@@ -52,7 +52,7 @@ from ..requests import (  # noqa: F401 - DEFAULT_MAX_TOKENS: the server's defaul
     plan_request,
 )
 from ..tools import ContentDelta, ToolCallChunk, ToolCallStreamParser
-from .allocator import limit_arenas
+from .allocator import IdleTrim, idle_trim_enabled, limit_arenas
 from .limits import (
     CLIENT_CLOSED,
     Admission,
@@ -348,7 +348,16 @@ class _Server:
         self._executor_lock = threading.Lock()
         self._jobs: set[_Job] = set()  # handed to a worker thread and not finished there
         self._cancel_all = False  # the shutdown's grace is over: nothing runs any more
-        self.admission = Admission(self.limits.max_concurrent, self.limits.max_queue, self.limits.retry_after)
+        # malloc_trim(0) once per idle period (docs/limits.md, Memory); SELFSPEC_IDLE_TRIM=0 turns it off
+        self.idle_trim = IdleTrim(self._is_idle) if idle_trim_enabled() else None
+        self.admission = Admission(
+            self.limits.max_concurrent,
+            self.limits.max_queue,
+            self.limits.retry_after,
+            on_enter=self.idle_trim.busy if self.idle_trim else None,
+            on_idle=self.idle_trim.idle if self.idle_trim else None,
+        )
+        self.metrics.idle_trim = self.idle_trim
         self.stopped = True  # whether the last shutdown saw every generation stop
 
     @property
@@ -358,6 +367,10 @@ class _Server:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(MAX_WORKERS, thread_name_prefix="selfspec-server")
             return self._executor
+
+    def _is_idle(self) -> bool:
+        """No generation request admitted, waiting, or still running on a worker thread."""
+        return self.admission.inside == 0 and not self.admission.waiting and not self._jobs
 
     def begin_shutdown(self) -> None:
         """Start a bounded shutdown (on the event loop, when the server stops accepting connections).
@@ -390,6 +403,8 @@ class _Server:
             Whether every generation stopped (a worker stuck inside one forward may not).
         """
         self.cancel_running()
+        if self.idle_trim is not None:
+            self.idle_trim.close()
         with self._executor_lock:
             executor, self._executor = self._executor, None
         if executor is not None:
