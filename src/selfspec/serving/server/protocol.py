@@ -23,19 +23,15 @@ from pydantic import BaseModel, ConfigDict
 
 from ...errors import InvalidPromptError
 
-#: Chat roles the server accepts (``developer`` is OpenAI's newer name for ``system``).
-ROLES = ("system", "developer", "user", "assistant", "tool")
+#: Chat roles the server accepts (``developer`` is OpenAI's newer name for ``system``; ``function``
+#: the deprecated function calling's ``tool``).
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 #: OpenAI's largest ``temperature``.
 MAX_TEMPERATURE = 2.0
 #: OpenAI's largest chat ``top_logprobs``.
 MAX_TOP_LOGPROBS = 20
 #: OpenAI's largest completions ``logprobs``.
 MAX_COMPLETION_LOGPROBS = 5
-#: The refusal of OpenAI's deprecated function-calling fields (``{name}``: the field sent).
-LEGACY_FUNCTIONS = (
-    "{name} is OpenAI's deprecated function-calling API and is not supported: pass "
-    'tools=[{{"type": "function", "function": {{"name": ..., "parameters": ...}}}}] and tool_choice instead'
-)
 
 
 class APIError(Exception):
@@ -217,9 +213,11 @@ class ChatCompletionRequest(_SamplingRequest):
     #: plain text (``selfspec serve --escape-special-tokens`` does it for every request; a request
     #: cannot turn it off)
     escape_special_tokens: bool = False
-    #: OpenAI's deprecated function calling: refused with a 400 that points to ``tools`` (never ignored)
-    functions: Any = None
-    function_call: Any = None
+    #: OpenAI's deprecated function calling, served as ``tools`` / ``tool_choice`` with at most one
+    #: call, and answered in its own shape (``message.function_call``, ``finish_reason="function_call"``)
+    functions: list[dict[str, Any]] | None = None
+    #: ``"auto"``, ``"none"`` or ``{"name": ...}`` (needs ``functions``)
+    function_call: str | dict[str, Any] | None = None
 
     @property
     def token_limit(self) -> int | None:
@@ -232,9 +230,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def check_supported(self) -> None:  # noqa: D102 - documented in the base class
         super().check_supported()
-        for name in ("functions", "function_call"):
-            if getattr(self, name) is not None:
-                raise APIError(400, LEGACY_FUNCTIONS.format(name=name), param=name, code="unsupported")
+        self._check_functions()
         if self.top_logprobs is not None:
             if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
                 raise APIError(
@@ -248,6 +244,57 @@ class ChatCompletionRequest(_SamplingRequest):
     @property
     def engine_logprobs(self) -> int | None:  # noqa: D102 - documented in the base class
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    # -- OpenAI's deprecated function calling, mapped onto tools
+    @property
+    def legacy_functions(self) -> bool:
+        """Whether the request uses ``functions`` (the answer then takes the legacy shape)."""
+        return self.functions is not None
+
+    def _check_functions(self) -> None:
+        """Refuse ``functions`` / ``function_call`` mixed with ``tools``, or malformed."""
+        if self.functions is None and self.function_call is None:
+            return
+        if self.tools is not None or self.tool_choice is not None:
+            raise APIError(
+                400,
+                "functions / function_call are the deprecated spelling of tools / tool_choice: pass one pair, not both",
+                param="functions" if self.functions is not None else "function_call",
+            )
+        if self.functions is None:
+            raise APIError(400, "function_call needs functions", param="function_call")
+        for i, function in enumerate(self.functions):
+            if not isinstance(function.get("name"), str) or not function["name"]:
+                raise APIError(400, f"functions[{i}] needs a 'name' (a string)", param=f"functions[{i}]")
+        choice = self.function_call
+        if isinstance(choice, str) and choice not in ("auto", "none"):
+            raise APIError(
+                400, f"function_call must be 'auto', 'none' or {{\"name\": ...}}, got {choice!r}", param="function_call"
+            )
+        if isinstance(choice, dict) and not isinstance(choice.get("name"), str):
+            raise APIError(400, 'function_call must name a function: {"name": ...}', param="function_call")
+
+    @property
+    def request_tools(self) -> list[dict[str, Any]] | None:
+        """``tools``, or ``functions`` as tools."""
+        if self.functions is None:
+            return self.tools
+        return [{"type": "function", "function": function} for function in self.functions]
+
+    @property
+    def request_tool_choice(self) -> bool | str | dict[str, Any] | None:
+        """``tool_choice``, or ``function_call`` as a tool choice (``{"name": f}`` forces ``f``)."""
+        if self.functions is None:
+            return self.tool_choice
+        choice = self.function_call
+        if isinstance(choice, dict):
+            return {"type": "function", "function": {"name": choice["name"]}}
+        return choice
+
+    @property
+    def request_parallel_tool_calls(self) -> bool:
+        """Whether an answer may hold several calls (never with ``functions``: one ``function_call``)."""
+        return self.functions is None and self.parallel_tool_calls is not False
 
 
 class CompletionRequest(_SamplingRequest):
@@ -318,38 +365,37 @@ def engine_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     Text content parts are joined; ``developer`` becomes ``system``; an assistant's tool
     calls get their JSON-string arguments decoded (chat templates expect a dict); a ``tool``
-    message gets the ``name`` of the call it answers when the request shows it.
+    message gets the ``name`` of the call it answers when the request shows it. The deprecated
+    function calling's messages become their tools form: an assistant's ``function_call`` one
+    tool call (id ``call_legacy_<i>``), a ``function`` message a ``tool`` message answering it.
 
     Raises:
         APIError: a message that is not a dict, has an unknown role, or non-text content.
     """
     converted: list[dict[str, Any]] = []
     names: dict[str, str] = {}  # tool-call id -> tool name
+    legacy_ids: dict[str, str] = {}  # function name -> the id given to its last legacy function_call
     for i, message in enumerate(messages):
         param = f"messages[{i}]"
-        if isinstance(message, dict) and message.get("role") == "function":
-            raise APIError(
-                400,
-                f"{param}: role 'function' is OpenAI's deprecated function-calling API and is not supported: "
-                "send a function's result as role 'tool' with the 'tool_call_id' of the call it answers",
-                param=param,
-            )
-        if isinstance(message, dict) and message.get("function_call") is not None:
-            raise APIError(
-                400,
-                f"{param}.function_call is OpenAI's deprecated function-calling API and is not supported: "
-                'give the assistant\'s calls as \'tool_calls\' ([{"id": ..., "type": "function", '
-                '"function": {"name": ..., "arguments": ...}}])',
-                param=f"{param}.function_call",
-            )
         if not isinstance(message, dict) or message.get("role") not in ROLES:
             role = message.get("role") if isinstance(message, dict) else None
             raise APIError(400, f"{param}: role must be one of {', '.join(ROLES)}, got {role!r}", param=param)
-        role = "system" if message["role"] == "developer" else message["role"]
+        role = {"developer": "system", "function": "tool"}.get(message["role"], message["role"])
         entry: dict[str, Any] = {"role": role, "content": _text(message.get("content"), param)}
         if role == "assistant" and message.get("tool_calls"):
             entry["tool_calls"] = [_template_call(call, names, param) for call in message["tool_calls"]]
-        if role == "tool":
+        if role == "assistant" and message.get("function_call") is not None:  # the deprecated form of one call
+            if message.get("tool_calls"):
+                raise APIError(400, f"{param}: pass tool_calls or function_call, not both", param=param)
+            call = {"id": f"call_legacy_{i}", "function": message["function_call"]}
+            entry["tool_calls"] = [_template_call(call, names, f"{param}.function_call")]
+            legacy_ids[entry["tool_calls"][0]["function"]["name"]] = f"call_legacy_{i}"
+        if message["role"] == "function":  # a function's result: a tool message answering the last call of that name
+            name = message.get("name")
+            if not isinstance(name, str) or not name:
+                raise APIError(400, f"{param}: a 'function' message needs the 'name' of its function", param=param)
+            entry.update({"tool_call_id": legacy_ids.get(name), "name": name})
+        elif role == "tool":
             call_id = message.get("tool_call_id")
             entry["tool_call_id"] = call_id
             name = message.get("name") or names.get(str(call_id))
