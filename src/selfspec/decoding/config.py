@@ -231,7 +231,7 @@ def _check_drafter_options(drafter: str | Drafter, settings: dict[str, Any]) -> 
     for name, option in EngineOptions.drafter_options().items():
         if not option.exclusive or not option.given(settings.get(name, option.default)):
             continue
-        users = drafters_using(name)
+        users = drafters_using(name) + (["auto"] if option.auto else [])
         if drafter not in users:
             wanted = " or ".join(f"drafter={user!r}" for user in users)
             shown = f"{name}={settings[name]!r}" if isinstance(settings[name], bool) else f"{name}="

@@ -84,6 +84,8 @@ class DrafterOption:
             pickled weights), as engine settings; ``None``: the value is passed as given.
         exclusive: passing it with a drafter that does not declare it is an error (``False``: the
             drafter's own code decides, as the exit adapter's ``"auto"`` does).
+        auto: ``drafter="auto"`` takes it too: calibration measures the drafter with it, and a plan
+            that chose the drafter builds it with it (a learned head's file).
     """
 
     name: str
@@ -97,6 +99,7 @@ class DrafterOption:
     check: Callable[[Any], None] | None = None
     load: OptionLoader | None = None
     exclusive: bool = True
+    auto: bool = False
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier():
