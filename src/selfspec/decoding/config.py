@@ -110,6 +110,14 @@ class EngineConfig:
     batching: bool = False
     fast_path: bool = True
 
+    def settings_for(self, drafter: str) -> dict[str, Any]:
+        """The values given for the options the drafter ``drafter`` declares (defaults left out)."""
+        return {
+            option.name: self.drafter_settings[option.name]
+            for option in drafter_spec(drafter).options
+            if option.name in self.drafter_settings and option.given(self.drafter_settings[option.name])
+        }
+
     def __getattr__(self, name: str) -> Any:
         """A drafter's option by name (``config.eagle_head``), from :attr:`drafter_settings`."""
         settings = self.__dict__.get("drafter_settings")

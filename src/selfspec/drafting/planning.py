@@ -254,7 +254,7 @@ class RoundsCalibration(DrafterCalibration):
         head's file given to ``from_pretrained``); a plan that chooses it records them.
         """
         engine = context.engine
-        own = declared_settings(name, engine)
+        own = engine.config.settings_for(name)
         measured = []
         for choice in self.choices:
             drafting = type(engine)(
@@ -295,18 +295,6 @@ class RoundsCalibration(DrafterCalibration):
             if current.get(name) is None:
                 current[name] = value
         return super().build(factory, engine, settings, options)
-
-
-def declared_settings(name: str, engine: Any) -> dict[str, Any]:
-    """The values ``engine`` was given for the options the drafter ``name`` declares (defaults left out)."""
-    from .registry import drafter_spec  # the registry imports this module
-
-    values = getattr(engine.config, "drafter_settings", {})
-    return {
-        option.name: values[option.name]
-        for option in drafter_spec(name).options
-        if option.given(values.get(option.name, option.default))
-    }
 
 
 def _plain(settings: dict[str, Any]) -> dict[str, Any]:
