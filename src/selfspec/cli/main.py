@@ -220,10 +220,38 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+#: The entry-point group of installed drafters: each entry names a module that calls ``register_drafter``.
+DRAFTER_ENTRY_POINTS = "selfspec.drafters"
+#: Modules to import for their drafters too, comma-separated (a drafter not installed as a package).
+DRAFTERS_ENV = "SELFSPEC_DRAFTERS"
+
+
+def load_drafter_plugins() -> None:
+    """Import the drafters installed for ``selfspec`` (entry points) and named by ``$SELFSPEC_DRAFTERS``.
+
+    Their registrations declare their options, so their flags are on every verb they apply to
+    (``docs/custom_drafter.md``). Nothing is imported when none is installed.
+
+    Raises:
+        SystemExit: a module that does not import, with its error.
+    """
+    import importlib
+    from importlib.metadata import entry_points
+
+    names = [entry.value.split(":")[0] for entry in entry_points(group=DRAFTER_ENTRY_POINTS)]
+    names += [name.strip() for name in os.environ.get(DRAFTERS_ENV, "").split(",") if name.strip()]
+    for name in dict.fromkeys(names):
+        try:
+            importlib.import_module(name)
+        except Exception as error:  # a broken plugin: say which, before any model loads
+            raise SystemExit(f"selfspec: error: the drafter module {name!r} does not import: {error}") from error
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the ``selfspec`` command."""
+    """The argument parser of the ``selfspec`` command (with the flags of every installed drafter's options)."""
     from .. import __version__
 
+    load_drafter_plugins()
     parser = ArgumentParser(prog="selfspec", description="Lossless self-speculative decoding.")
     parser.add_argument("--version", action="version", version=f"selfspec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -110,6 +110,14 @@ class EngineConfig:
     batching: bool = False
     fast_path: bool = True
 
+    def settings_for(self, drafter: str) -> dict[str, Any]:
+        """The values given for the options the drafter ``drafter`` declares (defaults left out)."""
+        return {
+            option.name: self.drafter_settings[option.name]
+            for option in drafter_spec(drafter).options
+            if option.name in self.drafter_settings and option.given(self.drafter_settings[option.name])
+        }
+
     def __getattr__(self, name: str) -> Any:
         """A drafter's option by name (``config.eagle_head``), from :attr:`drafter_settings`."""
         settings = self.__dict__.get("drafter_settings")
@@ -231,7 +239,7 @@ def _check_drafter_options(drafter: str | Drafter, settings: dict[str, Any]) -> 
     for name, option in EngineOptions.drafter_options().items():
         if not option.exclusive or not option.given(settings.get(name, option.default)):
             continue
-        users = drafters_using(name)
+        users = drafters_using(name) + (["auto"] if option.auto else [])
         if drafter not in users:
             wanted = " or ".join(f"drafter={user!r}" for user in users)
             shown = f"{name}={settings[name]!r}" if isinstance(settings[name], bool) else f"{name}="

@@ -428,8 +428,9 @@ class SpeculativeEngine:
         settings = engine_settings(options)
         for name, option in EngineOptions.drafter_options().items():  # a file option its drafter loads now
             value = getattr(options, name)
-            if option.load is not None and option.given(value) and options.drafter in drafters_declaring(name):
-                settings.update(option.load(value, loading))
+            load = option.loader()
+            if load is not None and option.given(value) and options.drafter in drafters_declaring(name):
+                settings.update(load(value, loading))
         engine = cls(model, tokenizer, **settings)
         engine.options = options  # with the loading options it was loaded with
         if options.threads is not None:  # before calibration: its costs are measured at the chosen count

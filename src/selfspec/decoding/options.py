@@ -559,7 +559,9 @@ _LATER: dict[tuple[str, ...], type[EngineOwnOptions]] = {}
 def _composed() -> type[EngineOwnOptions]:
     """:data:`_IMPORTED`, or a subclass of it with the options of drafters registered since."""
     imported = {f.name for f in fields(_IMPORTED)}
-    later = [option for name, option in declared_options().items() if name not in imported]
+    declared = declared_options()
+    _drafter_fields(EngineOwnOptions, declared.values())  # refuses one named like an engine option
+    later = [option for name, option in declared.items() if name not in imported]
     if not later:
         return _IMPORTED
     key = tuple(option.name for option in later)

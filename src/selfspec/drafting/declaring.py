@@ -81,9 +81,13 @@ class DrafterOption:
         parse: reads the flag's text (``None``: plain text; a ``bool`` default makes a switch).
         check: refuses a malformed value when the options are declared (raises ``ConfigurationError``).
         load: what ``from_pretrained`` makes of the value with the loading options (a model,
-            pickled weights), as engine settings; ``None``: the value is passed as given.
+            pickled weights), as engine settings: an :data:`OptionLoader`, or its ``"module:name"``
+            (imported when used, so that a torch-free declaration names a loader beside the drafter);
+            ``None``: the value is passed as given.
         exclusive: passing it with a drafter that does not declare it is an error (``False``: the
             drafter's own code decides, as the exit adapter's ``"auto"`` does).
+        auto: ``drafter="auto"`` takes it too: calibration measures the drafter with it, and a plan
+            that chose the drafter builds it with it (a learned head's file).
     """
 
     name: str
@@ -95,8 +99,9 @@ class DrafterOption:
     verbs: frozenset[str] = RUN_VERBS
     parse: Callable[[str], Any] | None = None
     check: Callable[[Any], None] | None = None
-    load: OptionLoader | None = None
+    load: OptionLoader | str | None = None
     exclusive: bool = True
+    auto: bool = False
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier():
@@ -108,6 +113,16 @@ class DrafterOption:
     def spec(self) -> OptionSpec:
         """Its flag and help, as the engine's own options declare theirs."""
         return OptionSpec(self.help, self.flag, self.verbs, self.parse)
+
+    def loader(self) -> OptionLoader | None:
+        """:attr:`load`, imported when named by ``"module:name"``."""
+        if not isinstance(self.load, str):
+            return self.load
+        import importlib
+
+        module, _, name = self.load.partition(":")
+        loader: OptionLoader = getattr(importlib.import_module(module), name)
+        return loader
 
     def given(self, value: Any) -> bool:
         """Whether ``value`` asks for something (anything but the default)."""

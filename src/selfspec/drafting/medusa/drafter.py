@@ -27,6 +27,7 @@ import heapq
 import json
 import os
 import pickle
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -425,6 +426,13 @@ class MedusaDrafter(Drafter):
         if self.tree:
             return build_candidate_tree(logits, state.params, state.generator, self.tree_nodes, self.top_k)
         return draft_autoregressively(state, depth, lambda token, j: logits[j])
+
+
+def load_pickled_heads(value: Any, loading: Mapping[str, Any]) -> Mapping[str, Any]:
+    """With ``allow_pickle=True``, a folder's ``medusa_lm_head.pt`` loads now (the drafter reads safetensors only)."""
+    if not (loading.get("allow_pickle") and isinstance(value, (str, os.PathLike))):
+        return {}
+    return {"medusa_heads": load_medusa_heads(value, allow_pickle=True)}
 
 
 def engine_medusa_heads(engine: Any) -> MedusaHeads:
