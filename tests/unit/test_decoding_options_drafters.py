@@ -39,7 +39,7 @@ def test_the_torch_free_declarations_are_the_registrations() -> None:
     out = subprocess.run([sys.executable, "-c", FRESH], capture_output=True, text=True, check=True).stdout
     same, torch_free, users = out.split(" ", 2)
     assert (same, torch_free) == ("True", "True"), out
-    assert eval(users) == {  # noqa: S307 (our own subprocess's repr)
+    assert eval(users) == {
         "draft_model": ["draft_model"],
         "eagle_head": ["eagle", "eagle_hybrid"],
         "exit_adapter": ["early_exit", "hybrid", "auto"],
