@@ -27,7 +27,7 @@ import platform
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -101,6 +101,8 @@ class CalibrationResult:
             measurement was left out were not candidates).
         phase_seconds: how long each phase took (``continuations``, ``acceptance``, ``costs``,
             ``drafters``, ``sampled``, ``precision``, ``trees``: those that ran).
+        dropped: the drafters (figures keys) measured only on the pilot, whose acceptance could
+            not pay there (:func:`measure_drafters`); they were not candidates.
     """
 
     exit_layer: int
@@ -127,6 +129,7 @@ class CalibrationResult:
     skipped: list[str] = field(default_factory=list)
     precision: dict[str, Any] = field(default_factory=dict)
     phase_seconds: dict[str, float] = field(default_factory=dict)
+    dropped: list[str] = field(default_factory=list)
 
     @property
     def predicted_tokens_per_second(self) -> dict[str, float]:
@@ -215,13 +218,16 @@ def generate_continuations(
 ) -> Continuations:
     """Plain greedy continuations of each prompt (what any lossless method must reproduce).
 
-    With ``until`` (a ``time.perf_counter()`` time), the prompts after the one that ends past it
-    are left out (the first is always continued); ``on_prompt(done, total)`` follows each prompt.
+    With ``until`` (a ``time.perf_counter()`` time), a prompt that the mean so far says would end
+    past it is left out, with those after it (the first is always continued); ``on_prompt(done,
+    total)`` follows each prompt.
     """
     plain = SpeculativeEngine(engine.model, engine.tokenizer, drafter=PLAIN, calibration={})
     sequences: list[list[int]] = []
+    started = time.perf_counter()
     for ids in prompt_ids:
-        if sequences and until is not None and time.perf_counter() >= until:
+        mean = (time.perf_counter() - started) / max(len(sequences), 1)
+        if sequences and until is not None and time.perf_counter() + mean >= until:  # it would end past it
             break
         sequences.append(ids + plain.generate_ids(ids, max_new_tokens=max_new_tokens).token_ids)
         if on_prompt is not None:
@@ -282,10 +288,12 @@ def measure_agreement(
 # ----------------------------------------------------------------------------- costs
 
 
-#: Timing turns of the cost curves always run (then they stop once settled).
+#: Timed runs every variant of the cost curves gets before it may settle.
 MIN_TURNS = 3
-#: A turn that lowers no variant's fastest time by more than this fraction ends the timing.
+#: A run that lowers a variant's fastest time by no more than this fraction leaves it where it was.
 SETTLED = 0.02
+#: A variant whose fastest time that many runs in a row left where it was is timed no more.
+QUIET_RUNS = 2
 
 
 def _interleaved_fastest(
@@ -294,6 +302,7 @@ def _interleaved_fastest(
     *,
     until: float | None = None,
     on_turn: Callable[[int, int], None] | None = None,
+    essential: int | None = None,
 ) -> dict[Any, float]:
     """Fastest seconds of each variant, timed round-robin.
 
@@ -301,43 +310,71 @@ def _interleaved_fastest(
     median, because other work on a shared machine only ever adds time: under load (a busy
     2-core CPU) medians of multi-token forwards rose more than those of one-token steps and made
     every draft look too dear, so a busy first load settled on plain decoding. With ``until`` (a
-    ``time.perf_counter()`` time) no turn starts after it, and when the warm-up turn already ended
-    past it, the warm-up's own times are what is returned (a tight budget's price: a first run is
-    a little slower); ``on_turn(done, repeats)`` follows each turn. After :data:`MIN_TURNS`
-    turns, a turn that lowered no variant's fastest time by more than :data:`SETTLED` ends the
-    timing: the minima have settled (noise on a shared machine only adds time, so a minimum that
-    a whole round-robin turn did not lower is not waiting for a luckier run).
+    ``time.perf_counter()`` time) no turn starts that the last one's length says would end after
+    it; when the warm-up turn already ended past it, the warm-up's own times are what is returned
+    (a tight budget's price: a first run is a little slower); and the warm-up itself stops past it
+    once the first ``essential`` variants are warm (the others are left out of the result: a tight
+    budget's curve has only its essential points). ``on_turn(done, repeats)`` follows each turn.
+
+    A variant is timed no more once it has settled: after :data:`MIN_TURNS` runs, when its last
+    :data:`QUIET_RUNS` runs each lowered its fastest time by no more than :data:`SETTLED` (noise on
+    a shared machine only adds time, so a minimum that held twice is not waiting for a luckier
+    run); the turns end when every variant has settled or after ``repeats``.
     """
+    essential = len(variants) if essential is None else essential
     warm: dict[Any, float] = {}
-    for key, fn in variants.items():  # warm up
+    for position, (key, fn) in enumerate(variants.items()):  # warm up
+        if position >= essential and until is not None and time.perf_counter() >= until:
+            break  # the rest is left out: the budget has no time for it
         started = time.perf_counter()
         fn()
         warm[key] = time.perf_counter() - started
+    variants = {key: variants[key] for key in warm}
     fastest = dict.fromkeys(variants, math.inf)
+    quiet = dict.fromkeys(variants, 0)
+    last_turn = 0.0
     for turn in range(repeats):
-        if until is not None and time.perf_counter() >= until:
+        if until is not None and time.perf_counter() + last_turn >= until:  # (a turn would end past it)
             if not turn:
                 return warm
             break
-        keys = list(variants)
+        turn_started = time.perf_counter()
+        keys = [key for key in variants if turn < MIN_TURNS or quiet[key] < QUIET_RUNS]
+        if not keys:  # every variant settled
+            break
         keys = keys[turn % len(keys) :] + keys[: turn % len(keys)]
-        lowered = False
         for key in keys:
             started = time.perf_counter()
             variants[key]()
             seconds = time.perf_counter() - started
-            lowered |= seconds < fastest[key] * (1 - SETTLED)
+            quiet[key] = quiet[key] + 1 if seconds >= fastest[key] * (1 - SETTLED) else 0
             fastest[key] = min(fastest[key], seconds)
+        last_turn = time.perf_counter() - turn_started
         if on_turn is not None:
             on_turn(turn + 1, repeats)
-        if turn + 1 >= MIN_TURNS and not lowered:  # settled: more turns would not move a minimum
-            break
     return fastest
 
 
 def _monotonic(values: dict[int, float], tolerance: float = 0.03) -> bool:
     ordered = [values[k] for k in sorted(values)]
     return all(b >= a * (1 - tolerance) for a, b in itertools.pairwise(ordered))
+
+
+def _interpolated(values: dict[int, float], keys: Sequence[int]) -> dict[int, float]:
+    """``values`` at every one of ``keys``: the missing ones linear between their measured neighbours."""
+    known = sorted(values)
+    if not known:
+        return values
+    out = {}
+    for key in keys:
+        if key in values:
+            out[key] = values[key]
+            continue
+        below = max((k for k in known if k < key), default=known[0])
+        above = min((k for k in known if k > key), default=known[-1])
+        share = (key - below) / (above - below) if above != below else 0.0
+        out[key] = values[below] + share * (values[above] - values[below])
+    return out
 
 
 def _offending(values: dict[int, float], tolerance: float = 0.03) -> list[int]:
@@ -388,8 +425,8 @@ def measure_costs(
 ) -> tuple[dict[int, float], dict[int, float], float]:
     """Relative costs of a draft step per exit layer and of a verify per draft length.
 
-    Timings are the fastest of up to ``repeats`` interleaved runs (:func:`_interleaved_fastest`:
-    they stop early once a turn no longer lowers any variant's fastest time by :data:`SETTLED`).
+    Timings are the fastest of up to ``repeats`` interleaved runs (:func:`_interleaved_fastest`: a
+    variant whose fastest time held for :data:`QUIET_RUNS` runs is timed no more).
     Where a curve dips by more than 3% (not monotonic), the points on either side of each dip are
     measured again, with the plain step they are relative to, with twice the repeats, up to
     ``retries`` times (the rest of the curve is kept: it already rose as it should, and
@@ -436,20 +473,28 @@ def measure_costs(
 
             return run
 
+        # the essential points first (what a tight budget keeps): the plain step, the draft steps and
+        # the verifies of the draft lengths; then the long verifies and the sampled curve
+        # (of the draft steps, the shallowest and the deepest: the others are interpolated when left out)
+        short = [k for k in draft_lengths if k not in LONG_VERIFY_LENGTHS] or list(draft_lengths[:1])
+        ends = sorted({min(layers), max(layers)}) if layers else []
         variants: dict[Any, Callable[[], None]] = {("full", 1): step(runner.num_layers, 1, screened)}
-        variants.update({("draft", layer): step(layer, 1) for layer in layers})
+        variants.update({("verify", k): step(runner.num_layers, k + 1, screened) for k in short})
+        variants.update({("draft", layer): step(layer, 1) for layer in ends})
+        essential = len(variants)
+        variants.update({("draft", layer): step(layer, 1) for layer in layers if layer not in ends})
         variants.update({("verify", k): step(runner.num_layers, k + 1, screened) for k in draft_lengths})
         if screened and sampled is not None:
             variants[("sampled", 0)] = step(runner.num_layers, 1)
             variants.update({("sampled", k): step(runner.num_layers, k + 1) for k in draft_lengths})
         checks.setdefault("remeasured", 0)
         checks["turns"] = 0
-        planned = sum(repeats * (attempt + 1) for attempt in range(retries + 1))
+        planned = repeats  # (a re-measurement adds a few turns of a few points)
 
         def turned(done: int, _: int) -> None:
             checks["turns"] += 1
             if on_turn is not None:
-                on_turn(checks["turns"], planned)
+                on_turn(checks["turns"], max(planned, checks["turns"]))  # (re-timing a dip adds turns)
 
         draft: dict[int, float] = {}
         verify: dict[int, float] = {}
@@ -458,10 +503,16 @@ def measure_costs(
         if sampled is not None:
             sampled.clear()
         for attempt in range(retries + 1):
-            seconds = _interleaved_fastest(timing, repeats * (attempt + 1), until=until, on_turn=turned)
+            seconds = _interleaved_fastest(
+                timing, repeats * (attempt + 1), until=until, on_turn=turned, essential=essential if not attempt else 1
+            )
+            if not attempt and len(seconds) < len(variants):
+                checks["untimed"] = len(variants) - len(seconds)
+                variants = {key: variants[key] for key in seconds}
             reference = seconds[("full", 1)]  # each run's ratios are to its own plain step
             full = full or reference
             draft.update({n: seconds[("draft", n)] / reference for n in layers if ("draft", n) in seconds})
+            draft = _interpolated(draft, layers)
             verify.update({k: seconds[("verify", k)] / reference for k in draft_lengths if ("verify", k) in seconds})
             if ("sampled", 0) in seconds and sampled is not None:
                 base = seconds[("sampled", 0)]
@@ -725,16 +776,78 @@ def _measure_order(context: MeasureContext) -> list[tuple[str, DrafterCalibratio
     return [(name, hooks) for *_, name, hooks in sorted(ranked, key=lambda r: r[:3])]
 
 
+#: The pilot a drafter's own measurement runs on first: the first this many new tokens of every
+#: continuation (every prompt of the mix), when the continuations are at least twice as long.
+PILOT_TOKENS = 12
+#: A drafter whose best candidate on the pilot is slower than this factor below the bar (the best
+#: candidate that needs no measurement, on the same pilot, or plain decoding's margin) is dropped.
+DROP_SLACK = 1.25
+
+
+def pilot_context(context: MeasureContext, tokens: int = PILOT_TOKENS) -> MeasureContext | None:
+    """``context`` cut to the first ``tokens`` new tokens of every continuation (``None``: too short to save much)."""
+    if context.max_new_tokens < 2 * tokens or not context.data.sequences:
+        return None
+    starts = list(context.data.starts)
+    cut = [sequence[: start + tokens] for sequence, start in zip(context.data.sequences, starts, strict=True)]
+    data = Continuations(cut, starts)
+    matches = {layer: [hits[:tokens] for hits in rows] for layer, rows in context.matches.items()}
+    return replace(context, data=data, matches=matches, max_new_tokens=tokens)  # best_exit: of the pilot
+
+
+def _free_bar(pilot: MeasureContext, methods: Sequence[str] | None) -> float:
+    """What a measured drafter must beat on the pilot: the best candidate that measures nothing, or plain's margin."""
+    speeds = [PLAIN_MARGIN]
+    for name, hooks in _plannable():
+        if name == PLAIN or type(hooks).measure is not DrafterCalibration.measure:
+            continue
+        if methods is None or name in methods:
+            speeds += [c.speedup for c in hooks.candidates(name, pilot, None)]
+    return max(speeds)
+
+
 def measure_drafters(
-    context: MeasureContext, methods: Sequence[str] | None = None, deadline: Deadline | None = None
+    context: MeasureContext,
+    methods: Sequence[str] | None = None,
+    deadline: Deadline | None = None,
+    dropped: list[str] | None = None,
+    need: float = 0.0,
 ) -> dict[str, Any]:
     """Each drafter's own measurement, once per ``figures_key`` (shared by the drafters that declare it).
 
-    With a ``deadline``, in order of expected value, and a measurement that would start past it
-    is skipped (its key recorded in ``deadline.skipped``): the budget is exceeded by one
-    measurement at most.
+    With a ``deadline``, in order of expected value, and a measurement that would start past it,
+    or with less than ``need`` seconds left (about what one measurement takes: calibration passes
+    the continuations' time, a decode of the prompt mix), is skipped (its key recorded in
+    ``deadline.skipped``): the budget is exceeded by one measurement at most.
+
+    With ``dropped`` (a list, filled in place), a drafter whose cheap estimate
+    (:meth:`~selfspec.drafting.planning.DrafterCalibration.expected_speedup`: the layer-skip
+    subset's is the best early exit's) is already :data:`DROP_SLACK` below the bar (the best
+    candidate that needs no measurement: prompt lookup, the early exit, the hybrid; or plain
+    decoding's margin) is first measured on a pilot (:func:`pilot_context`: the first
+    :data:`PILOT_TOKENS` new tokens of every continuation), its candidates replayed there beside
+    the bar's, replayed on the same pilot text. When its best is slower than that bar by
+    :data:`DROP_SLACK` (25%) there too, its acceptance cannot pay on this verify curve: it is
+    measured no further, offers no candidate, and its figures key is listed in ``dropped`` (its
+    pilot figures are saved, so a head is not measured again at every load). Otherwise it is
+    measured on everything, as without a pilot (which then cost it ``PILOT_TOKENS /
+    max_new_tokens`` more: 12 of 32 on a first load). A drafter without an estimate (a learned
+    head, whose worth only its measurement shows) is measured on everything at once: a pilot
+    would cost more where it survives than it saves where it is dropped.
+
+    Why this never drops a drafter that clearly wins: the pilot is the same text for every
+    candidate, the start of every answer of the mix, 12 of 32 tokens (37%) on a first load. Speeds
+    combine harmonically by tokens, so a drafter 25% slower than the bar on the pilot beats it by
+    10% on the whole mix only if it is at least 42% faster than the bar on the rest of the same
+    answers: a swing of 1.78x between an answer's first tokens and its later ones, which neither a
+    per-position acceptance nor a fixed draft cost makes. A drafter that wins by less than that
+    was not clearly the winner (and the online guard, :mod:`selfspec.decoding.controller`,
+    falls back where a plan does not pay).
     """
     figures: dict[str, Any] = {}
+    pilot = pilot_context(context) if dropped is not None else None
+    bar = _free_bar(pilot, methods) if pilot is not None else 0.0  # on the pilot
+    free_bar = _free_bar(context, methods) if pilot is not None else 0.0  # on everything
     for name, hooks in _measure_order(context):
         key = hooks.figures_key or name
         if key in figures or not _wanted(key, methods):
@@ -742,9 +855,27 @@ def measure_drafters(
         if type(hooks).measure is DrafterCalibration.measure:  # measures nothing of its own: free
             figures[key] = None
             continue
-        if deadline is not None and deadline.passed():
-            deadline.skip(key)
+        if deadline is not None and (deadline.passed() or deadline.remaining() < need):
+            if key not in deadline.skipped:  # (drafters sharing a key are skipped once)
+                deadline.skip(key)
             continue
+        estimate = hooks.expected_speedup(name, context)
+        if pilot is not None and dropped is not None and estimate is not None and estimate * DROP_SLACK < free_bar:
+            trial = hooks.measure(name, pilot)
+            sharing = [(n, h) for n, h in _plannable() if (h.figures_key or n) == key]
+            offered = [c for n, h in sharing if methods is None or n in methods for c in h.candidates(n, pilot, trial)]
+            best = max((c.speedup for c in offered), default=None)
+            if best is not None and best * DROP_SLACK < bar:
+                figures[key] = trial
+                dropped.append(key)
+                logger.info(
+                    "calibration drops %s after its pilot: %.2fx there, under %.2fx / %.2f", key, best, bar, DROP_SLACK
+                )
+                continue
+            if deadline is not None and deadline.passed():  # the pilot is all there was time for
+                figures[key] = trial  # saved, but no candidate: the pilot's figures cover 12 tokens a prompt
+                deadline.skip(key)
+                continue
         figures[key] = hooks.measure(name, context)
     return figures
 
@@ -799,7 +930,7 @@ class Deadline:
 
 
 #: The share of the calibration budget the continuations may take (the first prompt always runs).
-CONTINUATIONS_SHARE = 0.3
+CONTINUATIONS_SHARE = 0.25
 #: The share of the time left after the acceptance that the cost timings may take (one turn always runs).
 COSTS_SHARE = 0.5
 #: Interleaved timing turns of the cost curves (doubled once when a curve is not monotonic).
@@ -943,6 +1074,13 @@ def measure_sampled_plan(
         until: a ``time.perf_counter()`` time after which no further prompt is decoded (the
             first always is): the calibration budget.
         on_prompt: called with ``(done, total)`` after each prompt.
+
+    The prompts stop early once the verdict is clear: when even the prompts left, every round
+    fully accepted (fewer than ``j + 2`` tokens a round priced at ``j`` drafts), could not
+    lift the speedup to :data:`~selfspec.drafting.auto.PLAIN_MARGIN`, or even every draft rejected
+    (one token a round, at the dearest round cost) could not sink it below (the reason says after
+    how many prompts it was decided). Either bound holds whatever the prompts left accept, so the
+    plan is the one all the prompts would have given.
     """
     if plan.method == PLAIN or chosen is None:
         return Plan(PLAIN, predicted_speedup=1.0, reason="the greedy plan is plain decoding")
@@ -958,8 +1096,19 @@ def measure_sampled_plan(
     costs = CostModel(chosen.draft_cost, context.sampled_verify_cost or context.verify_cost)
     tokens = drafted = accepted = 0
     cost = 0.0
+    decided = ""
+    # a prompt's tokens cost at least (all drafts accepted) and at most (none) this much each
+    best = min(1.0, *(costs.round_cost(j) / (j + 2) for j in range(1, k + 1)))
+    worst = max(1.0, *(costs.round_cost(j) for j in range(1, k + 1)))
+    started = time.perf_counter()
     for seed, ids in enumerate(context.prompt_ids):
-        if seed and until is not None and time.perf_counter() >= until:
+        mean = (time.perf_counter() - started) / max(seed, 1)
+        if seed and until is not None and time.perf_counter() + mean >= until:  # it would end past it
+            break
+        left = (len(context.prompt_ids) - seed) * max(context.max_new_tokens - 1, 0)
+        highest, lowest = (tokens + left) / (cost + left * best), (tokens + left) / (cost + left * worst)
+        if seed and (highest < PLAIN_MARGIN or lowest >= PLAIN_MARGIN):
+            decided = f", decided after {seed} of {len(context.prompt_ids)} prompts"
             break
         out = sampling.generate_ids(ids, max_new_tokens=context.max_new_tokens, temperature=temperature, seed=seed)
         rounds = max(out.stats.target_forwards - 1, 1)
@@ -976,10 +1125,10 @@ def measure_sampled_plan(
     if speedup < PLAIN_MARGIN:
         reason = (
             f"sampled drafts (T={temperature}) accepted {rate:.2f}: {plan.method} predicted {speedup:.2f}x, "
-            "so plain decoding when sampling"
+            f"so plain decoding when sampling{decided}"
         )
         return Plan(PLAIN, predicted_speedup=round(speedup, 3), reason=reason)
-    reason = f"sampled drafts (T={temperature}) accepted {rate:.2f}: predicted {speedup:.2f}x plain decoding"
+    reason = f"sampled drafts (T={temperature}) accepted {rate:.2f}: predicted {speedup:.2f}x plain decoding{decided}"
     return Plan(plan.method, dict(plan.settings), round(speedup, 3), reason)
 
 
@@ -1084,7 +1233,7 @@ def calibrate(
             engine, prompt_ids, max_new_tokens, until=until, on_prompt=lambda d, t: show.advance(d, t, "prompts")
         )
     if len(data.sequences) < len(prompt_ids):
-        deadline.cut(f"continuations of {len(prompt_ids) - len(data.sequences)} of {len(prompt_ids)} prompts")
+        deadline.cut(f"continuations of {len(data.sequences)} of {len(prompt_ids)} prompts")
         prompt_ids = prompt_ids[: len(data.sequences)]
     if data.num_tokens:
         step = max(step, phases["continuations"] / data.num_tokens)  # the measured pace, prefills included
@@ -1118,6 +1267,8 @@ def calibrate(
     if budget is not None and checks.get("turns", COST_REPEATS) < COST_REPEATS:
         turns = checks["turns"]
         deadline.cut(f"cost timings ({f'{turns} of {COST_REPEATS} rounds' if turns else 'the warm-up round only'})")
+    if checks.get("untimed"):
+        deadline.cut(f"the essential cost points ({checks['untimed']} draft, long-verify and sampled points untimed)")
     if checks.get("remeasure_skipped"):
         deadline.cut("re-measuring the non-monotonic cost curves")
 
@@ -1142,15 +1293,16 @@ def calibrate(
         deadline.bounded(len(measuring) * phases["acceptance"] * 2, 1.0),
     )
     with timed("drafters"):
-        figures = measure_drafters(context, methods, deadline)
-    candidates = rank_candidates(context, figures, deadline.skipped)
+        dropped: list[str] = []
+        figures = measure_drafters(context, methods, deadline, dropped, need=phases["continuations"])
+    candidates = rank_candidates(context, figures, [*deadline.skipped, *dropped])
     plan, chosen = pick(candidates, methods)
     saved, notes = _saved(figures, candidates)
 
     # 5. the plan on sampled continuations (free for plain decoding)
     sampled_plan: Plan | None = None
-    if plan.method != PLAIN and deadline.passed():
-        deadline.skip("sampled acceptance")
+    if plan.method != PLAIN and deadline.remaining() < phases["continuations"] / len(prompt_ids):
+        deadline.skip("sampled acceptance")  # (not even one prompt's decode fits)
     else:
         free = plan.method == PLAIN
         show.phase(
@@ -1214,6 +1366,7 @@ def calibrate(
         skipped=list(deadline.skipped),
         precision=precision,
         phase_seconds=phases,
+        dropped=dropped,
     )
     logger.info("calibrated %s: %s", engine.name_or_path or "the model", plan.summary())
     if sampled_plan is not None:

@@ -139,7 +139,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Measure agreement and costs on this hardware; save the best exit layer and draft length."""
-    from ..calibration.measure import calibrate
+    from ..calibration.measure import calibrate, show_progress
     from ..decoding.engine import SpeculativeEngine
 
     engine = SpeculativeEngine.from_pretrained(
@@ -156,6 +156,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         layer_skip=args.drafter == "layer_skip",
         trees=args.trees,
         budget=args.calibration_budget,
+        progress=show_progress(),  # a bar on a terminal, a line per phase and every few seconds off one
     )
     print(f"{'exit layer':>10} {'agreement':>10} {'draft cost':>11}")
     for layer, agreement in result.agreement.items():
@@ -170,6 +171,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         print(f"when sampling: {result.sampled_plan.summary()}")
     if result.skipped:
         print(f"skipped for the {args.calibration_budget:.0f} s budget: {', '.join(result.skipped)}")
+    if result.dropped:
+        print(f"dropped after their pilot (could not pay here): {', '.join(result.dropped)}")
     for note in result.notes:  # what each drafter's calibration saved
         print(note)
     advice = result.plan.advice(engine.name_or_path, has_head=bool(result.figures.get("eagle")))
