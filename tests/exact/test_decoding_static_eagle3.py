@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_decoding_static_round import RANDOM, REPEATED, static_engine
+from test_decoding_static_round import COPIES_PER_CALL, RANDOM, REPEATED, static_engine
 from test_decoding_sync_budget import PER_CALL, count
 from test_drafting_eagle_eagle3 import (
     draft_vocab,
@@ -112,6 +112,7 @@ def test_one_host_read_per_round(heads: tuple[Path, Path], temperature: float, m
     rounds = out.stats.target_forwards - 1
     assert out.stats.num_drafted > 0
     assert counter.reads <= rounds + PER_CALL, (counter.reads, rounds)
+    assert counter.copies <= COPIES_PER_CALL, (counter.copies, rounds)  # the catch-up's tokens never left the device
 
 
 @pytest.mark.parametrize("drafter", ["eagle", "eagle_hybrid"])
