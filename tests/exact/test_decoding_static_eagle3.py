@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_decoding_static_round import RANDOM, REPEATED, static_engine
+from test_decoding_static_round import COPIES_PER_CALL, RANDOM, REPEATED, static_engine
 from test_decoding_sync_budget import PER_CALL, count
 from test_drafting_eagle_eagle3 import (
     draft_vocab,
@@ -112,6 +112,7 @@ def test_one_host_read_per_round(heads: tuple[Path, Path], temperature: float, m
     rounds = out.stats.target_forwards - 1
     assert out.stats.num_drafted > 0
     assert counter.reads <= rounds + PER_CALL, (counter.reads, rounds)
+    assert counter.copies <= COPIES_PER_CALL, (counter.copies, rounds)  # the catch-up's tokens never left the device
 
 
 @pytest.mark.parametrize("drafter", ["eagle", "eagle_hybrid"])
@@ -161,3 +162,28 @@ def test_inductor_compiled_eagle3_rounds_equal_generate_and_never_recompile(tmp_
     assert sum(1 for n in histogram if n) >= 2, histogram  # the head's chains land one token at most
     assert {kind for kind, _, _ in step.compiled} == {"greedy+taps0,1,2"}
     assert len(drafter.compiled_steps) == 1  # type: ignore[attr-defined]
+
+
+@pytest.mark.slow
+def test_smollm2_with_an_eagle3_head_in_the_speculators_layout(smollm2_path: Path, tmp_path: Path) -> None:
+    """SmolLM2-135M (float32) and a new EAGLE-3 head (taps 2, 15, 27), exported and loaded back: ``generate``'s text."""
+    from selfspec import SpeculativeEngine
+    from selfspec.drafting.eagle.eagle3 import default_feature_layers, new_eagle3_head
+    from selfspec.drafting.eagle.export import export_eagle
+    from selfspec.modeling.loading import load_model_and_tokenizer
+
+    model, tokenizer, _ = load_model_and_tokenizer(smollm2_path, dtype="float32", device="cpu")
+    torch.manual_seed(0)
+    layers = tuple(default_feature_layers(model.config.num_hidden_layers))
+    head = new_eagle3_head(model, layers, torch.arange(0, model.config.vocab_size, 7))  # a 7x smaller draft vocabulary
+    folder = export_eagle(model, head, tmp_path / "head", dtype=torch.float32)
+    engine = SpeculativeEngine(
+        model, tokenizer, drafter="eagle", eagle_head=folder, num_draft_tokens=3, calibration={}, compile="eager"
+    )
+    assert isinstance(engine.drafter.head, Eagle3Head) and engine.drafter.static_drafting is StaticDrafting.DEVICE  # type: ignore[attr-defined]
+    prompt = tokenizer("The committee met on Tuesday to review the budget. The budget covers")["input_ids"]
+    out = engine.generate_ids(prompt, max_new_tokens=24)
+    assert out.token_ids == reference_greedy(model, prompt, 24)
+    assert out.stats.num_drafted > 0 and out.stats.target_forwards > 1
+    assert engine.static_round is not None
+    assert {kind for kind, _, _ in engine.static_round.step.compiled} == {"greedy+taps2,15,27"}  # served there

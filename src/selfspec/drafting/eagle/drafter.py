@@ -193,14 +193,17 @@ class EagleDrafter(Drafter):
                 "the EAGLE drafter needs the target's features of the accepted text (state.pending_hidden); "
                 "it runs only inside the engine's loop"
             )
-        state.pending_hidden = None
+        tokens, state.pending_hidden, state.pending_tokens = state.pending_tokens, None, None
         count = pending.shape[1]
         start = state.position - count  # the first pending position
         device = pending.device
         if start < memory.next_position:  # never happens in the loop; keep the newest view
             raise ConfigurationError(f"EAGLE head out of step: features from {start}, expected {memory.next_position}")
         features = head.target_features(pending)  # [1, m, H] after the final norm
-        next_tokens = device_ids([state.token_ids[start + 1 : state.position + 1]], device)  # no blocking copy
+        if tokens is not None and tokens.shape[0] == count:  # already on the device (the static round)
+            next_tokens = tokens[None]
+        else:
+            next_tokens = device_ids([state.token_ids[start + 1 : state.position + 1]], device)  # no blocking copy
         positions = torch.arange(start, state.position, device=device)[None]
         allowed = None
         if isinstance(cache, StaticHeadCache):  # slot t holds position t: drop last round's draft entries
