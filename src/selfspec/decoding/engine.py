@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Generator, Sequence
-from dataclasses import replace
+from collections.abc import Generator, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,6 +46,37 @@ if TYPE_CHECKING:
 #: The :class:`EngineConfig` fields an engine exposes as its own attributes (and every drafter option).
 _SETTINGS = frozenset("exit_layer num_draft_tokens adaptive draft_confidence tree_nodes calibration".split())
 _SETTINGS |= frozenset("exit_adapter batching".split())
+
+
+@dataclass
+class BuiltParts:
+    """What an engine builds from its resolved settings, once per plan (:meth:`SpeculativeEngine.configure`).
+
+    Attributes:
+        drafter: the configured drafter.
+        controller: the draft length and the online guard (:class:`~selfspec.decoding.controller.DraftController`).
+        batcher: the batching scheduler (``batching=True``), else ``None``.
+        static: the static round single calls run in (``compile=``), else ``None``.
+    """
+
+    drafter: Drafter
+    controller: DraftController
+    batcher: BatchScheduler | None
+    static: StaticRounds | None
+
+
+_LATER = threading.local()  # set while from_pretrained loads: its parts are built once, after calibration
+
+
+@contextmanager
+def _parts_built_later() -> Iterator[None]:
+    """Within: :meth:`SpeculativeEngine.configure` resolves the settings and leaves the parts for first use."""
+    before = getattr(_LATER, "on", False)
+    _LATER.on = True
+    try:
+        yield
+    finally:
+        _LATER.on = before
 
 
 class SpeculativeEngine:
@@ -190,6 +222,7 @@ class SpeculativeEngine:
             from ..calibration.store import load_calibration
 
             calibration = load_calibration(self.name_or_path, device=self.runner.device, dtype=self.runner.dtype)
+        self.parts_built = 0  # how many times configure built the parts: once per plan
         self.configure(calibration or {})
 
     @property
@@ -204,7 +237,11 @@ class SpeculativeEngine:
         return display_name(self.name_or_path) if self.name_or_path else type(self.model).__name__
 
     def configure(self, calibration: dict[str, Any]) -> None:
-        """(Re)build the settings, the drafter, the controller and the scheduler from ``calibration``."""
+        """(Re)build the settings, then the parts (drafter, controller, scheduler, static round) from ``calibration``.
+
+        While :meth:`from_pretrained` loads, the parts wait: it builds them once, for the plan its
+        first-load calibration chose (:attr:`parts_built` counts the builds).
+        """
         self.config = EngineConfig.resolve(
             self.runner,
             self.name_or_path,
@@ -213,15 +250,62 @@ class SpeculativeEngine:
             draft_tokenizer=self._draft_tokenizer,
             drafter_options=self._drafter_options,
         )
-        self.drafter = self._make_drafter()
-        self.controller = DraftController(
+        self._parts: BuiltParts | None = None
+        if not getattr(_LATER, "on", False):
+            self._parts = self._build_parts()
+
+    def _build_parts(self) -> BuiltParts:
+        """The drafter, controller, scheduler and static round of the current settings."""
+        self.parts_built += 1
+        controller = DraftController(
             self.config.num_draft_tokens,
             adaptive=self.config.adaptive,
             costs=self.config.calibration.get("costs"),
             sampling_drafts=self.config.drafter_name != "auto" or sampled_drafts_pay(self.config.calibration),
         )
-        self._batcher = BatchScheduler(self) if self.config.batching else None
-        self._static = static_rounds(self.runner, self.options.compile)
+        parts = BuiltParts(self._make_drafter(), controller, None, static_rounds(self.runner, self.options.compile))
+        self._parts = parts  # the scheduler reads the drafter and controller through the engine
+        parts.batcher = BatchScheduler(self) if self.config.batching else None
+        return parts
+
+    @property
+    def parts(self) -> BuiltParts:
+        """The engine's parts, built on first use after :meth:`configure` deferred them."""
+        parts = self._parts
+        if parts is None:
+            with self._lock:
+                parts = self._parts if self._parts is not None else self._build_parts()
+        return parts
+
+    @property
+    def drafter(self) -> Drafter:
+        """The configured drafter (a user's instance, or the registered factory's product)."""
+        return self.parts.drafter
+
+    @drafter.setter
+    def drafter(self, drafter: Drafter) -> None:
+        self.parts.drafter = drafter
+
+    @property
+    def controller(self) -> DraftController:
+        """The draft length and the online guard new generations start from."""
+        return self.parts.controller
+
+    @controller.setter
+    def controller(self, controller: DraftController) -> None:
+        self.parts.controller = controller
+
+    @property
+    def _batcher(self) -> BatchScheduler | None:
+        return self.parts.batcher
+
+    @property
+    def _static(self) -> StaticRounds | None:
+        return self.parts.static
+
+    @_static.setter
+    def _static(self, static: StaticRounds | None) -> None:
+        self.parts.static = static
 
     def _row_exactness(self, model: Any) -> RowExactness:
         """Resolve ``row_exact=`` for this model and set the runner's forwards to match."""
@@ -431,19 +515,21 @@ class SpeculativeEngine:
             load = option.loader()
             if load is not None and option.given(value) and options.drafter in drafters_declaring(name):
                 settings.update(load(value, loading))
-        engine = cls(model, tokenizer, **settings)
-        engine.options = options  # with the loading options it was loaded with
-        if options.threads is not None:  # before calibration: its costs are measured at the chosen count
-            from ..calibration.threads import settle_threads  # the lazy edge up
+        with _parts_built_later():  # settings now; the parts once, for the plan calibration chooses
+            engine = cls(model, tokenizer, **settings)
+            engine.options = options  # with the loading options it was loaded with
+            if options.threads is not None:  # before calibration: its costs are measured at the chosen count
+                from ..calibration.threads import settle_threads  # the lazy edge up
 
-            engine._threads = settle_threads(engine.runner, options.threads, engine._lock)
-        tree_nodes = options.tree_nodes
-        auto = wants_calibration(options.exit_layer, options.num_draft_tokens, options.drafter, tree_nodes)
-        if options.calibrate and auto:
-            from ..calibration.measure import calibrate_on_first_load, head_found_since  # the lazy edge up
+                engine._threads = settle_threads(engine.runner, options.threads, engine._lock)
+            tree_nodes = options.tree_nodes
+            auto = wants_calibration(options.exit_layer, options.num_draft_tokens, options.drafter, tree_nodes)
+            if options.calibrate and auto:
+                from ..calibration.measure import calibrate_on_first_load, head_found_since  # the lazy edge up
 
-            if not engine.calibration or head_found_since(engine):
-                calibrate_on_first_load(engine, trees=tree_nodes == "auto", budget=options.calibration_budget)
+                if not engine.calibration or head_found_since(engine):
+                    calibrate_on_first_load(engine, trees=tree_nodes == "auto", budget=options.calibration_budget)
+        engine.parts  # noqa: B018  (built here, once: a bad drafter setting fails inside from_pretrained)
         return engine
 
     def __repr__(self) -> str:
