@@ -250,6 +250,18 @@ def load_drafter_plugins() -> None:
             raise SystemExit(f"selfspec: error: the drafter module {name!r} does not import: {error}") from error
 
 
+def calibrated_exit_layer(path: str, num_layers: int) -> int:
+    """The exit layer ``train-adapter`` trains for without ``--exit-layer``: the calibrated one, else ``L // 4``.
+
+    Here rather than in the head's folder: the saved calibration is a ring above ``drafting``.
+    """
+    from ..calibration import load_calibration
+    from ..decoding.config import default_exit_layer
+
+    saved = (load_calibration(path) or {}).get("exit_layer")
+    return saved if isinstance(saved, int) else default_exit_layer(num_layers)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``selfspec`` command (with the flags of every installed drafter's options)."""
     from .. import __version__
@@ -341,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ..drafting.exit_adapter.cli import add_train_adapter_parser
     from ..drafting.medusa.cli import add_train_medusa_parser
 
-    add_train_adapter_parser(sub)
+    add_train_adapter_parser(sub, default_exit_layer=calibrated_exit_layer)
     add_train_eagle_parser(sub)
     add_export_eagle_parser(sub)
     add_eagle_heads_parser(sub)
