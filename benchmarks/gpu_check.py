@@ -1246,6 +1246,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SectionTimeout("the outer timeout (SIGTERM)")
 
     signal.signal(signal.SIGTERM, terminate)
+    # transformers imports a model class on first use: an alarm that rang inside that import left
+    # the lazy module unable to import it again, so every later section failed at once (CI)
+    _ = transformers.LlamaConfig, transformers.LlamaForCausalLM
     for name in SECTIONS:
         if name in args.sections:
             try:

@@ -1,7 +1,7 @@
 """Resident memory of ``selfspec serve`` over bursts of concurrent requests, per allocator setting.
 
-    python benchmarks/serve_rss.py                          # 4 bursts of 50, every setting
-    python benchmarks/serve_rss.py --bursts 3 --burst 40 --settings default arena-2
+    python benchmarks/serve_rss.py                          # 4 bursts of 50: unfixed, capped, default, trim-only
+    python benchmarks/serve_rss.py --bursts 3 --burst 40 --settings unfixed default
 
 Each setting starts its own ``python -m selfspec serve --model selfspec-demo --threads 1`` on
 127.0.0.1, warms it up (two requests alone, then one burst that is not counted), then sends
@@ -10,7 +10,13 @@ and reads the server's ``VmRSS`` from ``/proc`` after each burst has finished an
 settings run one after another on the same machine, interleaved round by round when ``--rounds``
 is more than one; the load average is recorded with every burst.
 
-Writes benchmarks/results/serve_rss_cpu.json and serve_rss_cpu.md.
+Settings: ``unfixed`` (glibc's default arenas, no trim: the server before issue 44), ``capped``
+(the server's own arena limit, ``ARENA_MAX``), ``default`` (as shipped: the limit and a
+``malloc_trim(0)`` each time the server goes idle), ``trim-only`` (glibc's arenas, the trim), and a
+few more (``--settings``). ``--settle`` must exceed the server's idle delay
+(``selfspec.serving.server.allocator.IDLE_TRIM_DELAY``) for the trim to show.
+
+Writes benchmarks/results/serve_rss_cpu.json, .md and .png.
 """
 
 from __future__ import annotations
@@ -59,19 +65,29 @@ class Setting:
 SETTINGS = {
     setting.name: setting
     for setting in [
-        Setting("default", note="as shipped: the server limits malloc to ARENA_MAX arenas itself"),
-        Setting("unfixed", {"MALLOC_ARENA_MAX": "0"}, note="MALLOC_ARENA_MAX=0: glibc's default (8 arenas per core)"),
-        Setting("arena-2-env", {"MALLOC_ARENA_MAX": "2"}, note="MALLOC_ARENA_MAX=2 in the environment"),
-        Setting("arena-1-env", {"MALLOC_ARENA_MAX": "1"}, note="MALLOC_ARENA_MAX=1 in the environment"),
+        Setting(
+            "unfixed",
+            {"MALLOC_ARENA_MAX": "0", "SELFSPEC_IDLE_TRIM": "0"},
+            note="glibc's default arenas (8 per core), no trim: the server before issue 44",
+        ),
+        Setting("capped", {"SELFSPEC_IDLE_TRIM": "0"}, note="ARENA_MAX arenas (the server sets them), no trim"),
+        Setting("default", note="as shipped: ARENA_MAX arenas and malloc_trim(0) when the server goes idle"),
+        Setting("trim-only", {"MALLOC_ARENA_MAX": "0"}, note="glibc's default arenas, malloc_trim(0) when idle"),
+        Setting("arena-1-env", {"MALLOC_ARENA_MAX": "1"}, note="MALLOC_ARENA_MAX=1 in the environment, trim"),
         Setting("batching", flags=("--batching",), note="--batching, as shipped"),
         Setting(
-            "batching-unfixed", {"MALLOC_ARENA_MAX": "0"}, ("--batching",), note="--batching, glibc's default arenas"
+            "batching-unfixed",
+            {"MALLOC_ARENA_MAX": "0", "SELFSPEC_IDLE_TRIM": "0"},
+            ("--batching",),
+            note="--batching, glibc's default arenas, no trim",
         ),
         Setting(
             "pool-4", flags=("--max-concurrent", "4"), note="at most 4 generation requests at once (4 workers busy)"
         ),
     ]
 }
+#: What ``python benchmarks/serve_rss.py`` measures without ``--settings``.
+DEFAULT_SETTINGS = ("unfixed", "capped", "default", "trim-only")
 
 
 @dataclass
@@ -126,8 +142,9 @@ def start_server(setting: Setting, port: int) -> subprocess.Popen[str]:
     """Start ``selfspec serve`` with ``setting`` and return once it answers ``/health``."""
     command = [sys.executable, "-m", "selfspec", "serve", "--model", MODEL, "--port", str(port), "--threads", "1"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **setting.env}
-    if "MALLOC_ARENA_MAX" not in setting.env:
-        env.pop("MALLOC_ARENA_MAX", None)
+    for name in ("MALLOC_ARENA_MAX", "SELFSPEC_IDLE_TRIM"):
+        if name not in setting.env:
+            env.pop(name, None)
     process = subprocess.Popen(
         [*command, *setting.flags, "--log-level", "warning"], env=env, stderr=subprocess.PIPE, text=True
     )
@@ -269,14 +286,35 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(result: dict[str, Any], path: str) -> None:
+    """RSS after the warm-up and after each burst, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for run in result["runs"]:
+        values = [run["warm_rss_mb"]] + [burst["rss_mb"] for burst in run["bursts"]]
+        ax.plot(range(len(values)), values, marker="o", label=run["setting"])
+    ax.set_xticks(range(result["bursts"] + 1), ["warm"] + [str(i + 1) for i in range(result["bursts"])])
+    ax.set_xlabel("after burst")
+    ax.set_ylabel("server RSS (MB)")
+    ax.set_title(f"selfspec serve, demo model, 1 thread: bursts of {result['burst_size']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     """Measure every setting asked for and write the report."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--bursts", type=int, default=4)
     parser.add_argument("--burst", type=int, default=50, help="concurrent requests per burst")
-    parser.add_argument("--settle", type=float, default=1.0, help="seconds to wait after a burst before reading RSS")
+    parser.add_argument("--settle", type=float, default=2.0, help="seconds to wait after a burst before reading RSS")
     parser.add_argument("--rounds", type=int, default=1, help="runs of each setting, interleaved")
-    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--settings", nargs="+", default=list(DEFAULT_SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--out", default=str(RESULTS / "serve_rss_cpu"), help="report path without extension")
     args = parser.parse_args()
     runs = []
@@ -286,6 +324,7 @@ def main() -> None:
     result = report(runs, args)
     atomic_write_text(f"{args.out}.json", json.dumps(result, indent=2) + "\n")
     atomic_write_text(f"{args.out}.md", markdown(result))
+    plot(result, f"{args.out}.png")
     sys.stdout.write(markdown(result))
 
 

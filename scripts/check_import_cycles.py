@@ -11,10 +11,11 @@ Importing ``selfspec.a.b`` also runs ``selfspec/__init__`` and ``selfspec/a/__in
 package edges count too. The rings (``../DESIGN.md``, "Layout") import one way, leaves first:
 ``errors``/``artifacts``/``prompts`` <- ``core`` <- ``modeling`` <- ``drafting`` <- ``decoding`` <-
 ``calibration`` <- ``serving`` <- ``cli`` (a learned head's ``train-*`` verb, ``drafting/<head>/cli.py``,
-lives in its head's folder but counts as ``cli``); an import of a ring to the right is reported, except the
-lazy edges in :data:`ALLOWED_UPWARD` (which must be lazy, and which close no reported cycle: they are the
-designed way back). Cycles that exist only through ``TYPE_CHECKING`` imports are
-reported as well (as a warning: they never run, but they show a layering the code does not keep).
+is part of ``drafting`` like the rest of its folder: what it needs from a ring above, ``cli`` passes in when it
+registers the verb); an import of a ring to the right is reported, except the lazy edges in
+:data:`ALLOWED_UPWARD` (which must be lazy, and which close no reported cycle: they are the designed way back).
+Cycles that exist only through ``TYPE_CHECKING`` imports are reported as well (as a warning: they never run,
+but they show a layering the code does not keep).
 
 Usage: ``python scripts/check_import_cycles.py [--module-level] [src/selfspec]``
 """
@@ -112,8 +113,6 @@ def ring(module: str) -> int | None:
     parts = module.split(".")
     if len(parts) < 2:
         return None
-    if parts[1] == "drafting" and parts[-1] == "cli":  # a head's train-* verb: part of the command line
-        return len(RINGS) - 1
     for index, names in enumerate(RINGS):
         if parts[1] in names:
             return index

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -19,12 +20,20 @@ from urllib.parse import unquote, urlparse
 
 @dataclass
 class FakeHub:
-    """One repository ``repo_id`` at commit ``commit`` holding ``files`` (name -> bytes)."""
+    """One repository ``repo_id`` at commit ``commit`` holding ``files`` (name -> bytes).
+
+    ``more`` holds further repositories (repo id -> files) at the same commit; any other repository
+    is answered as the hub answers one that does not exist. The bodies of the files named in
+    ``dropped`` are cut off partway (the connection closes after half of the bytes the
+    ``Content-Length`` announced): a network that fails in the middle of a file.
+    """
 
     repo_id: str
     commit: str
     files: dict[str, bytes]
     requests: list[str] = field(default_factory=list)
+    dropped: frozenset[str] = frozenset()
+    more: dict[str, dict[str, bytes]] = field(default_factory=dict)
     server: Any = None
 
     @property
@@ -43,24 +52,32 @@ class FakeHub:
 
     def answer(self, path: str) -> tuple[int, bytes, dict[str, str]]:
         """The status, body and headers for a request path."""
-        api = f"/api/models/{self.repo_id}/"
+        for repo_id, files in {self.repo_id: self.files, **self.more}.items():
+            answered = self._answer(repo_id, files, path)
+            if answered is not None:
+                return answered
+        return 404, b"", {"X-Error-Code": "RepoNotFound"}
+
+    def _answer(self, repo_id: str, files: dict[str, bytes], path: str) -> tuple[int, bytes, dict[str, str]] | None:
+        """The answer of one repository (``None``: the path is not about it)."""
+        api = f"/api/models/{repo_id}/"
         if path.startswith(api + "revision/"):
-            siblings = [{"rfilename": name} for name in self.files]
-            return 200, json.dumps({"id": self.repo_id, "sha": self.commit, "siblings": siblings}).encode(), {}
+            siblings = [{"rfilename": name} for name in files]
+            return 200, json.dumps({"id": repo_id, "sha": self.commit, "siblings": siblings}).encode(), {}
         if path.startswith(api + "tree/"):
             tree = [
                 {"type": "file", "path": name, "size": len(body), "oid": hashlib.sha1(body).hexdigest()}
-                for name, body in self.files.items()
+                for name, body in files.items()
             ]
             return 200, json.dumps(tree).encode(), {}
-        prefix = f"/{self.repo_id}/resolve/"
+        prefix = f"/{repo_id}/resolve/"
         if path.startswith(prefix):
             name = path[len(prefix) :].partition("/")[2]
-            if name not in self.files:
+            if name not in files:
                 return 404, b"", {"X-Error-Code": "EntryNotFound"}
-            body = self.files[name]
+            body = files[name]
             return 200, body, {"X-Repo-Commit": self.commit, "ETag": f'"{hashlib.sha1(body).hexdigest()}"'}
-        return 404, b"", {"X-Error-Code": "RepoNotFound"}
+        return None
 
 
 def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
@@ -76,7 +93,12 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 self.send_header(key, value)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            if send_body:
+            if send_body and any(self.path.endswith(f"/{name}") for name in hub.dropped):
+                self.wfile.write(body[: len(body) // 2])
+                self.wfile.flush()
+                self.close_connection = True
+                self.connection.shutdown(socket.SHUT_RDWR)  # the rest never comes
+            elif send_body:
                 self.wfile.write(body)
 
         def do_GET(self) -> None:

@@ -263,21 +263,25 @@ def test_forward_matches_the_published_formula(tmp_path, tiny, layout, nbr) -> N
 # ----------------------------------------------------------------------------- exactness
 @pytest.fixture(scope="module")
 def trained_weights(tiny) -> dict[str, torch.Tensor]:
+    return train_eagle3(tiny, LAYERS)
+
+
+def train_eagle3(tiny: Any, layers: list[int], vocab: int = 80) -> dict[str, torch.Tensor]:
     """The reference head trained for a few seconds on the tiny model's greedy text (teacher-forced).
 
     Entry ``t`` (taps at ``t``, token ``t + 1``) learns the target's greedy token at ``t + 1``
-    (cross-entropy on the draft vocabulary; tokens outside it are not learned).
+    (cross-entropy on a draft vocabulary of ``vocab`` tokens; tokens outside it are not learned).
     """
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, 96, (24, 6), generator=generator)
     with torch.no_grad():
         text = tiny.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False, max_new_tokens=24,
                              pad_token_id=0, eos_token_id=None)  # fmt: skip
-        taps = torch.cat([tapped_states(tiny, row[None], LAYERS) for row in text])  # [B, T, 3H]
+        taps = torch.cat([tapped_states(tiny, row[None], layers) for row in text])  # [B, T, 3H]
         greedy = tiny(text).logits.argmax(-1)  # [B, T]
-    ids_vocab = draft_vocab(tiny, 80, seed=2)
-    draft_index = torch.full((96,), -100).index_copy_(0, ids_vocab, torch.arange(80))  # target id -> draft id
-    start = random_eagle3(tiny, LAYERS, ids_vocab)
+    ids_vocab = draft_vocab(tiny, vocab, seed=2)
+    draft_index = torch.full((96,), -100).index_copy_(0, ids_vocab, torch.arange(vocab))  # target id -> draft id
+    start = random_eagle3(tiny, layers, ids_vocab)
     weights = {k: v.clone().requires_grad_(v.is_floating_point()) for k, v in start.items()}
     optimizer = torch.optim.Adam([v for v in weights.values() if v.requires_grad], lr=1e-2)
     positions = torch.arange(text.shape[1] - 1)

@@ -28,7 +28,7 @@ from selfspec.cli import build_parser, main
 from selfspec.cli.args import engine_kwargs
 from selfspec.core.sampling import SamplingParams
 from selfspec.drafting.medusa.drafter import MedusaDrafter, MedusaHeads, build_candidate_tree, load_medusa_heads
-from selfspec.errors import ConfigurationError, ModelNotFoundError, UnsafeCheckpointError
+from selfspec.errors import ConfigurationError, CorruptCheckpointError, ModelNotFoundError, UnsafeCheckpointError
 
 HIDDEN, TINY_VOCAB = 32, 96  # tiny_models' sizes
 
@@ -386,3 +386,89 @@ def test_shipped_demo_heads_are_accepted_on_heldout_text(demo_engine) -> None:
         assert out.token_ids == plain.generate_ids(prompt, max_new_tokens=40).token_ids
         taus.append(out.stats.mean_accepted_length)
     assert sum(taus) / len(taus) > SHIPPED_TAU_BOUND, taus
+
+
+def _truncate(file: Path, keep: float = 0.5) -> None:
+    data = file.read_bytes()
+    file.write_bytes(data[: int(len(data) * keep)])
+
+
+@pytest.mark.parametrize(
+    ("damage", "match"),
+    [
+        ("truncated safetensors", r"medusa_lm_head\.safetensors is not a readable safetensors file: it is truncated"),
+        ("a safetensors header only", r"medusa_lm_head\.safetensors is not a readable safetensors file"),
+        ("garbage safetensors", r"medusa_lm_head\.safetensors is not a readable safetensors file"),
+        ("truncated pickle", r"medusa_lm_head\.pt is not a readable PyTorch file: it is truncated"),
+        ("non-JSON config", r"config\.json is not valid JSON"),
+        ("truncated config", r"config\.json is not valid JSON"),
+        ("config not UTF-8", r"config\.json is not valid JSON"),
+        ("config a JSON list", r"config\.json is not a JSON object \(got list\)"),
+    ],
+)
+def test_corrupt_heads_name_the_file_and_what_to_do(tmp_path: Path, damage: str, match: str) -> None:
+    """Issue 44: a corrupt Medusa file is a CorruptCheckpointError naming it, never a raw SafetensorError."""
+    folder = write_published(
+        tmp_path / "heads", published_state_dict(2, HIDDEN, TINY_VOCAB), 2, pickle="pickle" in damage
+    )
+    weights, config = folder / "medusa_lm_head.safetensors", folder / "config.json"
+    if damage == "truncated safetensors":
+        _truncate(weights)
+    elif damage == "a safetensors header only":
+        _truncate(weights, keep=0.0)
+        weights.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00")
+    elif damage == "garbage safetensors":
+        weights.write_bytes(b"\x00\xff" * 300)
+    elif damage == "truncated pickle":
+        _truncate(folder / "medusa_lm_head.pt")
+    elif damage == "non-JSON config":
+        config.write_text("medusa_num_heads = 2\n")
+    elif damage == "truncated config":
+        _truncate(config)
+    elif damage == "config not UTF-8":
+        config.write_bytes(b'{"medusa_num_heads": "\xff\xfe"}')
+    elif damage == "config a JSON list":
+        config.write_text("[2, 1]")
+    model = make_model("llama")
+    with pytest.raises(CorruptCheckpointError, match=match) as caught:
+        load_medusa_heads(folder, allow_pickle=True)
+    message = str(caught.value)
+    assert str(folder) in message and "selfspec train-medusa" in message and "\n" not in message
+    if "pickle" not in damage:  # through the engine, as the CLI and adapters load (a pickle needs from_pretrained)
+        with pytest.raises(CorruptCheckpointError, match=match):
+            SpeculativeEngine(model, drafter="medusa", medusa_heads=folder)
+    # the same folder, repaired, loads and decodes exactly
+    write_published(folder, published_state_dict(2, HIDDEN, TINY_VOCAB), 2)
+    prompt = list(range(10, 20))
+    engine = SpeculativeEngine(model, drafter="medusa", medusa_heads=folder)
+    assert engine.generate_ids(prompt, max_new_tokens=8).token_ids == reference_greedy(model, prompt, 8)
+
+
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        ({"medusa_num_heads": "two"}, r"medusa_num_heads='two' is invalid; it must be an int >= 1"),
+        ({"medusa_num_heads": 0}, r"medusa_num_heads=0 is invalid"),
+        ({"medusa_num_heads": 2.0}, r"medusa_num_heads=2\.0 is invalid"),
+        ({"medusa_num_heads": True}, r"medusa_num_heads=True is invalid"),
+        ({"medusa_num_heads": 2, "medusa_num_layers": -1}, r"medusa_num_layers=-1 is invalid; it must be an int >= 0"),
+    ],
+)
+def test_bad_config_values_name_the_file_and_field(tmp_path: Path, config: dict[str, object], match: str) -> None:
+    folder = write_published(tmp_path / "heads", published_state_dict(2, HIDDEN, TINY_VOCAB), 2)
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigurationError, match=match) as caught:
+        load_medusa_heads(folder)
+    assert str(folder / "config.json") in str(caught.value)
+
+
+def test_cli_reports_corrupt_heads_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model_dir = tmp_path / "model"
+    make_model("llama", dtype=torch.float32).save_pretrained(model_dir)
+    folder = write_published(tmp_path / "heads", published_state_dict(2, HIDDEN, TINY_VOCAB), 2)
+    _truncate(folder / "medusa_lm_head.safetensors")
+    command = ["generate", "--model", str(model_dir), "--drafter", "medusa", "--medusa-heads", str(folder)]
+    assert main([*command, "--no-calibrate", "--max-new-tokens", "4", "--threads", "1", "hello"]) == 2
+    err = capsys.readouterr().err
+    assert "medusa_lm_head.safetensors is not a readable safetensors file" in err
+    assert "Traceback" not in err and "SafetensorError" not in err.split("(")[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from test_calibration_saving import save_tiny_model
 from tiny_models import reference_greedy
 
 from selfspec import SpeculativeEngine
-from selfspec.calibration.threads import candidate_counts, usable_cores
+from selfspec.calibration.threads import candidate_counts, measure_choice, plain_step, usable_cores
 
 AUTO = re.compile(r"threads=(\d+) \(auto: ")
 
@@ -50,3 +51,20 @@ def test_a_given_count_is_set_and_none_leaves_torch_alone(folder: Path) -> None:
     torch.set_num_threads(2)
     untouched = SpeculativeEngine.from_pretrained(folder, threads=None, calibrate=False, drafter="none")
     assert torch.get_num_threads() == 2 and untouched.thread_choice is None and "threads=" not in repr(untouched)
+
+
+@pytest.mark.parametrize("slowed", [1, 2])
+def test_the_choice_follows_the_real_step_when_one_count_is_made_slower(folder: Path, slowed: int) -> None:
+    if usable_cores() < 2:
+        pytest.skip("one usable core: there is no choice to make")
+    engine = SpeculativeEngine.from_pretrained(folder, threads=1, calibrate=False, drafter="none")
+    step = plain_step(engine.runner)  # the step "auto" times: one token through every layer, a KV cache
+
+    def made_slower() -> None:  # as when the count meets a core another process holds
+        step()
+        if torch.get_num_threads() == slowed:
+            time.sleep(0.05)
+
+    choice = measure_choice(made_slower, cores=2)
+    assert choice.threads == 3 - slowed == torch.get_num_threads(), choice.summary()
+    assert choice.step_ms[slowed] > 50 > choice.step_ms[3 - slowed], choice.summary()

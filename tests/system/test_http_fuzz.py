@@ -130,8 +130,15 @@ OPTIONAL = {
     "logit_bias": mostly(st.none(), JSON),
 }
 MESSAGE = st.fixed_dictionaries(
-    {"role": mostly(st.sampled_from(["system", "user", "assistant", "developer"]), TEXT)},
-    optional={"content": mostly(st.text(max_size=40), JSON), "name": TEXT},
+    {"role": mostly(st.sampled_from(["system", "user", "assistant", "developer", "function"]), TEXT)},
+    optional={
+        "content": mostly(st.text(max_size=40), JSON),
+        "name": TEXT,
+        # OpenAI's deprecated function calling (issue 44): an assistant's call
+        "function_call": st.one_of(
+            st.fixed_dictionaries({"name": st.sampled_from(["f", "rec"]), "arguments": st.just('{"x": 1}')}), JSON
+        ),
+    },
 )
 CHAT_ONLY = {
     "tools": TOOLS,
@@ -144,6 +151,8 @@ CHAT_ONLY = {
         JSON,
     ),
     "constrain_tool_calls": SCALARS,
+    "functions": st.one_of(SOME_TOOLS.map(lambda tools: [tool["function"] for tool in tools]), JSON),
+    "function_call": st.one_of(st.sampled_from(["auto", "none", {"name": "f"}, {"name": "rec"}]), JSON),
     "escape_special_tokens": mostly(st.booleans(), SCALARS),
 }
 
@@ -163,6 +172,7 @@ COMPLETION = _request(
             st.lists(st.integers(min_value=-5, max_value=70_000), max_size=8),
             st.lists(st.integers(min_value=0, max_value=1000), min_size=1, max_size=8),
             st.lists(TEXT, max_size=2),
+            st.lists(st.lists(st.integers(min_value=-5, max_value=70_000), max_size=6), max_size=3),  # issue 44
             JSON,
         ),
         "max_tokens": MAX_TOKENS,

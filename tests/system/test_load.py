@@ -6,6 +6,9 @@
 - 64 concurrent mixed requests (streamed and not, chat and text, clients that disconnect at
   random, oversized bodies) within 60 s: no 500, every completed greedy text equal to the text
   the engine gives alone, server RSS growth under ``LOAD_RSS_BOUND_MB``.
+- A warm-up burst, then ``BURSTS`` bursts of ``BURST_SIZE`` concurrent mixed requests with a pause
+  between them: the server trims its allocator once in each pause (``selfspec_malloc_trims_total``),
+  and its RSS after the last burst is within ``BURST_RSS_BOUND_MB`` of the RSS after the warm-up.
 
 Traffic goes to 127.0.0.1 only. The server is a real ``python -m selfspec serve`` process, so
 its resident memory is measured alone (``/proc/<pid>/status``).
@@ -47,6 +50,15 @@ PROMPTS = [
 NEW_TOKENS = 12
 #: The most the server's resident memory may grow over the 64-request load (after a warm-up).
 LOAD_RSS_BOUND_MB = 100
+#: Bursts of concurrent requests after the warm-up burst, and requests per burst.
+BURSTS, BURST_SIZE = 3, 40
+#: The most the server's resident memory may grow from the warm-up burst to the last burst, with the
+#: server's own allocator settings: measured 13 and 19 MB over the three bursts (2 shared cores, load
+#: 7.8-8.7); benchmarks/results/serve_rss_cpu.md has the settings compared on bursts of 100.
+BURST_RSS_BOUND_MB = 45
+#: Seconds the server waits once idle before it trims (``allocator.IDLE_TRIM_DELAY``); the test waits
+#: at most ten times this for each trim.
+BURST_SETTLE_S = 0.5
 FIVE_MB = 5 * 10**6
 
 
@@ -328,3 +340,58 @@ def test_64_concurrent_mixed_requests(server: tuple[str, int], solo: dict[tuple[
         timeout=60,
     )
     assert reply.json()["choices"][0]["message"]["content"] == solo[("chat", PROMPTS[3])]
+
+
+def _trims(root: str) -> float:
+    """``selfspec_malloc_trims_total`` of the server."""
+    for line in _metrics(root).splitlines():
+        if line.startswith("selfspec_malloc_trims_total "):
+            return float(line.split()[1])
+    raise AssertionError("no selfspec_malloc_trims_total in /metrics")
+
+
+@pytest.mark.slow
+def test_bursts_do_not_grow_memory(server: tuple[str, int], solo: dict[tuple[str, str], str]) -> None:
+    """Issue 44: RSS grew 70-100 MB per burst of 100 requests; the server now caps arenas and trims when idle."""
+    root, pid = server
+    rng = random.Random(44)
+    kinds = [kind for kind in KINDS if kind != "oversized"]
+
+    async def burst() -> list[tuple[str, str, int, str | None]]:
+        limits = httpx.Limits(max_connections=BURST_SIZE + 8, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=root, timeout=60, limits=limits) as client:
+            plan = [(kinds[i % len(kinds)], PROMPTS[rng.randrange(len(PROMPTS))]) for i in range(BURST_SIZE)]
+            return await asyncio.gather(*(_one(client, kind, prompt, rng) for kind, prompt in plan))
+
+    def settled(trims: float) -> float:
+        """Wait for the trim of the pause that has begun (``trims`` + 1), then return the RSS."""
+        deadline = time.monotonic() + BURST_SETTLE_S * 10
+        while _trims(root) < trims + 1:
+            assert time.monotonic() < deadline, "the server did not trim once idle"
+            time.sleep(0.1)
+        return _rss_mb(pid)
+
+    time.sleep(4 * BURST_SETTLE_S)  # the trim after the previous test's last request is done
+    started = time.monotonic()
+    count = _trims(root)
+    asyncio.run(burst())  # the warm-up: the first concurrent generations of a process allocate caches
+    warm = settled(count)
+    trims_before = _trims(root)
+    after = []
+    for _ in range(BURSTS):
+        count = _trims(root)
+        results = asyncio.run(burst())
+        after.append(settled(count))
+        assert all(status != 500 for _, _, status, _ in results)
+        for kind, prompt, status, text in results:
+            if kind in ("text", "text-stream", "chat", "chat-stream"):
+                assert status == 200 and text == solo[("chat" if kind.startswith("chat") else "text", prompt)]
+    trims = _trims(root) - trims_before
+    elapsed = time.monotonic() - started
+    shown = ", ".join(f"{rss:.0f}" for rss in after)
+    load = os.getloadavg()[0]
+    print(f"\n{BURSTS} bursts of {BURST_SIZE} in {elapsed:.1f} s: RSS {warm:.0f} -> {shown} MB, {trims:.0f} trims, "
+          f"load {load:.1f}")  # fmt: skip
+    assert trims == BURSTS  # once per idle period: each pause, never during a burst (that would be 2 a pause)
+    assert after[-1] - warm < BURST_RSS_BOUND_MB
+    assert elapsed < 60

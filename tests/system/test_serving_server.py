@@ -425,6 +425,54 @@ HTTP_BAD_INPUT = [
     ("float ids", "completions", {**GOOD, "prompt": [1.5, 2.0]}, {}, 400, "prompt"),
     ("bool ids", "completions", {**GOOD, "prompt": [True]}, {}, 400, "prompt"),
     ("two prompts", "completions", {**GOOD, "prompt": ["a", "b"]}, {}, 400, "prompt"),
+    ("two token-id prompts", "completions", {**GOOD, "prompt": [[1, 2, 3], [1, 2, 3]]}, {}, 400, "prompt"),
+    ("an empty token-id prompt", "completions", {**GOOD, "prompt": [[]]}, {}, 400, "prompt"),
+    ("a negative id in a list", "completions", {**GOOD, "prompt": [[5, -1]]}, {}, 400, "prompt"),
+    ("an id over the vocabulary in a list", "completions", {**GOOD, "prompt": [[10**6]]}, {}, 400, "prompt"),
+    ("float ids in a list", "completions", {**GOOD, "prompt": [[1.5]]}, {}, 400, "prompt"),
+    ("text and ids mixed", "completions", {**GOOD, "prompt": ["a", 1]}, {}, 400, "prompt"),
+    ("a prompt object", "completions", {**GOOD, "prompt": {"text": "a"}}, {}, 400, "prompt"),
+    (
+        "function_call without functions",
+        "chat/completions",
+        {**CHAT, "function_call": "auto"},
+        {},
+        400,
+        "function_call",
+    ),
+    (
+        "functions and tools",
+        "chat/completions",
+        {**CHAT, "functions": [SMALL_TOOL["function"]], "tools": [SMALL_TOOL]},
+        {},
+        400,
+        "functions",
+    ),
+    (
+        "function_call='banana'",
+        "chat/completions",
+        {**CHAT, "functions": [SMALL_TOOL["function"]], "function_call": "banana"},
+        {},
+        400,
+        "function_call",
+    ),
+    (
+        "a function without a name",
+        "chat/completions",
+        {**CHAT, "functions": [{"parameters": {}}]},
+        {},
+        400,
+        "functions[0]",
+    ),
+    ("functions not a list", "chat/completions", {**CHAT, "functions": {"name": "f"}}, {}, 400, "functions"),
+    (
+        "a function message without a name",
+        "chat/completions",
+        {**CHAT, "messages": [*MESSAGES, {"role": "function", "content": "1"}]},
+        {},
+        400,
+        "messages[1]",
+    ),
     ("prompt over the window", "completions", {**GOOD, "prompt": "word " * 3000}, {}, 400, "prompt"),
     (
         "1 MB prompt (characters)",
@@ -617,6 +665,126 @@ def test_http_bad_input_table(base_url: str, good_text: str, path, body, headers
         # the server answers the next valid call with the right text
         reply = http.post("/v1/completions", json=GOOD)
         assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == good_text
+
+
+def test_completions_take_each_single_prompt_form(client: Any, base_url: str, demo_engine: Any) -> None:
+    """Issue 44: text, token ids, and a one-element list of either are one prompt; several are a clear 400."""
+    ids = [int(i) for i in demo_engine.tokenizer.encode(PROMPT, add_special_tokens=False)]
+    expected = demo_engine.generate_ids(ids, max_new_tokens=6).text
+    for prompt in (ids, [ids]):
+        reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+        assert reply.choices[0].text == expected and reply.usage.prompt_tokens == len(ids)
+    streamed = client.completions.create(model=MODEL, prompt=[ids], max_tokens=6, temperature=0, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == expected
+    text = client.completions.create(model=MODEL, prompt=[PROMPT], max_tokens=6, temperature=0)
+    assert text.choices[0].text == demo_engine.generate(PROMPT, max_new_tokens=6).text
+    with httpx.Client(base_url=base_url, headers=JSON_HEADERS, timeout=60) as http:
+
+        def refusal(prompt: Any) -> str:
+            response = http.post("/v1/completions", json={**GOOD, "prompt": prompt})
+            assert response.status_code == 400 and response.json()["error"]["param"] == "prompt", response.text
+            return str(response.json()["error"]["message"])
+
+        assert refusal([ids, ids]) == (
+            "only one prompt per request is served, got 2: send one request per prompt "
+            "(concurrent requests are served together)"
+        )
+        assert "got 3" in refusal([PROMPT, PROMPT, PROMPT])
+        assert refusal([[]]) == refusal([]) == "the prompt is empty; pass some text or token ids"
+        assert "a list of token ids (integers), or a one-element list of either" in refusal([[0.5]])
+        vocab = int(refusal([[-1]]).rsplit(", ", 1)[1].rstrip(")"))  # "... not in the vocabulary [0, N)"
+        assert refusal([[ids[0], vocab]]) == f"token id {vocab} is not in the vocabulary [0, {vocab})"
+        assert http.post("/v1/completions", json={**GOOD, "prompt": [[vocab - 1]]}).status_code == 200
+
+
+MULTIPLY = {
+    "name": "multiply",
+    "description": "Multiply two integers.",
+    "parameters": {
+        "type": "object",
+        "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+        "required": ["x", "y"],
+    },
+}
+
+
+def test_legacy_function_calling_is_served_in_its_own_shape(client: Any, demo_engine: Any) -> None:
+    """Issue 44: ``functions`` / ``function_call`` were silently ignored; now served as tools, answered as functions."""
+    pytest.importorskip("llguidance")
+    messages = [{"role": "user", "content": "Use multiply on 3 and 5."}]
+    tools = [{"type": "function", "function": MULTIPLY}]
+    common = {"model": MODEL, "messages": messages, "max_tokens": 24, "temperature": 0}
+    as_tool = client.chat.completions.create(
+        **common, tools=tools, tool_choice={"type": "function", "function": {"name": "multiply"}}
+    )
+    reply = client.chat.completions.create(**common, functions=[MULTIPLY], function_call={"name": "multiply"})
+    choice = reply.choices[0]
+    assert choice.finish_reason == "function_call" and choice.message.tool_calls is None
+    assert choice.message.function_call.name == "multiply"
+    assert choice.message.function_call.arguments == as_tool.choices[0].message.tool_calls[0].function.arguments
+    assert set(json.loads(choice.message.function_call.arguments)) == {"x", "y"}
+    assert reply.usage.prompt_tokens == as_tool.usage.prompt_tokens  # the same prompt: functions render as tools
+
+    streamed = list(
+        client.chat.completions.create(**common, functions=[MULTIPLY], function_call={"name": "multiply"}, stream=True)
+    )
+    deltas = [chunk.choices[0].delta for chunk in streamed if chunk.choices]
+    assert all(delta.tool_calls is None for delta in deltas)
+    calls = [delta.function_call for delta in deltas if delta.function_call is not None]
+    assert calls[0].name == "multiply" and all(call.name is None for call in calls[1:])
+    assert "".join(call.arguments or "" for call in calls) == choice.message.function_call.arguments
+    assert streamed[-1].choices[0].finish_reason == "function_call"
+
+    plain = client.chat.completions.create(**common, functions=[MULTIPLY], function_call="none")
+    assert plain.choices[0].message.function_call is None and plain.choices[0].finish_reason in ("stop", "length")
+    assert plain.choices[0].message.content == (
+        client.chat.completions.create(**common, tools=tools, tool_choice="none").choices[0].message.content
+    )
+
+    # the call and its result, in the deprecated shape, go through the template as a tool call and a tool message
+    call = {"name": "multiply", "arguments": choice.message.function_call.arguments}
+    legacy_history = [
+        *messages,
+        {"role": "assistant", "content": None, "function_call": call},
+        {"role": "function", "name": "multiply", "content": "15"},
+    ]
+    tools_history = [
+        *messages,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "call_legacy_1", "type": "function", "function": call}],
+        },
+        {"role": "tool", "tool_call_id": "call_legacy_1", "content": "15"},
+    ]
+    answer = client.chat.completions.create(
+        model=MODEL, messages=legacy_history, functions=[MULTIPLY], max_tokens=8, temperature=0
+    )
+    same = client.chat.completions.create(model=MODEL, messages=tools_history, tools=tools, max_tokens=8, temperature=0)
+    assert answer.usage.prompt_tokens == same.usage.prompt_tokens
+    legacy_message, tools_message = answer.choices[0].message, same.choices[0].message
+    assert legacy_message.content == tools_message.content
+    if tools_message.tool_calls:  # the model called again: the same call, in the deprecated shape
+        assert legacy_message.function_call.name == tools_message.tool_calls[0].function.name
+        assert legacy_message.function_call.arguments == tools_message.tool_calls[0].function.arguments
+    else:
+        assert legacy_message.function_call is None
+    template_history = [
+        *messages,
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "type": "function",
+                    "id": "call_legacy_1",
+                    "function": {"name": "multiply", "arguments": json.loads(call["arguments"])},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_legacy_1", "content": "15", "name": "multiply"},
+    ]
+    assert answer.usage.prompt_tokens == len(demo_engine.encode_prompt(template_history, tools=tools))
 
 
 def test_http_get_and_unknown_paths(base_url: str) -> None:

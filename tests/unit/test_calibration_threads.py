@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -11,6 +12,9 @@ import torch
 from selfspec.calibration.threads import (
     LOAD_CHANGE,
     RECHECK_SECONDS,
+    ROUNDS,
+    STEPS_PER_ROUND,
+    WARMUP_STEPS,
     AutoThreads,
     ThreadChoice,
     candidate_counts,
@@ -105,6 +109,47 @@ def test_the_timing_is_per_count_and_the_choice_sets_torch() -> None:
     choice = measure_choice(_slower_with_more_threads, cores=2)
     assert (choice.threads, choice.how, sorted(choice.step_ms)) == (1, "auto", [1, 2])
     assert torch.get_num_threads() == 1
+
+
+def _step_taking(ms: dict[int, float], others: float) -> Callable[[], None]:
+    """A step that takes ``ms[count]`` milliseconds at ``count`` threads and ``others`` at any other count.
+
+    A count made slower stands for one that meets a busy core. The gaps are tens of milliseconds:
+    far more than a sleep's jitter on a loaded machine.
+    """
+
+    def step() -> None:
+        time.sleep(ms.get(torch.get_num_threads(), others) / 1000)
+
+    return step
+
+
+@pytest.mark.parametrize("slowed", [1, 2])
+def test_the_choice_is_the_count_not_made_slower(slowed: int) -> None:
+    choice = measure_choice(_step_taking({slowed: 35.0}, 3.0), cores=2)
+    other = 3 - slowed
+    assert (choice.threads, torch.get_num_threads()) == (other, other), choice.summary()
+    assert choice.step_ms[slowed] > choice.step_ms[other] + 20
+
+
+def test_with_more_cores_the_fastest_count_wins_not_the_fewest_nor_the_most() -> None:
+    choice = measure_choice(_step_taking({2: 2.0}, 20.0), cores=4)
+    assert choice.threads == 2 and set(choice.step_ms) == {1, 2, 3, 4}, choice.summary()
+    assert measure_choice(_step_taking({4: 2.0}, 20.0), cores=4).threads == 4
+
+
+def test_a_count_far_slower_is_timed_no_more() -> None:
+    steps: Counter[int] = Counter()
+    made_slower = _step_taking({2: 35.0}, 3.0)
+
+    def step() -> None:
+        steps[torch.get_num_threads()] += 1
+        made_slower()
+
+    timed = time_thread_counts(step, [1, 2])
+    assert choose_thread_count(timed) == 1
+    assert steps[1] == WARMUP_STEPS + ROUNDS * STEPS_PER_ROUND
+    assert steps[2] == WARMUP_STEPS + STEPS_PER_ROUND  # dropped after the first round
 
 
 def test_a_load_change_has_the_choice_timed_again() -> None:

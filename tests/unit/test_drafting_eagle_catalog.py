@@ -28,7 +28,9 @@ from selfspec.errors import ConfigurationError
 
 #: A Llama-3.1-8B-shaped target (the facts of its config.json that the check reads).
 LLAMA_8B = SimpleNamespace(
-    config=SimpleNamespace(hidden_size=4096, vocab_size=128256, num_hidden_layers=32, _name_or_path="")
+    config=SimpleNamespace(
+        hidden_size=4096, vocab_size=128256, num_hidden_layers=32, _name_or_path="", architectures=["LlamaForCausalLM"]
+    )
 )
 
 
@@ -97,6 +99,7 @@ def test_model_names_and_matching() -> None:
     assert [e.repo_id for e in entries_for("meta-llama/Llama-3.1-8B-Instruct")] == [
         "RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3",
         "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
+        "lmsys/sglang-EAGLE3-LLaMA3.1-Instruct-8B",
     ]
     assert entries_for(snapshot) == entries_for("meta-llama/Llama-3.1-8B-Instruct")
     assert entries_for("meta-llama/Llama-3.1-8B-Instruct-abliterated") == []  # names match whole, not in part
@@ -111,11 +114,18 @@ def test_the_shipped_head_is_found_unchanged_when_no_published_head_matches() ->
 def test_check_head_config_names_the_field_and_both_values() -> None:
     name = "meta-llama/Llama-3.1-8B-Instruct"
     check_head_config(speculators_head(), LLAMA_8B, "h", name)  # fits
+    listed = {"verifier": {"name_or_path": name, "architectures": ["LlamaForCausalLM"]}}
+    check_head_config(speculators_head(speculators_config=listed), LLAMA_8B, "h", name)  # its verifier's class: fits
+    no_classes = SimpleNamespace(config=SimpleNamespace(**{**vars(LLAMA_8B.config), "architectures": None}))
+    check_head_config(speculators_head(speculators_config=listed), no_classes, "h", name)  # the model names none
+    qwen_class = {"verifier": {"name_or_path": name, "architectures": ["Qwen3ForCausalLM"]}}
     safeailab = {"hidden_size": 4096, "vocab_size": 128256, "draft_vocab_size": 32000}
     check_head_config(safeailab, LLAMA_8B, "h", name)  # no verifier named: the table's pairing stands
     cases = {
         "verifier": (speculators_head(speculators_config={"verifier": {"name_or_path": "Qwen/Qwen3-8B"}}),
                      "Qwen/Qwen3-8B", name),
+        "verifier architectures": (speculators_head(speculators_config=qwen_class),
+                                   ["Qwen3ForCausalLM"], ["LlamaForCausalLM"]),
         "hidden size": (speculators_head(target_hidden_size=5120), 5120, 4096),
         "vocabulary": ({**safeailab, "vocab_size": 151936}, 151936, 128256),
         "tapped layers": (speculators_head(eagle_aux_hidden_state_layer_ids=[2, 16, 40]), [2, 16, 40], "layers 0..32"),
@@ -159,4 +169,42 @@ def test_with_no_copy_the_resolution_is_missing_and_names_the_command(tmp_path, 
     monkeypatch.setenv(catalog.FETCH_ENV, "0")
     off = catalog.resolve_published_head(name, LLAMA_8B)
     assert off is not None and off.status == "missing" and "SELFSPEC_HEAD_FETCH=0" in off.reason
+    monkeypatch.delenv(catalog.FETCH_ENV)
+    unasked = catalog.resolve_published_head(name, LLAMA_8B, fetch=False)  # online, the hub not asked: not "offline"
+    assert unasked is not None and unasked.status == "missing" and unasked.reason == "no local copy"
     assert catalog.resolve_published_head("HuggingFaceTB/SmolLM2-135M-Instruct", LLAMA_8B) is None
+
+
+def test_the_eagle_heads_command_lists_the_table_and_what_is_here(tmp_path, monkeypatch, capsys) -> None:
+    from selfspec.cli.main import main
+
+    hub = tmp_path / "hub"
+    held, partial = (
+        hub / repo for repo in ("RedHatAI/Qwen3-8B-speculator.eagle3", "RedHatAI/Qwen3-14B-speculator.eagle3")
+    )
+    for folder in (held, partial):
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps(speculators_head()), encoding="utf-8")
+    (held / "model.safetensors").write_bytes(b"weights")  # partial holds its config only: an interrupted fetch
+    monkeypatch.setenv(HUB_ENV, str(hub))
+    assert main(["eagle-heads"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"published EAGLE heads (table version {CATALOG_VERSION}; local hub {hub} (SELFSPEC_HEAD_HUB)):"
+    assert all(lines.count(entry.target) == 1 for entry in PUBLISHED_HEADS)  # each target once, on its own line
+    by_head = {line.split(" layout: ")[0].rsplit(", ", 1)[0].strip(): line for line in lines if line.startswith("  ")}
+    assert set(by_head) == {entry.label for entry in PUBLISHED_HEADS}
+    for entry in PUBLISHED_HEADS:
+        where = f"here: {held}" if entry.repo_id == "RedHatAI/Qwen3-8B-speculator.eagle3" else "not here"
+        assert f"{entry.layout} layout: {where}" in by_head[entry.label]
+        if where == "not here":
+            assert by_head[entry.label].endswith(f"fetch: {entry.fetch_command(hub)}")
+    assert main(["eagle-heads", "--model", "Qwen/Qwen3-8B"]) == 0
+    qwen3_8b = [entry for entry in PUBLISHED_HEADS if entry.target == "Qwen/Qwen3-8B"]
+    assert capsys.readouterr().out.splitlines()[1:] == [
+        "Qwen/Qwen3-8B",
+        *(by_head[entry.label] for entry in qwen3_8b),  # only its heads, as in the whole table
+    ]
+    assert main(["eagle-heads", "-m", "HuggingFaceTB/SmolLM2-135M-Instruct"]) == 1
+    assert (
+        "no published EAGLE head in selfspec's table for HuggingFaceTB/SmolLM2-135M-Instruct" in capsys.readouterr().out
+    )

@@ -1,4 +1,4 @@
-"""``selfspec serve``'s malloc settings: the arena limit it sets itself, unless ``MALLOC_ARENA_MAX`` is set."""
+"""``selfspec serve``'s malloc settings: its own arena limit (unless ``MALLOC_ARENA_MAX`` is set), the idle trim."""
 
 from __future__ import annotations
 
@@ -6,6 +6,9 @@ import os
 import platform
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
 
 import pytest
 
@@ -47,3 +50,65 @@ def test_without_glibc_nothing_changes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(allocator, "_libc", lambda: None)
     assert allocator.limit_arenas() is None
     assert allocator.release_free_memory() is False
+
+
+def _wait_for(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+DELAY = 0.05
+
+
+def test_idle_trims_once_per_idle_period() -> None:
+    trim = allocator.IdleTrim(lambda: True, delay=DELAY)  # the real malloc_trim(0) (a no-op off glibc)
+    trim.idle()
+    assert _wait_for(lambda: trim.trims == 1)
+    trim.idle()  # idle again without work in between: the same period
+    time.sleep(DELAY * 4)
+    assert trim.trims == 1
+    trim.busy()
+    trim.idle()
+    assert _wait_for(lambda: trim.trims == 2)
+    assert trim.seconds > 0
+
+
+def test_work_within_the_delay_puts_the_trim_off() -> None:
+    trim = allocator.IdleTrim(lambda: True, delay=DELAY * 4)
+    for _ in range(5):  # requests one after another, gaps shorter than the delay: no trim between them
+        trim.busy()
+        trim.idle()
+        time.sleep(DELAY)
+    assert trim.trims == 0
+    assert _wait_for(lambda: trim.trims == 1)  # then one, when the gap lasts
+    trim.busy()
+    trim.idle()
+    trim.close()  # the server stops: the pending trim is dropped
+    time.sleep(DELAY * 8)
+    assert trim.trims == 1
+
+
+def test_a_straggler_delays_the_trim_until_it_ends() -> None:
+    running = threading.Event()
+    running.set()
+    trim = allocator.IdleTrim(lambda: not running.is_set(), delay=DELAY)
+    trim.idle()
+    time.sleep(DELAY * 5)
+    assert trim.trims == 0  # a cancelled generation still finishing its round
+    running.clear()
+    assert _wait_for(lambda: trim.trims == 1)
+    time.sleep(DELAY * 4)
+    assert trim.trims == 1
+
+
+def test_trimming_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SELFSPEC_IDLE_TRIM", "0")
+    assert not allocator.idle_trim_enabled()
+    monkeypatch.setenv("SELFSPEC_IDLE_TRIM", "1")
+    assert allocator.idle_trim_enabled()
+    monkeypatch.delenv("SELFSPEC_IDLE_TRIM")
+    assert allocator.idle_trim_enabled()

@@ -87,3 +87,48 @@ def test_wire_formats() -> None:
     assert body["token_logprobs"] == [-0.5 * i for i in range(len(ids))]
     assert body["text_offset"][0] == 0 and max(body["text_offset"]) <= 4  # capped at the text's end
     assert list(body["top_logprobs"][0].values())[-1] == LOWEST_LOGPROB
+
+
+def test_legacy_functions_map_onto_tools() -> None:
+    function = {"name": "f", "parameters": {"type": "object"}}
+    body = ChatCompletionRequest.model_validate({**CHAT, "functions": [function], "function_call": {"name": "f"}})
+    body.check_supported()
+    assert body.legacy_functions and body.request_tools == [{"type": "function", "function": function}]
+    assert body.request_tool_choice == {"type": "function", "function": {"name": "f"}}
+    assert body.request_parallel_tool_calls is False  # one function_call per answer
+    for choice in ("auto", "none", None):
+        body = ChatCompletionRequest.model_validate({**CHAT, "functions": [function], "function_call": choice})
+        assert body.request_tool_choice == choice
+    plain = ChatCompletionRequest.model_validate({**CHAT, "tools": [{"type": "function", "function": function}]})
+    assert not plain.legacy_functions and plain.request_tool_choice is None and plain.request_parallel_tool_calls
+    assert refusal(ChatCompletionRequest, {**CHAT, "function_call": "auto"}).param == "function_call"
+    assert refusal(ChatCompletionRequest, {**CHAT, "functions": [function], "tool_choice": "auto"}).param == "functions"
+    assert refusal(ChatCompletionRequest, {**CHAT, "functions": [{"name": ""}]}).param == "functions[0]"
+    assert (
+        refusal(ChatCompletionRequest, {**CHAT, "functions": [function], "function_call": "f"}).param == "function_call"
+    )
+
+
+def test_legacy_messages_become_a_tool_call_and_its_answer() -> None:
+    from selfspec.serving.server.protocol import engine_messages
+
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": '{"x": 1}'}},
+        {"role": "function", "name": "f", "content": "2"},
+    ]
+    assert engine_messages(messages)[1:] == [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"type": "function", "id": "call_legacy_1", "function": {"name": "f", "arguments": {"x": 1}}}
+            ],
+        },
+        {"role": "tool", "content": "2", "tool_call_id": "call_legacy_1", "name": "f"},
+    ]
+    both = {**messages[1], "tool_calls": [{"id": "c", "function": {"name": "f"}}]}
+    with pytest.raises(APIError, match="tool_calls or function_call, not both"):
+        engine_messages([both])
+    with pytest.raises(APIError, match="needs the 'name' of its function"):
+        engine_messages([{"role": "function", "content": "2"}])

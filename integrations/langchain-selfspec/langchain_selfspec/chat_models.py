@@ -47,7 +47,7 @@ from langchain_core.utils import secret_from_env
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, model_validator
-from selfspec.decoding.options import check_drafter_name
+from selfspec.decoding.options import adapter_fields, check_drafter_name, drafter_settings_of
 from selfspec.errors import ConfigurationError
 from selfspec.serving.endpoint import API_KEY_ENV_VARS, EndpointClient, EndpointResult, chat_body
 from selfspec.serving.requests import (
@@ -98,7 +98,12 @@ _CALL_ARGS = frozenset(
 )
 
 
-class ChatSpeculative(BaseChatModel):
+#: A field per drafter option (``eagle_head``, ``medusa_heads``, ``draft_model``, ``exit_adapter``,
+#: ``learn_online``, and any drafter registered before this module was imported), from their declarations.
+_DrafterOptionFields = adapter_fields("ChatSpeculativeDrafterOptions")
+
+
+class ChatSpeculative(BaseChatModel, _DrafterOptionFields):  # type: ignore[misc, valid-type]
     """Chat with a Hugging Face causal LM through lossless self-speculative decoding.
 
     The model drafts tokens with its own first layers and verifies them with all of them in
@@ -337,26 +342,6 @@ class ChatSpeculative(BaseChatModel):
     calibration_budget: float | None = 300.0
     """Seconds first-load calibration may take (``None``: no limit); what does not fit is skipped and said."""
 
-    draft_model: str | None = None
-    """With ``drafter="draft_model"``: a hub id or folder of a separate small draft model, loaded
-    like the target (same quantization, dtype and device)."""
-
-    exit_adapter: str | None = None
-    """A trained exit adapter folder for the early-exit and hybrid drafters (``selfspec
-    train-adapter``), ``"auto"`` for the one saved beside the model, or ``None``. Drafts only:
-    the text never changes."""
-    medusa_heads: str | None = None
-    """With ``drafter="medusa"``: a folder of Medusa heads in the published layout (``None``: the
-    heads saved beside the model, e.g. the demo model's)."""
-
-    eagle_head: str | None = None
-    """With ``drafter="eagle"`` (or ``"eagle_hybrid"``): an EAGLE-style head folder (``selfspec
-    train-eagle``), or ``None``/``"auto"`` for the head saved beside the model."""
-
-    learn_online: bool = False
-    """Keep training the EAGLE head on the text the shared engine serves, in a background thread
-    (``drafter="eagle"``, ``"eagle_hybrid"``, or ``"auto"`` choosing one); the text never changes."""
-
     temperature: float = 0.0
     """Sampling temperature: 0 for greedy decoding, > 0 samples."""
 
@@ -436,6 +421,7 @@ class ChatSpeculative(BaseChatModel):
             if "model" in values and values["model"] != values["model_name"]:
                 raise ValueError("pass either model or its alias model_name, not both")
             values["model"] = values.pop("model_name")
+        values = drafter_settings_of(values, cls.model_fields)  # a drafter registered after this class was made
         known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
         check_arguments("ChatSpeculative", values, known)
         return values

@@ -428,4 +428,7 @@ def _plan_problem(plan: Any) -> str | None:
         return f"plan.exit_adapter is {plan['exit_adapter']!r}"
     if plan.get("eagle_head") is not None and not isinstance(plan["eagle_head"], str):
         return f"plan.eagle_head is {plan['eagle_head']!r}"
+    own = plan.get("drafter_settings", {})  # the drafter's own options it was measured with (a head's path)
+    if not isinstance(own, dict) or not all(isinstance(v, (str, int, float, bool, type(None))) for v in own.values()):
+        return f"plan.drafter_settings is {own!r:.80}, not a dict of plain values"
     return None

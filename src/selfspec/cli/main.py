@@ -223,10 +223,50 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+#: The entry-point group of installed drafters: each entry names a module that calls ``register_drafter``.
+DRAFTER_ENTRY_POINTS = "selfspec.drafters"
+#: Modules to import for their drafters too, comma-separated (a drafter not installed as a package).
+DRAFTERS_ENV = "SELFSPEC_DRAFTERS"
+
+
+def load_drafter_plugins() -> None:
+    """Import the drafters installed for ``selfspec`` (entry points) and named by ``$SELFSPEC_DRAFTERS``.
+
+    Their registrations declare their options, so their flags are on every verb they apply to
+    (``docs/custom_drafter.md``). Nothing is imported when none is installed.
+
+    Raises:
+        SystemExit: a module that does not import, with its error.
+    """
+    import importlib
+    from importlib.metadata import entry_points
+
+    names = [entry.value.split(":")[0] for entry in entry_points(group=DRAFTER_ENTRY_POINTS)]
+    names += [name.strip() for name in os.environ.get(DRAFTERS_ENV, "").split(",") if name.strip()]
+    for name in dict.fromkeys(names):
+        try:
+            importlib.import_module(name)
+        except Exception as error:  # a broken plugin: say which, before any model loads
+            raise SystemExit(f"selfspec: error: the drafter module {name!r} does not import: {error}") from error
+
+
+def calibrated_exit_layer(path: str, num_layers: int) -> int:
+    """The exit layer ``train-adapter`` trains for without ``--exit-layer``: the calibrated one, else ``L // 4``.
+
+    Here rather than in the head's folder: the saved calibration is a ring above ``drafting``.
+    """
+    from ..calibration import load_calibration
+    from ..decoding.config import default_exit_layer
+
+    saved = (load_calibration(path) or {}).get("exit_layer")
+    return saved if isinstance(saved, int) else default_exit_layer(num_layers)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the ``selfspec`` command."""
+    """The argument parser of the ``selfspec`` command (with the flags of every installed drafter's options)."""
     from .. import __version__
 
+    load_drafter_plugins()
     parser = ArgumentParser(prog="selfspec", description="Lossless self-speculative decoding.")
     parser.add_argument("--version", action="version", version=f"selfspec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -307,14 +347,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_max_tokens(demo, 128)
     demo.set_defaults(func=cmd_demo)
 
+    from ..drafting.eagle.catalog_cli import add_eagle_heads_parser
     from ..drafting.eagle.cli import add_train_eagle_parser
     from ..drafting.eagle.export_cli import add_export_eagle_parser
     from ..drafting.exit_adapter.cli import add_train_adapter_parser
     from ..drafting.medusa.cli import add_train_medusa_parser
 
-    add_train_adapter_parser(sub)
+    add_train_adapter_parser(sub, default_exit_layer=calibrated_exit_layer)
     add_train_eagle_parser(sub)
     add_export_eagle_parser(sub)
+    add_eagle_heads_parser(sub)
 
     add_train_medusa_parser(sub)
 

@@ -8,7 +8,6 @@ by :meth:`EngineConfig.resolve`.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +15,6 @@ from ..core.validation import check_num_draft_tokens, check_tree_nodes
 from ..drafting import Drafter, drafter_spec
 from ..drafting.auto import plan_settings
 from ..drafting.exit_adapter.adapter import ExitAdapter, engine_exit_adapter
-from ..drafting.medusa.drafter import MedusaHeads
 from ..drafting.registry import drafters_using, drafters_with, names_in_words
 from ..errors import ConfigurationError
 from ..modeling.runner import ModelRunner
@@ -86,13 +84,13 @@ class EngineConfig:
         draft_confidence: the early exit's confidence stop (``0``: none).
         tree_nodes: the token-tree node budget, or ``None`` for chains.
         calibration: the measured settings the ``"auto"`` values came from (may be empty).
-        exit_adapter: the trained exit adapter the drafter uses, if any.
-        draft_model: the separate draft model (``drafter="draft_model"``).
-        draft_tokenizer: its tokenizer, checked against the target's.
-        medusa_heads: Medusa heads or their folder (``drafter="medusa"``).
-        eagle_head: an EAGLE head, its folder or ``"auto"`` (``drafter="eagle"``; ``None``: auto).
-        learn_online: whether an EAGLE head keeps learning from served text
-            (:mod:`selfspec.drafting.eagle.online`).
+        exit_adapter: the trained exit adapter the drafter uses, if any (resolved from the
+            ``exit_adapter`` option).
+        draft_tokenizer: the draft model's tokenizer, checked against the target's.
+        drafter_settings: the value of every option a registered drafter declares
+            (:class:`~selfspec.drafting.declaring.DrafterOption`), by name; each reads as an
+            attribute too: ``config.eagle_head``, ``config.medusa_heads``, ``config.draft_model``,
+            ``config.learn_online``, a custom head's ``config.my_head``.
         drafter_options: keyword options passed to the drafter's factory.
         batching: whether concurrent calls are decoded together.
         fast_path: whether the lean layer path is used where it applies.
@@ -106,14 +104,26 @@ class EngineConfig:
     tree_nodes: int | None
     calibration: dict[str, Any] = field(default_factory=dict)
     exit_adapter: ExitAdapter | None = None
-    draft_model: Any = None
     draft_tokenizer: Any = None
-    medusa_heads: str | os.PathLike[str] | MedusaHeads | None = None
-    eagle_head: Any = None
-    learn_online: bool = False
+    drafter_settings: dict[str, Any] = field(default_factory=dict)
     drafter_options: dict[str, Any] = field(default_factory=dict)
     batching: bool = False
     fast_path: bool = True
+
+    def settings_for(self, drafter: str) -> dict[str, Any]:
+        """The values given for the options the drafter ``drafter`` declares (defaults left out)."""
+        return {
+            option.name: self.drafter_settings[option.name]
+            for option in drafter_spec(drafter).options
+            if option.name in self.drafter_settings and option.given(self.drafter_settings[option.name])
+        }
+
+    def __getattr__(self, name: str) -> Any:
+        """A drafter's option by name (``config.eagle_head``), from :attr:`drafter_settings`."""
+        settings = self.__dict__.get("drafter_settings")
+        if settings is not None and name in settings:
+            return settings[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def drafter_name(self) -> str:
@@ -147,10 +157,10 @@ class EngineConfig:
         """
         options = options or EngineOptions()
         exit_layer, num_draft_tokens, drafter = options.exit_layer, options.num_draft_tokens, options.drafter
-        tree_nodes, draft_model, eagle_head = options.tree_nodes, options.draft_model, options.eagle_head
-        medusa_heads, draft_confidence = options.medusa_heads, options.draft_confidence
-        if drafter == "auto" and eagle_head == "auto":  # the plan considers the head "auto" finds: the default
-            eagle_head = None
+        tree_nodes, draft_confidence = options.tree_nodes, options.draft_confidence
+        settings = {name: getattr(options, name) for name in EngineOptions.drafter_options() if hasattr(options, name)}
+        if drafter == "auto" and settings.get("eagle_head") == "auto":  # the plan considers the head "auto" finds
+            settings["eagle_head"] = None
         check_arguments(exit_layer, num_draft_tokens, "none", tree_nodes)
         _check_auto_exit_layer(drafter, exit_layer)
         adapter_module = engine_exit_adapter(options.exit_adapter, runner, name_or_path, exit_layer, drafter)
@@ -159,8 +169,7 @@ class EngineConfig:
         adaptive = num_draft_tokens == "auto"
         confidence = DEFAULT_DRAFT_CONFIDENCE if draft_confidence is None else draft_confidence
         check_arguments("auto", "auto", drafter)
-        _check_drafter_options(drafter, draft_model=draft_model, medusa_heads=medusa_heads, eagle_head=eagle_head)
-        _check_learn_online(drafter, options.learn_online)
+        _check_drafter_options(drafter, settings)
         if drafter_options is not None and not isinstance(drafter_options, dict):
             raise ConfigurationError(f"drafter_options must be a dict or None, got {drafter_options!r}")
         planned = plan_settings(calibration) if drafter == "auto" else calibration  # drafter="auto": the plan's E, k
@@ -173,11 +182,8 @@ class EngineConfig:
             tree_nodes=_resolve_tree_nodes(tree_nodes, drafter, calibration),
             calibration=calibration,
             exit_adapter=adapter_module,
-            draft_model=draft_model,
             draft_tokenizer=draft_tokenizer,
-            medusa_heads=medusa_heads,
-            eagle_head=eagle_head,
-            learn_online=options.learn_online,
+            drafter_settings=settings,
             drafter_options=dict(drafter_options or {}),
             batching=options.batching,
             fast_path=runner.fast_layers is not None,
@@ -228,21 +234,16 @@ def _resolve_tree_nodes(
     return tree_nodes
 
 
-def _check_drafter_options(drafter: str | Drafter, **given: Any) -> None:
-    """Engine arguments that only some drafters use must not be given with another one."""
-    for option, value in given.items():
-        users = drafters_using(option)
-        if value is not None and drafter not in users:
-            wanted = " or ".join(f"drafter={name!r}" for name in users)
-            raise ConfigurationError(f"{option}= is only used with {wanted}")
-
-
-def _check_learn_online(drafter: str | Drafter, learn_online: bool) -> None:
-    """``learn_online`` trains an EAGLE head: only with a drafter that may be one."""
-    users = [*drafters_using("eagle_head"), "auto"]
-    if learn_online and (not isinstance(drafter, str) or drafter not in users):
-        wanted = " or ".join(f"drafter={name!r}" for name in users)
-        raise ConfigurationError(f"learn_online=True trains an EAGLE head: it is only used with {wanted}")
+def _check_drafter_options(drafter: str | Drafter, settings: dict[str, Any]) -> None:
+    """A drafter's own option must not be given with another drafter (``eagle_head=`` with ``prompt_lookup``)."""
+    for name, option in EngineOptions.drafter_options().items():
+        if not option.exclusive or not option.given(settings.get(name, option.default)):
+            continue
+        users = drafters_using(name) + (["auto"] if option.auto else [])
+        if drafter not in users:
+            wanted = " or ".join(f"drafter={user!r}" for user in users)
+            shown = f"{name}={settings[name]!r}" if isinstance(settings[name], bool) else f"{name}="
+            raise ConfigurationError(f"{shown} is only used with {wanted}")
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Generator, Sequence
-from dataclasses import replace
+from collections.abc import Generator, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,8 +22,8 @@ from ..core.speed import CostModel
 from ..drafting import Drafter, drafter_spec
 from ..drafting.auto import Plan, plan_of, sampled_drafts_pay, uncalibrated_plan
 from ..drafting.exit_adapter.adapter import ExitAdapter
-from ..drafting.medusa.drafter import MedusaHeads, load_medusa_heads
-from ..drafting.registry import drafters_using
+from ..drafting.medusa.drafter import MedusaHeads
+from ..drafting.registry import drafters_declaring
 from ..errors import ConfigurationError
 from ..modeling.attention import ROW_EXACT_DTYPES
 from ..modeling.cache import CachePool
@@ -33,7 +34,7 @@ from .config import EngineConfig, check_arguments, eos_token_ids, wants_calibrat
 from .controller import DraftController
 from .generation import Generation, GenerationRequest, GenerationStream, Prompt, encode_prompt
 from .loop import decode
-from .options import DEFAULT_CALIBRATION_BUDGET, EngineOptions, GenerateOptions, engine_settings
+from .options import DEFAULT_CALIBRATION_BUDGET, LOADING_OPTIONS, EngineOptions, GenerateOptions, engine_settings
 from .outputs import FinishReason, GenerationOutput
 from .static_round import StaticRounds, static_rounds
 
@@ -42,9 +43,40 @@ if TYPE_CHECKING:
 
     from .options import GenerateKeywords
 
-#: The :class:`EngineConfig` fields an engine exposes as its own attributes.
+#: The :class:`EngineConfig` fields an engine exposes as its own attributes (and every drafter option).
 _SETTINGS = frozenset("exit_layer num_draft_tokens adaptive draft_confidence tree_nodes calibration".split())
-_SETTINGS |= frozenset("exit_adapter batching draft_model medusa_heads eagle_head learn_online".split())
+_SETTINGS |= frozenset("exit_adapter batching".split())
+
+
+@dataclass
+class BuiltParts:
+    """What an engine builds from its resolved settings, once per plan (:meth:`SpeculativeEngine.configure`).
+
+    Attributes:
+        drafter: the configured drafter.
+        controller: the draft length and the online guard (:class:`~selfspec.decoding.controller.DraftController`).
+        batcher: the batching scheduler (``batching=True``), else ``None``.
+        static: the static round single calls run in (``compile=``), else ``None``.
+    """
+
+    drafter: Drafter
+    controller: DraftController
+    batcher: BatchScheduler | None
+    static: StaticRounds | None
+
+
+_LATER = threading.local()  # set while from_pretrained loads: its parts are built once, after calibration
+
+
+@contextmanager
+def _parts_built_later() -> Iterator[None]:
+    """Within: :meth:`SpeculativeEngine.configure` resolves the settings and leaves the parts for first use."""
+    before = getattr(_LATER, "on", False)
+    _LATER.on = True
+    try:
+        yield
+    finally:
+        _LATER.on = before
 
 
 class SpeculativeEngine:
@@ -106,6 +138,9 @@ class SpeculativeEngine:
             (see :mod:`selfspec.decoding.batching`; generations with a constraint, or a drafter
             without a batched path, run alone).
         drafter_options: keyword options for the drafter's factory (``factory(engine, **options)``).
+        **drafter_settings: the options of a drafter registered after :mod:`selfspec.decoding.options`
+            was imported (its :class:`~selfspec.drafting.declaring.DrafterOption`; the built-in ones
+            are the keywords above). Every drafter option reads as ``engine.config.<name>``.
         fast_path: use the lean layer path where it applies (``None``: on, unless the
             environment sets ``SELFSPEC_FAST_PATH=0``).
         compile: run single calls in the static round (:mod:`selfspec.decoding.static_round`: a
@@ -165,23 +200,12 @@ class SpeculativeEngine:
         escape_special_tokens: bool = False,
         compile: bool | str = "auto",
         row_exact: bool | str = "auto",
+        **drafter_settings: Any,
     ) -> None:
-        self.options = EngineOptions(
-            exit_layer=exit_layer,
-            num_draft_tokens=num_draft_tokens,
-            drafter=drafter,
-            draft_confidence=draft_confidence,
-            draft_model=draft_model,
-            exit_adapter=exit_adapter,
-            medusa_heads=medusa_heads,
-            eagle_head=eagle_head,
-            learn_online=learn_online,
-            tree_nodes=tree_nodes,
-            batching=batching,
-            escape_special_tokens=escape_special_tokens,
-            compile=compile,
-            row_exact=row_exact,
-        )  # checked once; from_pretrained sets the loading options it used
+        given = {name: value for name, value in locals().items() if name in EngineOptions.names()}
+        given = {name: value for name, value in given.items() if name not in LOADING_OPTIONS}
+        self.options = EngineOptions.of({**given, **drafter_settings}, "SpeculativeEngine")
+        # checked once; from_pretrained sets the loading options it used
         self.escape_special_tokens = escape_special_tokens
         self._draft_tokenizer, self._drafter_options = draft_tokenizer, drafter_options
         self.model = model
@@ -198,6 +222,7 @@ class SpeculativeEngine:
             from ..calibration.store import load_calibration
 
             calibration = load_calibration(self.name_or_path, device=self.runner.device, dtype=self.runner.dtype)
+        self.parts_built = 0  # how many times configure built the parts: once per plan
         self.configure(calibration or {})
 
     @property
@@ -212,7 +237,11 @@ class SpeculativeEngine:
         return display_name(self.name_or_path) if self.name_or_path else type(self.model).__name__
 
     def configure(self, calibration: dict[str, Any]) -> None:
-        """(Re)build the settings, the drafter, the controller and the scheduler from ``calibration``."""
+        """(Re)build the settings, then the parts (drafter, controller, scheduler, static round) from ``calibration``.
+
+        While :meth:`from_pretrained` loads, the parts wait: it builds them once, for the plan its
+        first-load calibration chose (:attr:`parts_built` counts the builds).
+        """
         self.config = EngineConfig.resolve(
             self.runner,
             self.name_or_path,
@@ -221,15 +250,62 @@ class SpeculativeEngine:
             draft_tokenizer=self._draft_tokenizer,
             drafter_options=self._drafter_options,
         )
-        self.drafter = self._make_drafter()
-        self.controller = DraftController(
+        self._parts: BuiltParts | None = None
+        if not getattr(_LATER, "on", False):
+            self._parts = self._build_parts()
+
+    def _build_parts(self) -> BuiltParts:
+        """The drafter, controller, scheduler and static round of the current settings."""
+        self.parts_built += 1
+        controller = DraftController(
             self.config.num_draft_tokens,
             adaptive=self.config.adaptive,
             costs=self.config.calibration.get("costs"),
             sampling_drafts=self.config.drafter_name != "auto" or sampled_drafts_pay(self.config.calibration),
         )
-        self._batcher = BatchScheduler(self) if self.config.batching else None
-        self._static = static_rounds(self.runner, self.options.compile)
+        parts = BuiltParts(self._make_drafter(), controller, None, static_rounds(self.runner, self.options.compile))
+        self._parts = parts  # the scheduler reads the drafter and controller through the engine
+        parts.batcher = BatchScheduler(self) if self.config.batching else None
+        return parts
+
+    @property
+    def parts(self) -> BuiltParts:
+        """The engine's parts, built on first use after :meth:`configure` deferred them."""
+        parts = self._parts
+        if parts is None:
+            with self._lock:
+                parts = self._parts if self._parts is not None else self._build_parts()
+        return parts
+
+    @property
+    def drafter(self) -> Drafter:
+        """The configured drafter (a user's instance, or the registered factory's product)."""
+        return self.parts.drafter
+
+    @drafter.setter
+    def drafter(self, drafter: Drafter) -> None:
+        self.parts.drafter = drafter
+
+    @property
+    def controller(self) -> DraftController:
+        """The draft length and the online guard new generations start from."""
+        return self.parts.controller
+
+    @controller.setter
+    def controller(self, controller: DraftController) -> None:
+        self.parts.controller = controller
+
+    @property
+    def _batcher(self) -> BatchScheduler | None:
+        return self.parts.batcher
+
+    @property
+    def _static(self) -> StaticRounds | None:
+        return self.parts.static
+
+    @_static.setter
+    def _static(self, static: StaticRounds | None) -> None:
+        self.parts.static = static
 
     def _row_exactness(self, model: Any) -> RowExactness:
         """Resolve ``row_exact=`` for this model and set the runner's forwards to match."""
@@ -318,10 +394,11 @@ class SpeculativeEngine:
         """Settings read through to :attr:`config`: ``engine.exit_layer`` is ``engine.config.exit_layer``.
 
         So are ``num_draft_tokens``, ``adaptive``, ``draft_confidence``, ``tree_nodes``,
-        ``calibration``, ``exit_adapter``, ``batching``, ``draft_model`` and ``medusa_heads``.
+        ``calibration``, ``exit_adapter``, ``batching``, and every drafter's option (``draft_model``,
+        ``medusa_heads``, ``eagle_head``, ``learn_online``, a custom head's).
         """
         config = self.__dict__.get("config")
-        if name in _SETTINGS and config is not None:
+        if config is not None and (name in _SETTINGS or name in config.drafter_settings):
             return getattr(config, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
@@ -354,6 +431,7 @@ class SpeculativeEngine:
         compile: bool | str = "auto",
         row_exact: bool | str = "auto",
         calibration_budget: float | None = DEFAULT_CALIBRATION_BUDGET,
+        **drafter_settings: Any,
     ) -> SpeculativeEngine:
         """Load a model from the hub, a local folder, or ``"selfspec-demo"``.
 
@@ -402,6 +480,9 @@ class SpeculativeEngine:
                 ``medusa_lm_head.pt`` pickle loads only with ``allow_pickle=True``).
             eagle_head: with ``drafter="eagle"``: see :class:`SpeculativeEngine`.
             learn_online: see :class:`SpeculativeEngine`.
+            **drafter_settings: the options of a drafter registered after
+                :mod:`selfspec.decoding.options` was imported (``my_head="heads/"``;
+                ``docs/custom_drafter.md``); an unknown keyword names the closest option.
 
         Raises:
             ModelNotFoundError: no such folder or hub model (an ``OSError``).
@@ -409,7 +490,8 @@ class SpeculativeEngine:
             QuantizationError: the requested quantization cannot run here.
         """
         given = locals()  # exactly the options: a test pins this signature to EngineOptions
-        options = EngineOptions(**{name: given[name] for name in EngineOptions.names()})
+        declared = {name: given[name] for name in EngineOptions.names() if name in given}
+        options = EngineOptions.of({**declared, **drafter_settings}, "from_pretrained")
         check_arguments(exit_layer, num_draft_tokens, drafter, tree_nodes)  # before any weight is read
         return cls._load(name_or_path, options)
 
@@ -428,29 +510,26 @@ class SpeculativeEngine:
         model, tokenizer, path = load_model_and_tokenizer(name_or_path, gguf_file=options.gguf_file, **loading)
         model.config._name_or_path = path
         settings = engine_settings(options)
-        draft_tokenizer = None
-        if isinstance(options.draft_model, (str, os.PathLike)):
-            settings["draft_model"], draft_tokenizer, _ = load_model_and_tokenizer(options.draft_model, **loading)
-        medusa_heads = options.medusa_heads
-        if (
-            options.allow_pickle
-            and isinstance(medusa_heads, (str, os.PathLike))
-            and options.drafter in drafters_using("medusa_heads")
-        ):
-            settings["medusa_heads"] = load_medusa_heads(medusa_heads, allow_pickle=True)
-        engine = cls(model, tokenizer, draft_tokenizer=draft_tokenizer, **settings)
-        engine.options = options  # with the loading options it was loaded with
-        if options.threads is not None:  # before calibration: its costs are measured at the chosen count
-            from ..calibration.threads import settle_threads  # the lazy edge up
+        for name, option in EngineOptions.drafter_options().items():  # a file option its drafter loads now
+            value = getattr(options, name)
+            load = option.loader()
+            if load is not None and option.given(value) and options.drafter in drafters_declaring(name):
+                settings.update(load(value, loading))
+        with _parts_built_later():  # settings now; the parts once, for the plan calibration chooses
+            engine = cls(model, tokenizer, **settings)
+            engine.options = options  # with the loading options it was loaded with
+            if options.threads is not None:  # before calibration: its costs are measured at the chosen count
+                from ..calibration.threads import settle_threads  # the lazy edge up
 
-            engine._threads = settle_threads(engine.runner, options.threads, engine._lock)
-        tree_nodes = options.tree_nodes
-        auto = wants_calibration(options.exit_layer, options.num_draft_tokens, options.drafter, tree_nodes)
-        if options.calibrate and auto:
-            from ..calibration.measure import calibrate_on_first_load, head_found_since  # the lazy edge up
+                engine._threads = settle_threads(engine.runner, options.threads, engine._lock)
+            tree_nodes = options.tree_nodes
+            auto = wants_calibration(options.exit_layer, options.num_draft_tokens, options.drafter, tree_nodes)
+            if options.calibrate and auto:
+                from ..calibration.measure import calibrate_on_first_load, head_found_since  # the lazy edge up
 
-            if not engine.calibration or head_found_since(engine):
-                calibrate_on_first_load(engine, trees=tree_nodes == "auto", budget=options.calibration_budget)
+                if not engine.calibration or head_found_since(engine):
+                    calibrate_on_first_load(engine, trees=tree_nodes == "auto", budget=options.calibration_budget)
+        engine.parts  # noqa: B018  (built here, once: a bad drafter setting fails inside from_pretrained)
         return engine
 
     def __repr__(self) -> str:

@@ -3,11 +3,17 @@
 :class:`EngineOptions` declares every option of :meth:`SpeculativeEngine.from_pretrained
 <selfspec.SpeculativeEngine.from_pretrained>`: its name, type and default (the dataclass field),
 one line of help, the command-line flag, how a flag's text is parsed and which ``selfspec`` verbs
-take it (the field's :class:`OptionSpec`). From it come ``from_pretrained``'s parameters (pinned by a
-test), :meth:`EngineConfig.resolve <selfspec.decoding.config.EngineConfig.resolve>`'s input, the
-flags of every verb, the arguments ``selfspec serve`` loads its engine with, and the fields of
-both framework adapters (``ChatSpeculative``, ``SpeculativeLLM``; pinned by tests). An option
-added here and not there fails a test.
+take it (the field's :class:`OptionSpec`). It is composed of the engine's own options, declared
+here, and every registered drafter's (a :class:`~selfspec.drafting.declaring.DrafterOption` in its
+registration: ``eagle_head``, ``medusa_heads``, ``draft_model``, ``exit_adapter``,
+``learn_online``, a custom head's file). From it come ``from_pretrained``'s parameters (pinned
+by a test), :meth:`EngineConfig.resolve <selfspec.decoding.config.EngineConfig.resolve>`'s input,
+the flags of every verb, the arguments ``selfspec serve`` loads its engine with, and the fields of
+both framework adapters (``ChatSpeculative``, ``SpeculativeLLM``; pinned by tests).
+
+``EngineOptions`` is composed when this module is imported, from the built-in drafters' options
+(declared without torch); a drafter registered later adds its options to
+:meth:`EngineOptions.current`, which ``from_pretrained``, the command line and the server read.
 
 :class:`GenerateOptions` declares the keyword options of ``generate``, ``generate_ids``,
 ``stream`` and ``stream_ids`` once.
@@ -21,46 +27,35 @@ from __future__ import annotations
 import difflib
 import math
 import sys
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields, replace
+from collections.abc import Iterable, Mapping
+from dataclasses import Field, dataclass, field, fields, make_dataclass, replace
 from typing import TYPE_CHECKING, Any, TypedDict
 
+from ..drafting.declaring import LOAD_VERBS, RUN_VERBS, DrafterOption, OptionSpec
+from ..drafting.registry import BUILTIN_DRAFTERS, declared_options, registered_now
 from ..errors import ConfigurationError
 
 if TYPE_CHECKING:
-    import os
-
     import torch
 
     from ..core.constraints import TokenConstraint
     from ..drafting import Drafter
 
-#: The ``selfspec`` verbs that load an engine and run it as the user configures it.
-RUN_VERBS = frozenset({"generate", "chat", "demo", "serve"})
-#: Verbs that load a model themselves but configure the engine their own way (their own flags).
-LOAD_VERBS = RUN_VERBS | {"calibrate", "bench"}
+__all__ = [
+    "BUILTIN_DRAFTERS",
+    "LOAD_VERBS",
+    "RUN_VERBS",
+    "EngineOptions",
+    "EngineOwnOptions",
+    "GenerateOptions",
+    "OptionSpec",
+]
 
 #: The default first-load calibration time budget in seconds: first load of a 0.5B model on a 2-core
 #: CPU stays well under 15 minutes (docs/calibration.md).
 DEFAULT_CALIBRATION_BUDGET = 300.0
 #: With ``num_draft_tokens="auto"``, the early exit stops drafting below this top probability.
 DEFAULT_DRAFT_CONFIDENCE = 0.3
-
-#: The drafters that come with selfspec, in the registry's order (:func:`selfspec.list_drafters`; a
-#: test pins this to the registry). Only :func:`check_drafter_name` reads it, while
-#: :mod:`selfspec.drafting` (which imports torch) is not imported yet.
-BUILTIN_DRAFTERS = (
-    "early_exit",
-    "prompt_lookup",
-    "hybrid",
-    "layer_skip",
-    "draft_model",
-    "medusa",
-    "eagle",
-    "eagle_hybrid",
-    "none",
-    "auto",
-)
 
 
 # ----------------------------------------------------------------------------- parsing flags
@@ -264,9 +259,7 @@ def known_drafters() -> list[str]:
     The built-in ones, and once :mod:`selfspec.drafting` is imported (it must be, to register
     one) every registered one.
     """
-    drafting = sys.modules.get("selfspec.drafting")
-    registered = list(drafting.list_drafters()) if drafting is not None and hasattr(drafting, "list_drafters") else []
-    return list(dict.fromkeys([*BUILTIN_DRAFTERS, *registered]))
+    return list(dict.fromkeys([*BUILTIN_DRAFTERS, *registered_now()]))
 
 
 def check_drafter_name(drafter: Any) -> None:
@@ -277,8 +270,8 @@ def check_drafter_name(drafter: Any) -> None:
             of early_exit, prompt_lookup, ...``.
     """
     if not isinstance(drafter, str):
-        drafting = sys.modules.get("selfspec.drafting")
-        if drafting is not None and isinstance(drafter, drafting.Drafter):
+        base = sys.modules.get("selfspec.drafting.base")  # a Drafter instance means torch is imported
+        if base is not None and isinstance(drafter, base.Drafter):
             return
     names = known_drafters()
     if isinstance(drafter, str) and drafter in names:
@@ -294,42 +287,19 @@ def check_drafter_name(drafter: Any) -> None:
 
 
 # ----------------------------------------------------------------------------- the declaration
-@dataclass(frozen=True)
-class OptionSpec:
-    """How an engine option shows on the command line and in help.
-
-    Attributes:
-        help: one line for ``--help``, the docs and the adapters' field descriptions.
-        flag: the command-line flag (``--exit-layer``).
-        verbs: the ``selfspec`` verbs that take the flag.
-        parse: reads the flag's text (``None``: a switch, or plain text).
-        choices: the values the flag accepts (``None``: any that ``parse`` accepts).
-        verb_defaults: a verb whose default differs from the option's (``calibrate``'s budget).
-        listed: the accepted values listed in ``--help``, read when the parser is built (drafters
-            register at run time).
-    """
-
-    help: str
-    flag: str
-    verbs: frozenset[str] = RUN_VERBS
-    parse: Callable[[str], Any] | None = None
-    choices: tuple[str, ...] | None = None
-    verb_defaults: Mapping[str, Any] = field(default_factory=dict)
-    listed: Callable[[], list[str]] | None = None
-
-
 def cli(help: str, flag: str, **spec: Any) -> dict[str, OptionSpec]:
     """The metadata of an :class:`EngineOptions` field: its :class:`OptionSpec`."""
     return {"option": OptionSpec(help, flag, **spec)}
 
 
 @dataclass(frozen=True)
-class EngineOptions:
+class EngineOwnOptions:
     """Every option of :meth:`SpeculativeEngine.from_pretrained <selfspec.SpeculativeEngine.from_pretrained>`.
 
     Each field is one option, declared once: its type and default here, its help, flag and verbs
-    in the field's :class:`OptionSpec` (:func:`option_spec`). See
-    :class:`~selfspec.SpeculativeEngine` for what each one does.
+    in the field's :class:`OptionSpec` (:func:`option_spec`). The engine's own are declared here;
+    each registered drafter's options follow them (:class:`~selfspec.drafting.declaring.DrafterOption`).
+    See :class:`~selfspec.SpeculativeEngine` for what each one does.
     """
 
     # ---- loading the model
@@ -428,30 +398,6 @@ class EngineOptions:
             parse=parse_tree_nodes,
         ),
     )
-    draft_model: Any = field(
-        default=None, metadata=cli("with --drafter draft_model: the draft model (name or folder)", "--draft-model")
-    )
-    exit_adapter: str | os.PathLike[str] | Any = field(
-        default=None, metadata=cli("a trained exit adapter folder for early_exit/hybrid, or 'auto'", "--exit-adapter")
-    )
-    medusa_heads: str | os.PathLike[str] | Any = field(
-        default=None,
-        metadata=cli("with --drafter medusa: a folder of Medusa heads (default: the model's)", "--medusa-heads"),
-    )
-    eagle_head: str | os.PathLike[str] | Any = field(
-        default=None,
-        metadata=cli(
-            "with --drafter eagle or eagle_hybrid: an EAGLE head folder, or 'auto' (the model's)", "--eagle-head"
-        ),
-    )
-    learn_online: bool = field(
-        default=False,
-        metadata=cli(
-            "keep training the EAGLE head on the text it serves, in a background thread (drafter eagle, "
-            "eagle_hybrid, or auto choosing one); the text never changes (docs/online_learning.md)",
-            "--learn-online",
-        ),
-    )
     # ---- running
     batching: bool = field(
         default=False,
@@ -525,21 +471,56 @@ class EngineOptions:
             "batching",
             "escape_special_tokens",
             "calibrate",
-            "learn_online",
         )
         for name in switches:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigurationError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for declared in fields(self):
+            option: DrafterOption | None = declared.metadata.get("drafter_option")
+            if option is not None and option.check is not None:
+                option.check(getattr(self, declared.name))
+
+    if TYPE_CHECKING:
+
+        def __getattr__(self, name: str) -> Any:
+            """A drafter's option (``options.eagle_head``): a field of the composed class."""
+
+    @classmethod
+    def current(cls) -> type[EngineOwnOptions]:
+        """The options with every drafter registered now (``EngineOptions`` itself unless one registered since)."""
+        return _composed()
+
+    @classmethod
+    def of(cls, values: Mapping[str, Any], caller: str = "EngineOptions") -> EngineOwnOptions:
+        """:meth:`current` options from keywords, an unknown one named with the closest option.
+
+        Raises:
+            TypeError: an unknown option (as Python does for a bad keyword).
+            ConfigurationError: a malformed value.
+        """
+        composed = cls.current()
+        known = [f.name for f in fields(composed)]
+        for name in values:
+            if name not in known:
+                close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}{hint}")
+        return composed(**values)
 
     @classmethod
     def names(cls) -> list[str]:
-        """Every option's name, in declaration order."""
-        return [f.name for f in fields(cls)]
+        """Every option's name, in declaration order (the engine's, then the drafters')."""
+        return [f.name for f in fields(cls.current())]
 
     @classmethod
     def defaults(cls) -> dict[str, Any]:
         """Every option's default."""
-        return {f.name: f.default for f in fields(cls)}
+        return {f.name: f.default for f in fields(cls.current())}
+
+    @classmethod
+    def drafter_options(cls) -> dict[str, DrafterOption]:
+        """The options the registered drafters declare, by name."""
+        return {f.name: f.metadata["drafter_option"] for f in fields(cls.current()) if "drafter_option" in f.metadata}
 
     @classmethod
     def for_verb(cls, verb: str) -> list[str]:
@@ -548,7 +529,51 @@ class EngineOptions:
 
     def as_dict(self) -> dict[str, Any]:
         """The options as ``from_pretrained`` keyword arguments (values as given, not copied)."""
-        return {name: getattr(self, name) for name in self.names()}
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _drafter_fields(base: type, options: Iterable[DrafterOption]) -> list[tuple[str, Any, Field[Any]]]:
+    """The dataclass fields of drafter options, refusing one that shadows an engine option."""
+    own = {f.name for f in fields(base)}
+    made: list[tuple[str, Any, Field[Any]]] = []
+    for option in options:
+        if option.name in own:
+            raise ConfigurationError(f"a drafter option may not be named like an engine option: {option.name!r}")
+        metadata = {"option": option.spec, "drafter_option": option}
+        made.append((option.name, option.annotation, field(default=option.default, metadata=metadata)))
+    return made
+
+
+def _compose(base: type[EngineOwnOptions], options: Iterable[DrafterOption]) -> type[EngineOwnOptions]:
+    """``base`` with a field per drafter option."""
+    composed = make_dataclass("EngineOptions", _drafter_fields(base, options), bases=(base,), frozen=True)
+    composed.__module__, composed.__doc__ = __name__, EngineOwnOptions.__doc__
+    return composed
+
+
+#: The options composed on import: the engine's and the built-in drafters' (declared without torch).
+_IMPORTED: type[EngineOwnOptions] = _compose(EngineOwnOptions, declared_options().values())
+_LATER: dict[tuple[str, ...], type[EngineOwnOptions]] = {}
+
+
+def _composed() -> type[EngineOwnOptions]:
+    """:data:`_IMPORTED`, or a subclass of it with the options of drafters registered since."""
+    imported = {f.name for f in fields(_IMPORTED)}
+    declared = declared_options()
+    _drafter_fields(EngineOwnOptions, declared.values())  # refuses one named like an engine option
+    later = [option for name, option in declared.items() if name not in imported]
+    if not later:
+        return _IMPORTED
+    key = tuple(option.name for option in later)
+    if key not in _LATER:
+        _LATER[key] = _compose(_IMPORTED, later)
+    return _LATER[key]
+
+
+if TYPE_CHECKING:
+    EngineOptions = EngineOwnOptions
+else:
+    EngineOptions = _IMPORTED
 
 
 #: Options used only while loading (:func:`selfspec.modeling.loading.load_model_and_tokenizer` and
@@ -569,12 +594,54 @@ LOADING_OPTIONS = frozenset(
 
 
 def option_spec(name: str) -> OptionSpec:
-    """The :class:`OptionSpec` of the engine option ``name``."""
-    for declared in fields(EngineOptions):
+    """The :class:`OptionSpec` of the engine option ``name`` (an engine's or a registered drafter's)."""
+    for declared in fields(EngineOptions.current()):
         if declared.name == name:
             spec: OptionSpec = declared.metadata["option"]
             return spec
     raise KeyError(name)
+
+
+def adapter_fields(name: str) -> type[Any]:
+    """A pydantic model with a field per drafter option declared now, for a framework adapter to inherit.
+
+    Both adapters (``ChatSpeculative``, ``SpeculativeLLM``) derive from it, so a drafter's option is
+    a field of each (its default, its text type, its help as the description) without being named
+    there. The class is made when the adapter's module is imported: the built-in drafters' options
+    are declared by then (without torch); a drafter registered later reaches the adapters through
+    their ``drafter_settings`` field, or as a keyword that :func:`drafter_settings_of` moves there.
+    """
+    from pydantic import Field, create_model
+
+    declared = EngineOptions.drafter_options()
+    made: dict[str, Any] = {
+        option.name: (option.text_type, Field(default=option.default, description=option.help))
+        for option in declared.values()
+    }
+    made["drafter_settings"] = (
+        dict[str, Any],
+        Field(
+            default_factory=dict,
+            description="Options of drafters registered after this class was made, by name (passed to "
+            "from_pretrained as keywords; docs/custom_drafter.md).",
+        ),
+    )
+    fields_model: type[Any] = create_model(name, **made)
+    return fields_model
+
+
+def drafter_settings_of(values: dict[str, Any], fields: Iterable[str]) -> dict[str, Any]:
+    """``values`` with the options of drafters registered after the adapter class moved to ``drafter_settings``."""
+    known = set(fields)
+    later = [name for name in values if name not in known and name in EngineOptions.drafter_options()]
+    if not later:
+        return values
+    moved = dict(values)
+    settings = dict(moved.get("drafter_settings") or {})
+    for name in later:
+        settings[name] = moved.pop(name)
+    moved["drafter_settings"] = settings
+    return moved
 
 
 def engine_settings(options: EngineOptions) -> dict[str, Any]:

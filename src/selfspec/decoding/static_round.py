@@ -111,6 +111,7 @@ class StaticRounds:
     def __init__(self, step: StaticStep) -> None:
         self.step = step
         self._busy = threading.Lock()
+        self._inputs: _RoundInputs | None = None
 
     def __repr__(self) -> str:
         return f"StaticRounds({self.step!r})"
@@ -147,14 +148,14 @@ class StaticRounds:
         try:
             slots = len(run.prompt_ids) + run.max_new_tokens + WIDTHS[-1]
             with lock, torch.inference_mode():
-                row = self._start(drafter, run, slots, eos_token_ids)
+                row, last = self._start(drafter, run, slots, eos_token_ids)
             yield [row.state.last_token]
             if row.state.last_token in eos_token_ids:
                 return "stop"
             bucket = bucket_for(slots)
             while row.emitted < run.max_new_tokens:
                 with lock, torch.inference_mode():
-                    tokens = self._round(drafter, row, bucket)
+                    tokens, last = self._round(drafter, row, bucket, last)
                 yield tokens
                 if tokens[-1] in eos_token_ids:
                     return "stop"
@@ -162,27 +163,46 @@ class StaticRounds:
         finally:
             self._busy.release()
 
-    def _start(self, drafter: Drafter, run: Generation, slots: int, eos_token_ids: frozenset[int]) -> Row:
-        """Prefill the prompt into the engine's cache and choose the first token."""
+    def _start(
+        self, drafter: Drafter, run: Generation, slots: int, eos_token_ids: frozenset[int]
+    ) -> tuple[Row, torch.Tensor]:
+        """Prefill the prompt into the engine's cache and choose the first token.
+
+        Returns:
+            The row, and its last token as a ``[1]`` tensor on the device (the call's one copy of
+            it: each round's comes from its acceptance, on the device).
+        """
         started = time.perf_counter()
         runner = self.step.runner
         cache = self.step.reserve(slots)
-        hidden, logits = static_prefill(runner, cache, device_ids([run.prompt_ids], runner.device))
-        return first_row(runner, drafter, run, cache, eos_token_ids, Prefilled(hidden, logits, started))
+        if self._inputs is None or self._inputs.device.device != runner.device:
+            self._inputs = _RoundInputs.allocate(runner.device)
+        ids = device_ids([run.prompt_ids], runner.device)
+        hidden, logits = static_prefill(runner, cache, ids, drafter.feature_layers)  # EAGLE-3: its taps
+        row = first_row(runner, drafter, run, cache, eos_token_ids, Prefilled(hidden, logits, started))
+        last = device_ids([row.state.last_token], runner.device)
+        if drafter.needs_committed_hidden:  # the prompt's states are followed by the prompt's tokens and the first
+            row.state.pending_tokens = torch.cat([ids[0, 1:], last])
+        return row, last
 
-    def _round(self, drafter: Drafter, row: Row, bucket: int) -> list[int]:
-        """One round: draft, one fixed-width forward, acceptance on the device, one read, commit."""
+    def _round(self, drafter: Drafter, row: Row, bucket: int, last: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        """One round: draft, one fixed-width forward, acceptance on the device, one read, commit.
+
+        ``last``: the row's last token, ``[1]`` on the device. Returns the tokens the round adds
+        and the next round's ``last`` (the acceptance's next token, never read back for it).
+        """
         state, run = row.state, row.run
         started = time.perf_counter()
         budget = min(run.controller.budget(), run.max_new_tokens - row.emitted - 1, WIDTHS[-1] - 1)
-        rows = self._draft(drafter, state, budget, bucket)
+        rows = self._draft(drafter, state, budget, bucket, last)
         drafted = time.perf_counter()
         tokens, width = rows.tokens, rows.tokens.shape[1]
         exits = rows.exit_states, rows.exit_layer  # (None, 0): the forward runs every layer
+        taps = drafter.feature_layers  # EAGLE-3: the verify hands back the states entering these layers
         if state.params.greedy:
-            decided, hidden, logits = self.step.greedy(tokens, rows.real, bucket, *exits)
+            decided, hidden, logits = self.step.greedy(tokens, rows.real, bucket, *exits, feature_layers=taps)
         else:
-            hidden, logits = self.step.forward(tokens, bucket, *exits)
+            hidden, logits = self.step.forward(tokens, bucket, *exits, feature_layers=taps)
             target_probs = logits_to_probs(logits, state.params)
             draft_probs = _padded(rows.draft_probs, width - 1)
             decided = accept_sampled_step(tokens, rows.real, draft_probs, target_probs, run.generator)
@@ -200,21 +220,28 @@ class StaticRounds:
             rows.settle(draft.tokens)
         acceptance = Acceptance(accepted, next_token)
         tokens_out = commit(drafter, row, draft, acceptance, RoundTimes(started, drafted, time.perf_counter()))
+        next_last = decided[1:].clone()  # [1]: a fresh tensor (a graphed step's outputs are overwritten)
+        if drafter.needs_committed_hidden:  # the committed states' next tokens, as commit kept those states
+            committed = torch.cat([tokens[0, 1 : accepted + 1], next_last])
+            pending = state.pending_tokens
+            state.pending_tokens = committed if pending is None else torch.cat([pending, committed])
         if run.top_logprobs is not None:
             used = emitted_rows(acceptance)[: len(tokens_out)]
             run.computed_logprobs.extend(token_logprobs(logits[used], tokens_out, run.top_logprobs))
-        return tokens_out
+        return tokens_out, next_last
 
-    def _draft(self, drafter: Drafter, state: DecodeState, budget: int, bucket: int) -> _Rows:
+    def _draft(self, drafter: Drafter, state: DecodeState, budget: int, bucket: int, last: torch.Tensor) -> _Rows:
         """The round's draft as the step's rows (:meth:`~selfspec.drafting.Drafter.draft_static`), no host read."""
         if budget <= 0:
             return self._host_rows(state, Draft())
         drafted = drafter.draft_static(state, budget, self.step, bucket)
-        rows = self._static_rows(drafter, state, budget, drafted)
+        rows = self._static_rows(drafter, state, budget, drafted, last)
         rows.settle = drafted.settle
         return rows
 
-    def _static_rows(self, drafter: Drafter, state: DecodeState, budget: int, drafted: StaticDraft) -> _Rows:
+    def _static_rows(
+        self, drafter: Drafter, state: DecodeState, budget: int, drafted: StaticDraft, last: torch.Tensor
+    ) -> _Rows:
         """A :class:`StaticDraft` as the step's rows: a host chain (checked), or a device chain and its exit states."""
         if drafted.device is None:
             draft = truncate_chain(drafted.host or Draft(), budget)
@@ -223,7 +250,7 @@ class StaticRounds:
                     f"drafter {drafter.name!r} says chain_only but drafted a tree or exit states for the static round"
                 )
             return self._host_rows(state, draft)
-        rows = self._device_rows(state, drafted.device)
+        rows = self._device_rows(drafted.device, last)
         if drafted.exit_states is not None:  # padded rows never accepted: zero states
             exits = drafted.exit_states
             padding = rows.tokens.shape[1] - exits.shape[1]
@@ -231,22 +258,58 @@ class StaticRounds:
             rows.exit_layer = drafted.exit_layer
         return rows
 
-    @staticmethod
-    def _host_rows(state: DecodeState, draft: Draft) -> _Rows:
+    def _host_rows(self, state: DecodeState, draft: Draft) -> _Rows:
         """A host draft as the step's rows, padded to the width that holds it (one non-blocking copy)."""
         num_draft, width = len(draft), width_for(len(draft))
         padding = [state.last_token] * (width - 1 - num_draft)
-        sent = device_ids([state.last_token, *draft.tokens, *padding, num_draft], state.runner.device)
+        assert self._inputs is not None, "_start() before a round"
+        sent = self._inputs.send([state.last_token, *draft.tokens, *padding], num_draft)
         # the strides of a fresh [1, w] (no recompile)
-        return _Rows(sent[:width].view(1, width), sent[width], draft.draft_probs, host_draft=draft)
+        return _Rows(sent[:width].view(1, width), sent[-1], draft.draft_probs, host_draft=draft)
 
     @staticmethod
-    def _device_rows(state: DecodeState, draft: DeviceDraft) -> _Rows:
-        """A device draft of ``k`` tokens as the step's rows, padded to the width that holds ``k`` (no read)."""
+    def _device_rows(draft: DeviceDraft, last: torch.Tensor) -> _Rows:
+        """A device draft of ``k`` tokens after ``last`` (``[1]``) as the step's rows, padded to the width (no copy)."""
         width = width_for(draft.width)
-        sent = device_ids([state.last_token] * (width - draft.width), state.runner.device)
-        tokens = torch.cat([sent[:1], draft.tokens, sent[1:]]).view(1, width)
+        padding = last.expand(width - 1 - draft.width)  # padded rows are never accepted
+        tokens = torch.cat([last, draft.tokens, padding]).view(1, width)
         return _Rows(tokens, draft.length, draft.draft_probs)
+
+
+@dataclass
+class _RoundInputs:
+    """The round's host-drafted rows, sent through buffers made once (a host draft's one non-blocking copy).
+
+    ``host`` (pinned on CUDA) takes the round's ids from Python through its NumPy view (no tensor
+    made from a list); ``device`` receives them in one non-blocking copy (on a CPU they are the
+    same buffer: nothing is copied). The previous round's copy out of ``host`` is always done when
+    the next round writes it: the previous round read its acceptance back after the copy, on the
+    same stream.
+
+    Attributes:
+        host: ``[WIDTHS[-1] + 1]`` ``long``: the rows, then the number of real drafts last.
+        device: the same on the device.
+    """
+
+    host: torch.Tensor
+    device: torch.Tensor
+
+    @classmethod
+    def allocate(cls, device: torch.device) -> _RoundInputs:
+        """Buffers for ``device`` (made as inference tensors, as the rounds' own are)."""
+        with torch.inference_mode():
+            host = torch.zeros(WIDTHS[-1] + 1, dtype=torch.long, pin_memory=device.type == "cuda")
+            sent = host if device.type == "cpu" else torch.zeros_like(host, device=device)
+        return cls(host, sent)
+
+    def send(self, rows: list[int], num_draft: int) -> torch.Tensor:
+        """:attr:`device` holding ``rows`` first and ``num_draft`` last (what follows the rows is stale)."""
+        staged = self.host.numpy()
+        staged[: len(rows)] = rows
+        staged[-1] = num_draft
+        if self.device is not self.host:
+            self.device.copy_(self.host, non_blocking=True)
+        return self.device
 
 
 @dataclass

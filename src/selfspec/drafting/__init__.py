@@ -1,75 +1,88 @@
 """Drafters: propose tokens for the target to verify; a drafter never decides.
 
 :mod:`.base` holds the contract (:class:`Drafter`, :class:`Draft`, :class:`DecodeState`),
-:mod:`.registry` the names ``drafter=`` accepts, and each other module one drafter, which
-registers itself. Importing this package registers the built-in drafters.
+:mod:`.registry` the names ``drafter=`` accepts, :mod:`.declaring` how a drafter declares its own
+options, and each other module one drafter, which registers itself. Importing this package imports
+no torch: the drafter classes are imported on first use, and the built-in drafters register
+(:mod:`.builtins`) the first time the registry is read.
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .base import (
-    DecodeState,
-    DeviceDraft,
-    Draft,
-    Drafter,
-    NoDrafter,
-    StaticDraft,
-    StaticDrafting,
-    choose_token,
-    draft_autoregressively,
-    draft_chain_on_device,
-)
+from .declaring import DrafterOption, OptionSpec
 from .planning import PLAIN, BenchContext, BenchRow, DrafterBench, DrafterCalibration, DrafterFactory, sampled
 from .registry import DrafterSpec, drafter_spec, list_drafters, register_drafter, unregister_drafter
 
-# built-in drafters, each registering itself (this order is the order of list_drafters())
-from .early_exit import EarlyExitDrafter  # isort: skip
-from .prompt_lookup import NgramIndex, PromptLookupDrafter  # isort: skip
-from .hybrid import HybridDrafter, graft  # isort: skip
-from .layer_skip import LayerSkipDrafter, contiguous_runs, default_skip_layers  # isort: skip
-from .draft_model import DraftModelDrafter  # isort: skip
-from .medusa.drafter import MedusaDrafter, MedusaHeads  # isort: skip
-from .eagle.drafter import EagleDrafter  # isort: skip
+if TYPE_CHECKING:
+    from .base import (
+        DecodeState,
+        DeviceDraft,
+        Draft,
+        Drafter,
+        NoDrafter,
+        StaticDraft,
+        StaticDrafting,
+        choose_token,
+        draft_autoregressively,
+        draft_chain_on_device,
+    )
+    from .draft_model import DraftModelDrafter
+    from .eagle.drafter import EagleDrafter
+    from .early_exit import EarlyExitDrafter
+    from .hybrid import HybridDrafter, graft
+    from .layer_skip import LayerSkipDrafter, contiguous_runs, default_skip_layers
+    from .medusa.drafter import MedusaDrafter, MedusaHeads
+    from .prompt_lookup import NgramIndex, PromptLookupDrafter
 
-
-def _make_none(engine: object, **options: object) -> NoDrafter:
-    """Plain decoding: no draft."""
-    return NoDrafter()
-
-
-class _PlainCalibration(DrafterCalibration):
-    """Plain decoding, the plan when no candidate beats it (calibration adds it at 1.0 itself)."""
-
-    def describe(self, name: str, settings: dict[str, Any]) -> str:
-        return "plain decoding"
-
-    def build(self, factory: DrafterFactory, engine: Any, settings: dict[str, Any], options: dict[str, Any]) -> Drafter:
-        return NoDrafter()
-
-
-def _plain_rows(name: str, context: BenchContext) -> list[BenchRow]:
-    row = BenchRow("selfspec_plain", context.engine(drafter=name), "selfspec loop without drafts", "plain")
-    return [row, *sampled(row, context.temperatures)]
-
-
-register_drafter(
-    PLAIN,
-    _make_none,
-    description="plain decoding (the baseline)",
-    calibration=_PlainCalibration(),
-    bench=DrafterBench(
-        _plain_rows, {"plain": "selfspec_plain (+ _tT): selfspec's loop without drafts, greedy and at each temperature"}
+#: The names imported on first use (PEP 562; they import torch), by module.
+_LAZY = {
+    **dict.fromkeys(
+        "DecodeState DeviceDraft Draft Drafter NoDrafter StaticDraft StaticDrafting choose_token "
+        "draft_autoregressively draft_chain_on_device".split(),
+        ".base",
     ),
-)
+    "DraftModelDrafter": ".draft_model",
+    "EagleDrafter": ".eagle.drafter",
+    "EarlyExitDrafter": ".early_exit",
+    **dict.fromkeys(["HybridDrafter", "graft"], ".hybrid"),
+    **dict.fromkeys(["LayerSkipDrafter", "contiguous_runs", "default_skip_layers"], ".layer_skip"),
+    **dict.fromkeys(["MedusaDrafter", "MedusaHeads"], ".medusa.drafter"),
+    **dict.fromkeys(["NgramIndex", "PromptLookupDrafter"], ".prompt_lookup"),
+}
 
-from . import auto  # noqa: E402, F401  (registers "auto" last, whatever was imported first)
+
+def __getattr__(name: str) -> Any:
+    """A drafter class or helper, imported on first use with the built-in drafters (torch)."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    from .registry import load_builtins
+
+    load_builtins()
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
+
 
 __all__ = [
+    "PLAIN",
+    "BenchContext",
+    "BenchRow",
     "DecodeState",
     "DeviceDraft",
     "Draft",
     "DraftModelDrafter",
     "Drafter",
+    "DrafterBench",
+    "DrafterCalibration",
+    "DrafterFactory",
+    "DrafterOption",
     "DrafterSpec",
     "EagleDrafter",
     "EarlyExitDrafter",
@@ -79,6 +92,7 @@ __all__ = [
     "MedusaHeads",
     "NgramIndex",
     "NoDrafter",
+    "OptionSpec",
     "PromptLookupDrafter",
     "StaticDraft",
     "StaticDrafting",
@@ -91,5 +105,6 @@ __all__ = [
     "graft",
     "list_drafters",
     "register_drafter",
+    "sampled",
     "unregister_drafter",
 ]

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import SelfSpecError
+from .eagle.options import LEARN_ONLINE
+from .exit_adapter.options import EXIT_ADAPTER
 from .planning import PLAIN, DrafterCalibration
 from .registry import drafter_spec, register_drafter, registered
 
@@ -244,4 +246,5 @@ register_drafter(
     exit_adapter=True,
     calibrated=True,
     bench=_bench(),
+    options=(EXIT_ADAPTER, LEARN_ONLINE),  # the plan may draft with either
 )

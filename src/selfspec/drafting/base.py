@@ -107,6 +107,10 @@ class DecodeState:
             the drafter last took them (the prompt after the prefill, then each round's
             ``last_token`` and accepted drafts), ending at ``position - 1``; kept only for
             drafters with ``needs_committed_hidden``, which reset it to ``None`` once read.
+        pending_tokens: ``[m]`` on the device, where the loop has them there (the static round):
+            the token following each of ``pending_hidden``'s positions (``token_ids`` from the
+            first pending position plus one, ``last_token`` last), so a drafter reading them
+            makes no copy from the host; ``None``: read ``token_ids``. Reset with ``pending_hidden``.
         row: this generation's row in a batched cache (``0`` alone).
         feature_layers: the drafter's :attr:`Drafter.feature_layers` (``None``: the last layer's
             output is what ``last_hidden`` / ``pending_hidden`` hold).
@@ -126,6 +130,7 @@ class DecodeState:
     eos_token_ids: frozenset[int] = frozenset()
     last_hidden: torch.Tensor | None = None
     pending_hidden: torch.Tensor | None = None
+    pending_tokens: torch.Tensor | None = None
     row: int = 0
     feature_layers: tuple[int, ...] | None = None
     argmax_only: bool = False
@@ -313,9 +318,10 @@ class Drafter(ABC):
 
         The default: the verify of every width over every layer (``kinds``: ``"greedy"`` and,
         for sampled calls, ``"forward"``). A drafter that drafts through the target's own
-        layers prepares those steps instead (the early exit).
+        layers prepares those steps instead (the early exit). With :attr:`feature_layers`
+        (EAGLE-3), the verify steps hand back those layers' inputs.
         """
-        step.prepare(slots, kinds=kinds)
+        step.prepare(slots, kinds=kinds, feature_layers=self.feature_layers)
 
     def draft_static(self, state: DecodeState, budget: int, step: StaticStep, bucket: int) -> StaticDraft:
         """The static round's draft of at most ``budget`` (``>= 1``) tokens.
@@ -520,7 +526,7 @@ def draft_chain_on_device(
     device = state.runner.device
     params, generator = state.params, state.generator
     costs = [round_cost(n) for n in range(width + 1)] if round_cost is not None else None
-    eos = device_ids(sorted(state.eos_token_ids), device) if state.eos_token_ids else None
+    eos = _eos_on_device(state) if state.eos_token_ids else None
     wide = torch.float32 if device.type == "mps" else torch.float64  # the host's Python floats
     token = torch.full((), state.last_token, dtype=torch.long, device=device)
     alive = torch.ones((), dtype=torch.bool, device=device)  # every token so far drafted, no stop yet
@@ -558,6 +564,16 @@ def draft_chain_on_device(
         length=length,
         draft_probs=torch.stack(probs) if probs else None,
     )
+
+
+def _eos_on_device(state: DecodeState) -> torch.Tensor:
+    """``state.eos_token_ids`` on the device, copied once per generation (again only if the set changes)."""
+    held: dict[frozenset[int], torch.Tensor] = state.memory(_eos_on_device, dict)
+    eos = held.get(state.eos_token_ids)
+    if eos is None:
+        held.clear()
+        eos = held[state.eos_token_ids] = device_ids(sorted(state.eos_token_ids), state.runner.device)
+    return eos
 
 
 def exponential_race(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -12,6 +12,7 @@ from ..errors import ConfigurationError
 from ..modeling.cache import StaticKVCache
 from ..modeling.runner import ModelRunner
 from .base import DecodeState, Draft, Drafter, draft_autoregressively
+from .draft_model_options import OPTIONS
 from .planning import BenchContext, BenchRow, DrafterBench
 from .registry import register_drafter
 
@@ -116,6 +117,6 @@ register_drafter(
     "draft_model",
     make_draft_model,
     description="a separate small model sharing the tokenizer (draft_model=)",
-    engine_options=("draft_model",),
+    options=OPTIONS,
     bench=DrafterBench(_rows, {"draft_model": "selfspec_draft_model (when a draft model is given)"}),
 )

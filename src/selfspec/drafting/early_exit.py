@@ -27,6 +27,7 @@ from .base import (
     draft_chain_on_device,
 )
 from .exit_adapter.adapter import ExitAdapter
+from .exit_adapter.options import OPTIONS
 from .planning import (
     BenchContext,
     BenchRow,
@@ -308,6 +309,7 @@ register_drafter(
     trees=True,
     exit_adapter=True,
     calibrated=True,
+    options=OPTIONS,
     calibration=EarlyExitCalibration(),
     bench=DrafterBench(
         _rows,

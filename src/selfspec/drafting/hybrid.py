@@ -10,6 +10,7 @@ from ..modeling.runner import ModelRunner
 from .base import DecodeState, Draft, Drafter, StaticDraft, StaticDrafting
 from .early_exit import EarlyExitDrafter, describe_exit, exit_settings, planned_exit
 from .exit_adapter.adapter import ExitAdapter
+from .exit_adapter.options import OPTIONS
 from .planning import (
     BenchContext,
     BenchRow,
@@ -353,6 +354,7 @@ register_drafter(
     trees=True,
     exit_adapter=True,
     calibrated=True,
+    options=OPTIONS,
     calibration=HybridCalibration(),
     bench=DrafterBench(_rows, {"hybrid": "selfspec_hybrid: lookup or early exit per round"}),
 )

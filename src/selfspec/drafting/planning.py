@@ -20,6 +20,7 @@ each of a few settings of its own options.
 
 from __future__ import annotations
 
+import os
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -247,8 +248,13 @@ class RoundsCalibration(DrafterCalibration):
         self.num_draft_tokens = num_draft_tokens
 
     def measure(self, name: str, context: CalibrationContext) -> list[dict[str, Any]] | None:
-        """One :func:`measure_rounds` per option choice (those that drafted nothing are left out)."""
+        """One :func:`measure_rounds` per option choice (those that drafted nothing are left out).
+
+        The drafter is built with the calibrated engine's values of the options it declares (a
+        head's file given to ``from_pretrained``); a plan that chooses it records them.
+        """
         engine = context.engine
+        own = engine.config.settings_for(name)
         measured = []
         for choice in self.choices:
             drafting = type(engine)(
@@ -258,26 +264,44 @@ class RoundsCalibration(DrafterCalibration):
                 drafter_options=choice,
                 num_draft_tokens=min(self.num_draft_tokens, context.max_draft_tokens),
                 calibration={},
+                **own,
             )
             figures = measure_rounds(drafting, context.prompt_ids, context.max_new_tokens, context.step_seconds)
             if figures:
-                measured.append({"options": choice, **figures})
+                measured.append({"options": choice, "drafter_settings": _plain(own), **figures})
         return measured or None
 
     def candidates(self, name: str, context: CalibrationContext, figures: Any) -> list[Candidate]:
         """The best draft length of the best option choice."""
         best: tuple[float, int, dict[str, Any]] | None = None
-        cost = 0.0
+        cost, own = 0.0, dict[str, Any]()
         for measured in figures or []:
             speed, k = best_rounds_length(context, measured)
             if best is None or speed > best[0]:
                 best, cost = (speed, k, measured["options"]), float(measured["draft_cost"])
+                own = measured.get("drafter_settings") or {}
         if best is None:
             return []
         speed, k, options = best
         shown = ",".join(f"{key}={value}" for key, value in options.items())
         label = f"{name}({shown + ',' if shown else ''}k={k})"
-        return [Candidate(name, {"options": options, "num_draft_tokens": k}, speed, label, cost)]
+        settings = {"options": options, "num_draft_tokens": k, **({"drafter_settings": own} if own else {})}
+        return [Candidate(name, settings, speed, label, cost)]
+
+    def build(self, factory: DrafterFactory, engine: Any, settings: dict[str, Any], options: dict[str, Any]) -> Drafter:
+        """The plan's drafter; the option values it was measured with fill those the engine was not given."""
+        current = engine.config.drafter_settings
+        for name, value in (settings.get("drafter_settings") or {}).items():
+            if current.get(name) is None:
+                current[name] = value
+        return super().build(factory, engine, settings, options)
+
+
+def _plain(settings: dict[str, Any]) -> dict[str, Any]:
+    """The values a saved plan can hold (text, numbers, switches: a head's path, not a loaded head)."""
+    simple = (str, int, float, bool, type(None))
+    return {key: str(value) if isinstance(value, os.PathLike) else value for key, value in settings.items()
+            if isinstance(value, (*simple, os.PathLike))}  # fmt: skip
 
     def saved(self, figures: Any, candidates: list[Candidate]) -> dict[str, Any]:
         """Nothing beyond the plan (the figures hold every round and are not kept)."""

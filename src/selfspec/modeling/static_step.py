@@ -139,14 +139,33 @@ def _layers(
     plans: dict[str, AttentionPlan],
     cache: Any,
     layers: range | None = None,
-) -> Any:
-    """The lean layers ``layers`` (all of them by default) over ``[1, q, hidden]`` at ``[q]`` positions."""
+    feature_layers: tuple[int, ...] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lean layers ``layers`` (all of them by default) over ``[1, q, hidden]`` at ``[q]`` positions.
+
+    Returns:
+        The ``[1, q, hidden]`` last layer's output, and the states the drafter reads: that
+        output again, or with ``feature_layers`` (EAGLE-3's taps) the states *entering* those
+        layers (``i == num_layers``: the last layer's output), concatenated in that order into
+        ``[1, q, len(feature_layers) * hidden]``, as the eager verifier hands them over
+        (:func:`selfspec.decoding.verify.drafter_states`).
+    """
     assert runner.fast_layers is not None
     cos, sin = runner.rotary(hidden, positions[None])
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [1, 1, q, head_dim]: broadcast over heads
+    taps: dict[int, torch.Tensor] = {}
+    wanted = set(feature_layers or ())
     for i in layers if layers is not None else range(runner.num_layers):
+        if i in wanted:  # EAGLE-3 tap: the state entering layer i
+            taps[i] = hidden
         hidden = layer_forward(runner.fast_layers[i], hidden, cos, sin, plans[runner.layer_types[i]], cache, i)
-    return hidden
+    if not feature_layers:
+        return hidden, hidden
+    taps[runner.num_layers] = hidden  # a tap of index L: the last layer's output (before the final norm)
+    missing = [i for i in feature_layers if i not in taps]
+    if missing:
+        raise ValueError(f"feature layers {missing} are not among the layers this forward runs")
+    return hidden, torch.cat([taps[i] for i in feature_layers], dim=-1)
 
 
 def _masked_plans(runner: ModelRunner, positions: torch.Tensor, visible: int) -> dict[str, AttentionPlan]:
@@ -184,11 +203,15 @@ def _logits(runner: ModelRunner, hidden: torch.Tensor) -> torch.Tensor:
     return runner.softcap(head(normed)).float()[0]
 
 
-def static_prefill(runner: ModelRunner, cache: DeviceKVCache, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def static_prefill(
+    runner: ModelRunner, cache: DeviceKVCache, ids: torch.Tensor, feature_layers: tuple[int, ...] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The prompt ``[1, n]`` into slots ``0 .. n - 1`` (``is_causal``, as ``generate``); sets the length to ``n``.
 
     Returns:
-        Every position's ``[1, n, hidden]`` last-layer output and the last position's ``[vocab]`` logits.
+        Every position's ``[1, n, hidden]`` last-layer output (with ``feature_layers``, the
+        concatenated states entering those layers: :func:`_layers`) and the last position's
+        ``[vocab]`` logits.
     """
     num = ids.shape[1]
     positions = torch.arange(num, device=ids.device)
@@ -197,13 +220,19 @@ def static_prefill(runner: ModelRunner, cache: DeviceKVCache, ids: torch.Tensor)
         plans = _masked_plans(runner, positions, num)  # windowed layers over a longer prompt keep their mask
         windowed = runner.sliding_window is not None and num > runner.sliding_window
         plans.update({t: PREFILL for t in set(runner.layer_types) if t != SLIDING_ATTENTION or not windowed})
-    hidden = _layers(runner, runner.embed(ids), positions, plans, _Writes(cache, positions, num))
+    writes = _Writes(cache, positions, num)
+    hidden, states = _layers(runner, runner.embed(ids), positions, plans, writes, feature_layers=feature_layers)
     cache.length.fill_(num)
-    return hidden, _logits(runner, hidden[:, -1:])[0]
+    return states, _logits(runner, hidden[:, -1:])[0]
 
 
 def verify_step(
-    runner: ModelRunner, cache: DeviceKVCache, rows: torch.Tensor, bucket: int, exit_layer: int = 0
+    runner: ModelRunner,
+    cache: DeviceKVCache,
+    rows: torch.Tensor,
+    bucket: int,
+    exit_layer: int = 0,
+    feature_layers: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One fixed-width forward at positions ``length ..`` over ``bucket`` slots.
 
@@ -215,17 +244,20 @@ def verify_step(
             values :func:`exit_draft_step` already wrote: the forward runs layers ``[exit_layer, L)``.
         bucket: the slots attended over.
         exit_layer: the first layer to run (``0``: every layer, from the token ids).
+        feature_layers: EAGLE-3's taps: the states handed back are those entering these layers.
 
     Returns:
-        The ``[1, w, hidden]`` last-layer outputs and ``[w, vocab]`` float32 logits.
+        The ``[1, w, hidden]`` last-layer outputs (with ``feature_layers``, the
+        ``[1, w, len(feature_layers) * hidden]`` tapped states) and ``[w, vocab]`` float32 logits.
     """
     width = rows.shape[1]
     positions = cache.length + torch.arange(width, device=rows.device)  # [w]
     plans = _kernel_plans(runner, cache.length) or _masked_plans(runner, positions, bucket)  # slot j: position j
     hidden = rows if exit_layer else runner.embed(rows)
     layers = range(exit_layer, runner.num_layers)
-    hidden = _layers(runner, hidden, positions, plans, _Writes(cache, positions, bucket), layers)
-    return hidden, _logits(runner, hidden)
+    writes = _Writes(cache, positions, bucket)
+    hidden, states = _layers(runner, hidden, positions, plans, writes, layers, feature_layers)
+    return states, _logits(runner, hidden)
 
 
 def exit_draft_step(
@@ -241,7 +273,7 @@ def exit_draft_step(
     positions = (cache.length + offset).view(1)
     plans = _kernel_plans(runner, positions) or _masked_plans(runner, positions, bucket)
     writes = _Writes(cache, positions, bucket)
-    state: torch.Tensor = _layers(runner, runner.embed(token), positions, plans, writes, range(exit_layer))
+    state, _ = _layers(runner, runner.embed(token), positions, plans, writes, range(exit_layer))
     return state
 
 
@@ -352,11 +384,13 @@ class StaticStep:
         kinds: tuple[str, ...] = ("greedy",),
         exit_layer: int | None = None,
         adapter: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        feature_layers: tuple[int, ...] | None = None,
     ) -> None:
         """Compile (or trace) the steps a call of ``slots`` slots may use, ahead of its first round.
 
         ``kinds``: ``"greedy"`` and/or ``"forward"`` (sampled rounds). With ``exit_layer``, the
         early exit's steps instead: its draft steps (with ``adapter``) and its verify of each width.
+        With ``feature_layers`` (EAGLE-3), the verify steps that hand back those layers' inputs.
         Each step runs once on padding at the cache's current length, which is restored after:
         the cache's text is untouched (a draft step's slots are past it).
         """
@@ -378,9 +412,9 @@ class StaticStep:
                     exits = (torch.zeros(1, width, hidden, dtype=self.runner.dtype, device=device), exit_layer)
                 for kind in kinds:
                     if kind == "greedy":
-                        self.greedy(tokens, zero, bucket, *exits)
+                        self.greedy(tokens, zero, bucket, *exits, feature_layers=feature_layers)
                     else:
-                        self.forward(tokens, bucket, *exits)
+                        self.forward(tokens, bucket, *exits, feature_layers=feature_layers)
                     cache.length.copy_(saved)
 
     def greedy(
@@ -390,21 +424,28 @@ class StaticStep:
         bucket: int,
         exit_states: torch.Tensor | None = None,
         exit_layer: int = 0,
+        feature_layers: tuple[int, ...] | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """Verify ``[1, w]`` tokens and accept greedily: ``([accepted, next], hidden, logits)``.
 
         With the early exit's ``exit_states`` (``[1, w, hidden]`` at ``exit_layer``), the forward
-        continues from them (:func:`verify_step`).
+        continues from them (:func:`verify_step`). With ``feature_layers`` (EAGLE-3), ``hidden``
+        is the concatenated states entering those layers.
         """
         rows = tokens if exit_states is None else exit_states
-        return self._step("greedy", tokens.shape[1], bucket, exit_layer)(tokens, rows, num_draft)
+        return self._step("greedy", tokens.shape[1], bucket, exit_layer, feature_layers)(tokens, rows, num_draft)
 
     def forward(
-        self, tokens: torch.Tensor, bucket: int, exit_states: torch.Tensor | None = None, exit_layer: int = 0
+        self,
+        tokens: torch.Tensor,
+        bucket: int,
+        exit_states: torch.Tensor | None = None,
+        exit_layer: int = 0,
+        feature_layers: tuple[int, ...] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Verify ``[1, w]`` tokens (or exit states): ``(hidden, logits)`` (a sampled round accepts after it)."""
         rows = tokens if exit_states is None else exit_states
-        return self._step("forward", tokens.shape[1], bucket, exit_layer)(rows)
+        return self._step("forward", tokens.shape[1], bucket, exit_layer, feature_layers)(rows)
 
     def exit_draft(
         self,
@@ -444,17 +485,26 @@ class StaticStep:
     def _maybe_compiled(self, step: Callable[..., Any], graphs: bool = True) -> Callable[..., Any]:
         return step if self.backend is None else _compiled(step, self.backend, self.runner.device, graphs)
 
-    def _step(self, kind: str, width: int, bucket: int, exit_layer: int = 0) -> Callable[..., Any]:
-        """The ``greedy`` or ``forward`` step of this width and bucket (from ``exit_layer``: ``exit_<kind>@E``)."""
-        key = (f"exit_{kind}@{exit_layer}" if exit_layer else kind, width, bucket)
+    def _step(
+        self, kind: str, width: int, bucket: int, exit_layer: int = 0, feature_layers: tuple[int, ...] | None = None
+    ) -> Callable[..., Any]:
+        """The ``greedy`` or ``forward`` step of this width and bucket.
+
+        Named ``<kind>``, ``exit_<kind>@E`` from ``exit_layer``, ``<kind>+taps1,3,6`` with EAGLE-3's
+        ``feature_layers``.
+        """
+        name = f"exit_{kind}@{exit_layer}" if exit_layer else kind
+        if feature_layers:
+            name += "+taps" + ",".join(str(i) for i in feature_layers)
+        key = (name, width, bucket)
         if key not in self.compiled:
             runner, cache = self.runner, self._cache()
 
             def forward(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-                return verify_step(runner, cache, rows, bucket, exit_layer)
+                return verify_step(runner, cache, rows, bucket, exit_layer, feature_layers)
 
             def greedy(tokens: torch.Tensor, rows: torch.Tensor, num_draft: torch.Tensor) -> tuple[torch.Tensor, ...]:
-                hidden, logits = verify_step(runner, cache, rows, bucket, exit_layer)
+                hidden, logits = verify_step(runner, cache, rows, bucket, exit_layer, feature_layers)
                 return accept_greedy_step(cache, tokens, num_draft, logits), hidden, logits
 
             self.compiled[key] = self._maybe_compiled(greedy if kind == "greedy" else forward)

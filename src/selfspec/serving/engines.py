@@ -34,10 +34,12 @@ def engine_args(source: Any) -> dict[str, Any]:
     """The ``from_pretrained`` arguments (all but the model name) read from ``source``'s attributes.
 
     Adapters keep one field per engine option (:class:`~selfspec.decoding.options.EngineOptions`,
-    pinned by tests); this collects them under the engine's own names, so a new option needs only
-    a new field, not new plumbing.
+    pinned by tests; a drafter's options are fields made from its declaration), and options of
+    drafters registered after the adapter's class was made in ``drafter_settings``; this collects
+    them under the engine's own names.
     """
-    return {name: getattr(source, name) for name in EngineOptions.names() if hasattr(source, name)}
+    given = {name: getattr(source, name) for name in EngineOptions.names() if hasattr(source, name)}
+    return {**given, **(getattr(source, "drafter_settings", None) or {})}
 
 
 def get_engine(model: str, **engine_args: Any) -> SpeculativeEngine:

@@ -22,6 +22,9 @@ Where the head is looked for (:func:`local_copy`):
    ``config.json`` is fetched and checked first, then a size line is logged and the weights are
    fetched with huggingface_hub's progress bar (:func:`fetch_head`).
 
+Where the table has several heads for a model, they are tried in table order: local copies
+first, then fetches; a head that does not fit, is gone from the hub or fails to download gives
+way to the next, and once the hub cannot be reached no other is asked for.
 Offline, or when the hub cannot be reached, nothing is fetched: decoding goes on without the
 head, and the plan's advice (:func:`missing_head_advice`) names the head and the exact command
 that fetches it (``hf download ...``). ``SELFSPEC_HEAD_CATALOG`` names a JSON file of further
@@ -29,14 +32,16 @@ entries (``{"version": 1, "heads": [{"target": ..., "repo_id": ..., ...}]}``), c
 
 Sources of the table: the speculators README's table of pre-trained EAGLE-3 models (RedHatAI
 heads and their verifiers), vLLM's speculators tests (RedHatAI Llama-3.1-8B / Qwen3-8B heads and
-their verifiers), SafeAILab/EAGLE's list of heads (yuhuili/EAGLE3-*), code that pairs
-AngelSlim/Qwen3-*_eagle3 with Qwen/Qwen3-*; research notes in the project's HEADS.md. No entry
+their verifiers) and its EAGLE tests (AngelSlim/Qwen3-8B_eagle3 for Qwen/Qwen3-8B), SafeAILab/EAGLE's
+list of heads (yuhuili/EAGLE3-*), SGLang's EAGLE-3 scripts (lmsys/sglang-EAGLE3-LLaMA3.1-Instruct-8B),
+code that pairs AngelSlim/Qwen3-*_eagle3 with Qwen/Qwen3-*; research notes in the project's HEADS.md. No entry
 is pinned to a commit yet (none was at hand): an unpinned entry resolves the repository's
 ``main`` and says so.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -152,6 +157,12 @@ PUBLISHED_HEADS: tuple[PublishedHead, ...] = (
         source="SafeAILab/EAGLE README; vLLM and SGLang EAGLE-3 docs",
     ),
     PublishedHead(
+        "meta-llama/Llama-3.1-8B-Instruct",
+        "lmsys/sglang-EAGLE3-LLaMA3.1-Instruct-8B",
+        layout="safeailab",
+        source="SGLang's EAGLE-3 benchmark scripts and docs (its draft for Llama-3.1-8B-Instruct); SpecForge layout",
+    ),
+    PublishedHead(
         "meta-llama/Llama-3.3-70B-Instruct",
         "RedHatAI/Llama-3.3-70B-Instruct-speculator.eagle3",
         source="speculators README (pre-trained EAGLE-3 models)",
@@ -173,7 +184,19 @@ PUBLISHED_HEADS: tuple[PublishedHead, ...] = (
         "RedHatAI/Qwen3-8B-speculator.eagle3",
         source="speculators README; vLLM tests/speculators",
     ),
+    PublishedHead(
+        "Qwen/Qwen3-8B",
+        "AngelSlim/Qwen3-8B_eagle3",
+        layout="safeailab",
+        source="vLLM tests/v1/e2e/test_spec_decode.py (eagle3, Qwen/Qwen3-8B); AngelSlim docs (EAGLE-3 benchmarks)",
+    ),
     PublishedHead("Qwen/Qwen3-14B", "RedHatAI/Qwen3-14B-speculator.eagle3", source="speculators README"),
+    PublishedHead(
+        "Qwen/Qwen3-14B",
+        "AngelSlim/Qwen3-14B_eagle3",
+        layout="safeailab",
+        source="AngelSlim docs (EAGLE-3 benchmarks); layout as SafeAILab's (not confirmed)",
+    ),
     PublishedHead("Qwen/Qwen3-32B", "RedHatAI/Qwen3-32B-speculator.eagle3", source="speculators README; model card"),
     PublishedHead(
         "Qwen/Qwen3-1.7B",
@@ -348,6 +371,12 @@ def local_copy(entry: PublishedHead, hub: Path | None = None) -> Path | None:
     return _cached_snapshot(entry, None)
 
 
+def held_copy(entry: PublishedHead, hub: Path | None = None) -> Path | None:
+    """:func:`local_copy` when it holds the weights too (not yet checked against a model), else ``None``."""
+    folder = local_copy(entry, hub)
+    return folder if folder is not None and _holds_head(folder) else None
+
+
 # ----------------------------------------------------------------------------- the check
 def _read_json(path: Path) -> dict[str, Any]:
     try:
@@ -367,8 +396,10 @@ def _head_facts(raw: dict[str, Any]) -> dict[str, Any]:
     """What a head's ``config.json`` says about its target, in either layout (``None``: not said)."""
     if "speculators_model_type" in raw:
         layer = _object(raw.get("transformer_layer_config"))
+        verifier = _object(_object(raw.get("speculators_config")).get("verifier"))
         return {
-            "verifier": _object(_object(raw.get("speculators_config")).get("verifier")).get("name_or_path"),
+            "verifier": verifier.get("name_or_path"),
+            "verifier architectures": verifier.get("architectures"),
             "hidden size": raw.get("target_hidden_size") or layer.get("hidden_size"),
             "vocabulary": layer.get("vocab_size"),
             "tapped layers": raw.get("eagle_aux_hidden_state_layer_ids"),
@@ -377,6 +408,7 @@ def _head_facts(raw: dict[str, Any]) -> dict[str, Any]:
     nested = _object(raw.get("eagle_config"))
     return {
         "verifier": None,  # SafeAILab / SpecForge configs name no verifier: the table's entry does
+        "verifier architectures": None,
         "hidden size": raw.get("target_hidden_size") or raw.get("hidden_size"),
         "vocabulary": raw.get("vocab_size"),
         "tapped layers": raw.get("eagle_aux_hidden_state_layer_ids") or nested.get("eagle_aux_hidden_state_layer_ids"),
@@ -387,8 +419,9 @@ def _head_facts(raw: dict[str, Any]) -> dict[str, Any]:
 def check_head_config(raw: dict[str, Any], model: Any, head: str, name_or_path: str = "") -> None:
     """Check a published head's ``config.json`` against the loaded model, before any weight is read.
 
-    Checks the verifier the head names (against the model's names, :func:`model_names`), the
-    target hidden size, the vocabulary, the tapped layers (each in ``0..L``) and the draft
+    Checks the verifier the head names (against the model's names, :func:`model_names`) and its
+    architectures (``speculators_config.verifier.architectures``: one of them must be the model's),
+    the target hidden size, the vocabulary, the tapped layers (each in ``0..L``) and the draft
     vocabulary (at most the model's).
 
     Args:
@@ -406,6 +439,9 @@ def check_head_config(raw: dict[str, Any], model: Any, head: str, name_or_path: 
     verifier = facts["verifier"]
     if verifier and names and loose_name(str(verifier)) not in names:
         raise HeadMismatchError(head, "verifier", str(verifier), name_or_path or sorted(names)[0])
+    head_classes, model_classes = facts["verifier architectures"], list(getattr(config, "architectures", None) or [])
+    if isinstance(head_classes, list) and head_classes and model_classes and not set(head_classes) & set(model_classes):
+        raise HeadMismatchError(head, "verifier architectures", head_classes, model_classes)
     hidden, vocab, layers = int(config.hidden_size), int(config.vocab_size), int(config.num_hidden_layers)
     for field, theirs in (("hidden size", hidden), ("vocabulary", vocab)):
         if facts[field] is not None and int(facts[field]) != theirs:
@@ -486,6 +522,27 @@ def fetch_head(entry: PublishedHead, model: Any, name_or_path: str, hub: Path | 
 _UNREACHABLE: dict[str, str] = {}
 
 
+def connection_errors() -> tuple[type[Exception], ...]:
+    """What a fetch raises when the hub itself cannot be reached, or the connection fails partway.
+
+    huggingface_hub's own (offline mode, a connection error or timeout, and ``LocalEntryNotFoundError``:
+    a file it could not get from the hub, after its retries, with no cached copy) and the
+    ``RequestError`` of its HTTP client (``httpx2`` from 2.0, ``httpx`` in 1.x): a connection that
+    drops or stalls in the middle of a file, which is not an ``OSError``. After one of these no
+    other head is asked for: the hub is the same. Any other failure (a repository that is gone or
+    gated, a storage backend's error) concerns one head only.
+    """
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    errors: list[type[Exception]] = [ConnectionError, TimeoutError, LocalEntryNotFoundError]
+    for client in ("httpx2", "httpx"):
+        try:
+            errors.append(importlib.import_module(client).RequestError)
+        except (ImportError, AttributeError):
+            continue
+    return tuple(errors)
+
+
 def _checked(
     entry: PublishedHead, folder: Path, model: Any, name_or_path: str, status: str, hub: Path | None
 ) -> HeadResolution:
@@ -503,13 +560,38 @@ def _checked(
     return HeadResolution(entry, status, folder, hub=hub)
 
 
+def _fetch_blocked(fetch: bool) -> str:
+    """Why the hub may not be asked now (empty: it may)."""
+    if hub_offline():
+        return "offline: no local copy"
+    if os.environ.get(FETCH_ENV, "").strip().lower() in ("0", "false", "no", "off"):
+        return f"no local copy, and {FETCH_ENV}={os.environ[FETCH_ENV]}"
+    return "" if fetch else "no local copy"
+
+
+def _fetched(entry: PublishedHead, model: Any, name_or_path: str, hub: Path | None) -> tuple[HeadResolution, bool]:
+    """Fetch one entry (:func:`fetch_head`): its resolution, and whether the hub could be reached at all."""
+    try:
+        folder = fetch_head(entry, model, name_or_path, hub)
+    except (HeadMismatchError, UnsafeCheckpointError) as error:
+        return HeadResolution(entry, "refused", None, str(error), error, hub), True
+    except connection_errors() as error:  # no network, or it dropped: go on without the head
+        _UNREACHABLE[entry.repo_id] = f"the hub was not reached: {error}"
+        return HeadResolution(entry, "missing", reason=_UNREACHABLE[entry.repo_id], hub=hub), False
+    except Exception as error:  # noqa: BLE001 - gone, gated, a storage backend's error: this head only
+        _UNREACHABLE[entry.repo_id] = f"the fetch failed ({type(error).__name__}: {error})"
+        return HeadResolution(entry, "missing", reason=_UNREACHABLE[entry.repo_id], hub=hub), True
+    return _checked(entry, folder, model, name_or_path, "fetched", hub), True
+
+
 def resolve_published_head(name_or_path: str, model: Any, *, fetch: bool = True) -> HeadResolution | None:
     """The published head for a model: a checked local copy, else (online, ``fetch``) a fetched one.
 
     Looks at every matching entry's local copy first (:func:`local_copy`), in table order; when
-    none is here, fetches the first entry (:func:`fetch_head`) unless huggingface_hub is offline or
-    ``fetch`` is false, or the hub cannot be reached: then the result is ``"missing"``, with the
-    command that fetches it.
+    none fits, fetches the other entries in table order (:func:`fetch_head`) until one fits,
+    unless huggingface_hub is offline or ``fetch`` is false. An entry that is refused (it does
+    not fit the model) or cannot be fetched gives way to the next; when the hub cannot be reached
+    at all, no further entry is asked for. Each refusal is logged once.
 
     Args:
         name_or_path: the model's name or folder.
@@ -517,41 +599,44 @@ def resolve_published_head(name_or_path: str, model: Any, *, fetch: bool = True)
         fetch: whether the hub may be asked.
 
     Returns:
-        ``None`` when the table has no head for the model.
+        ``None`` when the table has no head for the model; else the head found or fetched, or,
+        when none fits: the first entry that could still be fetched (``"missing"``, with why and
+        the command that fetches it), else the first refusal.
     """
     entries = entries_for(name_or_path, model)
     if not entries:
         return None
     hub = hub_folder()
-    first_refusal: HeadResolution | None = None
+    refusals: list[HeadResolution] = []
+    candidates: list[PublishedHead] = []  # entries with no fitting local copy that were not refused
     for entry in entries:
         folder = local_copy(entry, hub)
-        if folder is None:
+        resolution = _checked(entry, folder, model, name_or_path, "found", hub) if folder is not None else None
+        if resolution is not None and resolution.usable:
+            return resolution
+        if resolution is not None and resolution.status == "refused":
+            refusals.append(resolution)
+            _say_once(resolution, name_or_path)
+        else:
+            candidates.append(entry)
+    missing: list[HeadResolution] = []
+    blocked, down = _fetch_blocked(fetch), ""
+    for entry in candidates:
+        if down:  # the hub was not reached for an earlier entry: not asked again in this process
+            _UNREACHABLE[entry.repo_id] = down
+        if entry.repo_id in _UNREACHABLE or blocked:  # asked once already (why it failed), or not to be asked
+            missing.append(HeadResolution(entry, "missing", reason=_UNREACHABLE.get(entry.repo_id, blocked), hub=hub))
             continue
-        resolution = _checked(entry, folder, model, name_or_path, "found", hub)
+        resolution, reached = _fetched(entry, model, name_or_path, hub)
         if resolution.usable:
             return resolution
         if resolution.status == "refused":
-            first_refusal = first_refusal or resolution
-    if first_refusal is not None:
-        return first_refusal
-    entry = entries[0]
-    if not fetch or hub_offline():
-        return HeadResolution(entry, "missing", reason="offline: no local copy", hub=hub)
-    if os.environ.get(FETCH_ENV, "").strip().lower() in ("0", "false", "no", "off"):
-        return HeadResolution(
-            entry, "missing", reason=f"no local copy, and {FETCH_ENV}={os.environ[FETCH_ENV]}", hub=hub
-        )
-    if entry.repo_id in _UNREACHABLE:  # asked once in this process already
-        return HeadResolution(entry, "missing", reason=_UNREACHABLE[entry.repo_id], hub=hub)
-    try:
-        folder = fetch_head(entry, model, name_or_path, hub)
-    except (HeadMismatchError, UnsafeCheckpointError) as error:
-        return HeadResolution(entry, "refused", None, str(error), error, hub)
-    except OSError as error:  # no network, the hub refused, a gated repository: go on without it
-        _UNREACHABLE[entry.repo_id] = f"the hub was not reached: {error}"
-        return HeadResolution(entry, "missing", reason=_UNREACHABLE[entry.repo_id], hub=hub)
-    return _checked(entry, folder, model, name_or_path, "fetched", hub)
+            refusals.append(resolution)
+            _say_once(resolution, name_or_path)
+        else:
+            missing.append(resolution)
+        down = "" if reached else f"{resolution.reason} (asking for {entry.repo_id})"
+    return missing[0] if missing else refusals[0]
 
 
 _SAID: set[tuple[str, str, str]] = set()
@@ -623,7 +708,7 @@ def missing_head_advice(name_or_path: str) -> str:
     """
     entries = entries_for(name_or_path) if name_or_path else []
     hub = hub_folder()
-    if not entries or any(_holds_head(folder) for folder in filter(None, (local_copy(e, hub) for e in entries))):
+    if not entries or any(held_copy(entry, hub) is not None for entry in entries):
         return ""
     reason = "offline: no local copy" if hub_offline() else "no local copy"
     return missing_sentence(HeadResolution(entries[0], "missing", reason=reason, hub=hub))

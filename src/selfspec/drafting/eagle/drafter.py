@@ -51,6 +51,7 @@ from ..tree_grower import ROOT, TreeGrower, grow_tree
 from .calibration import EagleCalibration
 from .head import EagleHead, HeadCache, StaticHeadCache, check_fits, find_eagle_head, load_eagle_head
 from .online import OnlineLearner, OnlineSequence, OnlineSettings, online_head_folder
+from .options import OPTIONS
 
 
 @dataclass
@@ -118,7 +119,8 @@ class EagleDrafter(Drafter):
         self.costs = costs
         self.lookup = PromptLookupDrafter(max_ngram=3, min_ngram=2) if lookup else None
         self.feature_layers = head.capture_layers  # EAGLE-3: the target layers whose inputs the verifier keeps
-        self.chain_only = not tree_nodes and self.feature_layers is None  # the static round verifies its chains
+        # the static round verifies its chains (EAGLE-3's too: its verify hands back the tapped states)
+        self.chain_only = not tree_nodes
         if lookup:
             self.name = "eagle_hybrid"
         #: chains (no tree, no prompt lookup) draft on the device too (:meth:`propose_device`)
@@ -138,8 +140,13 @@ class EagleDrafter(Drafter):
 
     @property
     def static_drafting(self) -> StaticDrafting:
-        """Chains on the device (:meth:`propose_device`); with prompt lookup, host chains; trees: the eager loop."""
-        if self.tree_nodes or self.feature_layers is not None:
+        """Chains on the device (:meth:`propose_device`); with prompt lookup, host chains; trees: the eager loop.
+
+        An EAGLE-3 head (:attr:`feature_layers`) drafts there too: the static verify hands back
+        the tapped layers' inputs, and its draft step (the draft vocabulary mapped to the target's
+        on the device) compiles like an EAGLE-1 head's.
+        """
+        if self.tree_nodes:
             return StaticDrafting.NONE
         return StaticDrafting.DEVICE if self.supports_device_chain else StaticDrafting.HOST
 
@@ -186,14 +193,17 @@ class EagleDrafter(Drafter):
                 "the EAGLE drafter needs the target's features of the accepted text (state.pending_hidden); "
                 "it runs only inside the engine's loop"
             )
-        state.pending_hidden = None
+        tokens, state.pending_hidden, state.pending_tokens = state.pending_tokens, None, None
         count = pending.shape[1]
         start = state.position - count  # the first pending position
         device = pending.device
         if start < memory.next_position:  # never happens in the loop; keep the newest view
             raise ConfigurationError(f"EAGLE head out of step: features from {start}, expected {memory.next_position}")
         features = head.target_features(pending)  # [1, m, H] after the final norm
-        next_tokens = device_ids([state.token_ids[start + 1 : state.position + 1]], device)  # no blocking copy
+        if tokens is not None and tokens.shape[0] == count:  # already on the device (the static round)
+            next_tokens = tokens[None]
+        else:
+            next_tokens = device_ids([state.token_ids[start + 1 : state.position + 1]], device)  # no blocking copy
         positions = torch.arange(start, state.position, device=device)[None]
         allowed = None
         if isinstance(cache, StaticHeadCache):  # slot t holds position t: drop last round's draft entries
@@ -433,7 +443,7 @@ register_drafter(
     make_eagle,
     description="an EAGLE-style feature head trained on the model's own text (eagle_head=, selfspec train-eagle)",
     trees=True,
-    engine_options=("eagle_head",),
+    options=OPTIONS,
     calibration=EagleCalibration(),
 )
 register_drafter(
@@ -441,6 +451,6 @@ register_drafter(
     make_eagle_hybrid,
     description="prompt-lookup copies where the text repeats, else the EAGLE head (eagle_head=)",
     trees=True,
-    engine_options=("eagle_head",),
+    options=OPTIONS,
     calibration=EagleCalibration(lookup=True),
 )

@@ -1,11 +1,15 @@
 """``selfspec train-adapter``: the command line of :mod:`selfspec.drafting.exit_adapter.train`.
 
-Kept apart from the training code so that building the ``selfspec`` parser imports no torch.
+Kept apart from the training code so that building the ``selfspec`` parser imports no torch. The exit layer
+trained for without ``--exit-layer`` comes from a ring above this one (the saved calibration): the ``cli`` ring
+passes it in when it registers the command (:func:`add_train_adapter_parser`).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,14 +20,22 @@ from ..commands import add_command, add_model_arguments, load_model, settings_fr
 DEFAULTS = {"steps": 400, "rank": 64, "sequences": 128, "seq_len": 128, "batch_size": 8, "lr": 3e-3}
 
 
-def add_train_adapter_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``train-adapter`` to the ``selfspec`` command's subparsers."""
+def add_train_adapter_parser(
+    subparsers: Any, *, default_exit_layer: Callable[[str, int], int]
+) -> argparse.ArgumentParser:
+    """Add ``train-adapter`` to the ``selfspec`` command's subparsers.
+
+    Args:
+        subparsers: the ``selfspec`` command's subparsers.
+        default_exit_layer: the exit layer to train for when ``--exit-layer`` is not given, from the
+            model's resolved path and its number of layers.
+    """
     parser = add_command(
         subparsers,
         "train-adapter",
         summary="self-distil an exit adapter for the early-exit drafter (no dataset needed)",
         description="Self-distil an exit adapter: the model teaches its own early exit, no dataset needed.",
-        func=cmd_train_adapter,
+        func=functools.partial(cmd_train_adapter, default_exit_layer=default_exit_layer),
     )
     add_model_arguments(parser, model_help="hub id, local folder, or 'selfspec-demo'", trust_remote_code=True)
     parser.add_argument("--exit-layer", type=int, default=None, help="default: the calibrated one, else L // 4")
@@ -45,18 +57,15 @@ def add_train_adapter_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def cmd_train_adapter(args: argparse.Namespace) -> int:
+def cmd_train_adapter(args: argparse.Namespace, *, default_exit_layer: Callable[[str, int], int]) -> int:
     """Train an exit adapter for ``--model`` and save it in the user cache (or in ``--out``)."""
-    from ...calibration import load_calibration
-    from ...decoding.config import default_exit_layer
     from .adapter import exit_adapter_path
     from .train import AdapterTrainConfig, train_exit_adapter
 
     model, tokenizer, path = load_model(args)
     exit_layer = args.exit_layer
     if exit_layer is None:
-        saved = (load_calibration(path) or {}).get("exit_layer")
-        exit_layer = saved if isinstance(saved, int) else default_exit_layer(int(model.config.num_hidden_layers))
+        exit_layer = default_exit_layer(path, int(model.config.num_hidden_layers))
     texts = [args.data.read_text(encoding="utf-8")] if args.data is not None else []
     config = settings_from_args(AdapterTrainConfig, args, exit_layer=exit_layer)
     result = train_exit_adapter(model, config, tokenizer=tokenizer, texts=texts)

@@ -26,6 +26,8 @@ from __future__ import annotations
 import heapq
 import json
 import os
+import pickle
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +36,17 @@ from torch import nn
 
 from ...artifacts import MEDUSA_HEADS, atomic_path, atomic_write_text, find_artifact, make_folder, model_cache
 from ...core.sampling import SamplingParams, logits_to_probs, sample
-from ...errors import ConfigurationError, ModelNotFoundError, UnsafeCheckpointError
+from ...errors import (
+    ConfigurationError,
+    CorruptCheckpointError,
+    ModelNotFoundError,
+    UnsafeCheckpointError,
+    one_line,
+)
 from ..base import DecodeState, Draft, Drafter, draft_autoregressively
 from ..planning import BenchContext, BenchRow, DrafterBench, sampled, tree_rows
 from ..registry import register_drafter
+from .options import OPTIONS
 
 #: File names of the published layout.
 MEDUSA_CONFIG = "config.json"
@@ -197,36 +206,28 @@ def load_medusa_heads(
     Raises:
         ModelNotFoundError: no such folder, or no weights or Medusa config in it.
         UnsafeCheckpointError: only a pickle file, and ``allow_pickle`` is off.
+        CorruptCheckpointError: the weights or ``config.json`` cannot be read (truncated, not
+            safetensors, not JSON); the message names the file.
         ConfigurationError: the weights do not fit the config or the model.
     """
     path = Path(folder).expanduser()
     if not path.is_dir():
         raise ModelNotFoundError(f"no Medusa heads folder at {os.fspath(folder)!r}")
-    config_path = path / MEDUSA_CONFIG
-    if not config_path.is_file():
-        raise ModelNotFoundError(f"{path} has no config.json with medusa_num_heads / medusa_num_layers")
-    config = json.loads(config_path.read_text(encoding="utf-8"))
-    if "medusa_num_heads" not in config:
-        raise ModelNotFoundError(f"{config_path} has no 'medusa_num_heads': not a Medusa heads folder")
+    config = read_medusa_config(path)
     if (path / MEDUSA_SAFETENSORS).is_file():
-        from safetensors.torch import load_file
-
-        state = load_file(str(path / MEDUSA_SAFETENSORS))
+        state = _read_weights(path / MEDUSA_SAFETENSORS)
     elif (path / MEDUSA_PICKLE).is_file():
         if not allow_pickle:
             raise UnsafeCheckpointError(
                 f"{path} holds only the pickle file {MEDUSA_PICKLE}, which can run arbitrary code when "
                 "loaded. Convert it to safetensors, or pass allow_pickle=True if you trust the file."
             )
-        state = torch.load(path / MEDUSA_PICKLE, map_location="cpu", weights_only=True)
-        if not isinstance(state, dict):
-            raise ConfigurationError(f"{path / MEDUSA_PICKLE} does not hold a state dict")
+        state = _read_weights(path / MEDUSA_PICKLE)
     else:
         raise ModelNotFoundError(f"{path} has no {MEDUSA_SAFETENSORS} (or {MEDUSA_PICKLE})")
     # some exports keep the module name of the Medusa model ("medusa_head.0.0.linear.weight")
     state = {k.removeprefix("medusa_head."): v for k, v in state.items()}
-    num_heads = int(config["medusa_num_heads"])
-    num_layers = int(config.get("medusa_num_layers", 1))
+    num_heads, num_layers = config["medusa_num_heads"], config.get("medusa_num_layers", 1)
     head_key = f"0.{num_layers}.weight"
     if head_key not in state:
         raise ConfigurationError(
@@ -250,6 +251,61 @@ def load_medusa_heads(
         raise ConfigurationError(f"the Medusa weights in {path} do not match their config.json: {exc}") from exc
     heads.eval().requires_grad_(False)
     return heads.to(device=device, dtype=dtype)
+
+
+#: What to do about a Medusa file that cannot be read.
+_REDO = "train the heads again (`selfspec train-medusa --model M`) or download them again"
+
+
+def read_medusa_config(folder: str | os.PathLike[str]) -> dict[str, Any]:
+    """The ``config.json`` of a Medusa heads folder, its sizes checked.
+
+    Raises:
+        ModelNotFoundError: no ``config.json``, or one without ``medusa_num_heads`` (not a Medusa folder).
+        CorruptCheckpointError: ``config.json`` is not a JSON object (truncated, not UTF-8, not JSON).
+        ConfigurationError: ``medusa_num_heads`` is not an int >= 1, or ``medusa_num_layers`` not an int >= 0.
+    """
+    config_path = Path(folder).expanduser() / MEDUSA_CONFIG
+    if not config_path.is_file():
+        raise ModelNotFoundError(f"{config_path.parent} has no config.json with medusa_num_heads / medusa_num_layers")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:  # json.JSONDecodeError is a ValueError
+        raise CorruptCheckpointError(f"{config_path} is not valid JSON ({one_line(str(exc))}); {_REDO}") from None
+    if not isinstance(config, dict):
+        raise CorruptCheckpointError(f"{config_path} is not a JSON object (got {type(config).__name__}); {_REDO}")
+    if "medusa_num_heads" not in config:
+        raise ModelNotFoundError(f"{config_path} has no 'medusa_num_heads': not a Medusa heads folder")
+    for field, low in (("medusa_num_heads", 1), ("medusa_num_layers", 0)):
+        value = config.get(field, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigurationError(f"{config_path}: {field}={value!r} is invalid; it must be an int >= {low}")
+    return config
+
+
+def _read_weights(file: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a Medusa weights file (safetensors, or the pickle with ``weights_only``).
+
+    Raises:
+        CorruptCheckpointError: the file is truncated, corrupt, or not a state dict; the message names it.
+    """
+    from safetensors import SafetensorError
+
+    try:
+        if file.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state: Any = load_file(str(file))
+        else:
+            state = torch.load(file, map_location="cpu", weights_only=True)
+    except (SafetensorError, OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
+        raise CorruptCheckpointError(
+            f"{file} is not a readable {'safetensors' if file.suffix == '.safetensors' else 'PyTorch'} file: "
+            f"it is truncated or corrupt ({one_line(str(exc))}); {_REDO}"
+        ) from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CorruptCheckpointError(f"{file} does not hold a state dict of tensors; {_REDO}")
+    return state
 
 
 def build_candidate_tree(
@@ -372,6 +428,13 @@ class MedusaDrafter(Drafter):
         return draft_autoregressively(state, depth, lambda token, j: logits[j])
 
 
+def load_pickled_heads(value: Any, loading: Mapping[str, Any]) -> Mapping[str, Any]:
+    """With ``allow_pickle=True``, a folder's ``medusa_lm_head.pt`` loads now (the drafter reads safetensors only)."""
+    if not (loading.get("allow_pickle") and isinstance(value, (str, os.PathLike))):
+        return {}
+    return {"medusa_heads": load_medusa_heads(value, allow_pickle=True)}
+
+
 def engine_medusa_heads(engine: Any) -> MedusaHeads:
     """The heads for ``drafter="medusa"``, on the model's device and dtype, checked against it."""
     runner, heads = engine.runner, engine.config.medusa_heads
@@ -409,7 +472,7 @@ def _rows(name: str, context: BenchContext) -> list[BenchRow]:
     heads_folder = find_medusa_heads(context.loaded.name_or_path)
     if heads_folder is None:
         return []
-    num_heads = json.loads((heads_folder / "config.json").read_text())["medusa_num_heads"]
+    num_heads = read_medusa_config(heads_folder)["medusa_num_heads"]
     chain = BenchRow(
         f"selfspec_{name}",
         context.engine(drafter=name, num_draft_tokens=num_heads),
@@ -433,6 +496,6 @@ register_drafter(
     make_medusa,
     description="Medusa heads on the last hidden state (medusa_heads=)",
     trees=True,
-    engine_options=("medusa_heads",),
+    options=OPTIONS,
     bench=DrafterBench(_rows, {"medusa": "selfspec_medusa* (when Medusa heads are saved beside the model)"}),
 )

@@ -10,7 +10,10 @@ limit from inside a running process (``mallopt(M_ARENA_MAX)``, through :mod:`cty
 for every arena created afterwards, so ``selfspec serve`` calls it before its first worker
 thread starts. A ``MALLOC_ARENA_MAX`` in the environment wins (``0`` keeps glibc's own default).
 :func:`release_free_memory` (``malloc_trim(0)``) hands the free pages of every arena back to the
-system. Elsewhere (musl, macOS, Windows) both do nothing and say so.
+system; :class:`IdleTrim` calls it once each time the server goes idle (no generation request
+admitted or running), so the pages a burst of requests freed go back between bursts instead of
+waiting for the next burst to reuse them. ``SELFSPEC_IDLE_TRIM=0`` turns that off. Elsewhere
+(musl, macOS, Windows) all of this does nothing and says so.
 """
 
 from __future__ import annotations
@@ -19,9 +22,21 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import threading
+import time
+from collections.abc import Callable
 from functools import cache
 
-__all__ = ["ARENA_MAX", "ARENA_MAX_ENV", "limit_arenas", "release_free_memory"]
+__all__ = [
+    "ARENA_MAX",
+    "ARENA_MAX_ENV",
+    "IDLE_TRIM_DELAY",
+    "IDLE_TRIM_ENV",
+    "IdleTrim",
+    "idle_trim_enabled",
+    "limit_arenas",
+    "release_free_memory",
+]
 
 logger = logging.getLogger("selfspec.serving.server")
 
@@ -29,6 +44,11 @@ logger = logging.getLogger("selfspec.serving.server")
 ARENA_MAX = 2
 #: The environment variable glibc reads at start-up; when set, the server leaves the allocator alone.
 ARENA_MAX_ENV = "MALLOC_ARENA_MAX"
+#: Seconds the server stays idle before it trims: the stragglers of a burst (a cancelled
+#: generation finishing its round) are done by then, and a gap between two requests costs nothing.
+IDLE_TRIM_DELAY = 0.5
+#: ``0`` keeps the server from trimming when it goes idle (anything else, or unset: it trims).
+IDLE_TRIM_ENV = "SELFSPEC_IDLE_TRIM"
 #: ``mallopt``'s parameter number for the arena limit (glibc's ``malloc.h``).
 _M_ARENA_MAX = -8
 
@@ -84,3 +104,84 @@ def release_free_memory() -> bool:
     """
     libc = _libc()
     return bool(libc.malloc_trim(0)) if libc is not None else False
+
+
+def idle_trim_enabled() -> bool:
+    """Whether the server trims when it goes idle (unless ``SELFSPEC_IDLE_TRIM=0``)."""
+    return os.environ.get(IDLE_TRIM_ENV, "").strip() != "0"
+
+
+class IdleTrim:
+    """Calls :func:`release_free_memory` once per idle period, on a thread of its own.
+
+    The owner calls :meth:`busy` when work starts and :meth:`idle` when the last piece of work has
+    ended; ``is_idle`` is asked again when the delay is over, so work that began meanwhile (or a
+    straggler still running) puts the trim off until the next call of :meth:`idle`, or, for a
+    straggler, until it has finished. Thread-safe.
+
+    Args:
+        is_idle: whether nothing runs now (asked when the delay is over).
+        delay: seconds of idleness before the trim.
+        release: what trims (default :func:`release_free_memory`).
+    """
+
+    def __init__(
+        self,
+        is_idle: Callable[[], bool],
+        delay: float = IDLE_TRIM_DELAY,
+        release: Callable[[], bool] = release_free_memory,
+    ) -> None:
+        self.is_idle = is_idle
+        self.delay = delay
+        self.release = release
+        self.trims = 0  # trims done so far
+        self.seconds = 0.0  # time spent in them
+        self._lock = threading.Lock()
+        self._period = 0  # bumped by every busy(): a trim belongs to one idle period
+        self._trimmed_period = -1  # the period of the last trim
+        self._timer: threading.Timer | None = None
+
+    def busy(self) -> None:
+        """Work started: the idle period (if any) is over and a pending trim is dropped."""
+        with self._lock:
+            self._period += 1
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+    def idle(self) -> None:
+        """The last piece of work ended: trim after :attr:`delay` seconds, unless work comes back first."""
+        with self._lock:
+            if self._trimmed_period == self._period:
+                return  # this period was trimmed already
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = threading.Timer(self.delay, self._expire, args=(self._period,))
+            self._timer.daemon = True
+            self._timer.start()
+
+    def close(self) -> None:
+        """Drop a pending trim (the server is stopping)."""
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+    def _expire(self, period: int) -> None:
+        with self._lock:
+            self._timer = None
+            if period != self._period or self._trimmed_period == period:
+                return
+            if not self.is_idle():  # a straggler still runs: look again after another delay
+                self._timer = threading.Timer(self.delay, self._expire, args=(period,))
+                self._timer.daemon = True
+                self._timer.start()
+                return
+            self._trimmed_period = period
+        started = time.perf_counter()
+        released = self.release()
+        elapsed = time.perf_counter() - started
+        with self._lock:
+            self.trims += 1
+            self.seconds += elapsed
+        logger.debug("idle: malloc_trim(0) took %.1f ms (memory returned: %s)", elapsed * 1000, released)

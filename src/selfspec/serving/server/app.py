@@ -52,7 +52,7 @@ from ..requests import (  # noqa: F401 - DEFAULT_MAX_TOKENS: the server's defaul
     plan_request,
 )
 from ..tools import ContentDelta, ToolCallChunk, ToolCallStreamParser
-from .allocator import limit_arenas
+from .allocator import IdleTrim, idle_trim_enabled, limit_arenas
 from .limits import (
     CLIENT_CLOSED,
     Admission,
@@ -187,10 +187,22 @@ class _Render:
         job: the generation.
         include_usage: end a stream with a usage chunk.
         tokenizer: the engine's tokenizer (token texts and bytes for ``logprobs``).
+        legacy_functions: the request used ``functions``: a call is answered as ``function_call``
+            (its first call only) with ``finish_reason="function_call"``, not as ``tool_calls``.
     """
 
-    def __init__(self, kind: str, model: str, job: _Job, include_usage: bool, tokenizer: Any = None) -> None:
+    def __init__(
+        self,
+        kind: str,
+        model: str,
+        job: _Job,
+        include_usage: bool,
+        tokenizer: Any = None,
+        *,
+        legacy_functions: bool = False,
+    ) -> None:
         self.kind = kind
+        self.legacy_functions = legacy_functions
         self.model = model
         self.job = job
         self.include_usage = include_usage
@@ -256,7 +268,7 @@ class _Render:
         if self.kind == "text":
             return [self._chunk(item.text)]
         events = self.parser.feed(item.text) if self.parser is not None else [ContentDelta(item.text)]
-        return [self._event_chunk(event) for event in events]
+        return [chunk for event in events if (chunk := self._event_chunk(event)) is not None]
 
     def last(self, output: GenerationOutput) -> list[dict[str, Any]]:
         """The closing chunks: held-back text, the finish reason with stats (and the last tokens' logprobs), usage."""
@@ -264,10 +276,8 @@ class _Render:
         self.received = len(output.logprobs or [])
         chunks = []
         if self.parser is not None:
-            chunks = [self._event_chunk(event) for event in self.parser.finish()]
-        final = self._chunk(
-            {} if self.kind == "chat" else "", _finish_reason(self.job.plan, output, self.saw_tool_call)
-        )
+            chunks = [chunk for event in self.parser.finish() if (chunk := self._event_chunk(event)) is not None]
+        final = self._chunk({} if self.kind == "chat" else "", self._finish_reason(output, self.saw_tool_call))
         final["selfspec"] = output.stats.to_dict()
         chunks.append(final)
         if self.include_usage:
@@ -276,10 +286,21 @@ class _Render:
             chunks.append(usage)
         return chunks
 
-    def _event_chunk(self, event: ContentDelta | ToolCallChunk) -> dict[str, Any]:
+    def _finish_reason(self, output: GenerationOutput, tool_calls: bool) -> str:
+        reason = _finish_reason(self.job.plan, output, tool_calls)
+        return "function_call" if reason == "tool_calls" and self.legacy_functions else reason
+
+    def _event_chunk(self, event: ContentDelta | ToolCallChunk) -> dict[str, Any] | None:
         if isinstance(event, ContentDelta):
             return self._chunk({"content": event.text})
         self.saw_tool_call = True
+        if self.legacy_functions:  # one call, in the deprecated shape; a second one is not sent
+            if event.index != 0:
+                return None
+            legacy: dict[str, Any] = {"arguments": event.arguments}
+            if event.id is not None:
+                legacy = {"name": event.name or "", **legacy}
+            return self._chunk({"function_call": legacy})
         call: dict[str, Any] = {"index": event.index}
         function: dict[str, Any] = {"arguments": event.arguments}
         if event.id is not None:
@@ -295,9 +316,7 @@ class _Render:
         choice: dict[str, Any] = {"index": 0}
         logprobs = self._logprobs(output.logprobs or [], len(text))
         if self.kind == "text":
-            choice.update(
-                {"text": text, "logprobs": logprobs, "finish_reason": _finish_reason(self.job.plan, output, False)}
-            )
+            choice.update({"text": text, "logprobs": logprobs, "finish_reason": self._finish_reason(output, False)})
         else:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             calls: list[dict[str, Any]] = []
@@ -308,14 +327,12 @@ class _Render:
                     for call in parsed.tool_calls
                 ] + [_tool_call(bad.id, bad.name or "", bad.arguments) for bad in parsed.invalid_tool_calls]
                 message["content"] = parsed.content or (None if calls else "")
-            if calls:
+            if calls and self.legacy_functions:  # the deprecated shape holds one call, without an id
+                message["function_call"] = calls[0]["function"]
+            elif calls:
                 message["tool_calls"] = calls
             choice.update(
-                {
-                    "message": message,
-                    "logprobs": logprobs,
-                    "finish_reason": _finish_reason(self.job.plan, output, bool(calls)),
-                }
+                {"message": message, "logprobs": logprobs, "finish_reason": self._finish_reason(output, bool(calls))}
             )
         body = self._envelope([choice], chunk=False)
         body["usage"] = TokenUsage.of(output).openai()
@@ -348,7 +365,16 @@ class _Server:
         self._executor_lock = threading.Lock()
         self._jobs: set[_Job] = set()  # handed to a worker thread and not finished there
         self._cancel_all = False  # the shutdown's grace is over: nothing runs any more
-        self.admission = Admission(self.limits.max_concurrent, self.limits.max_queue, self.limits.retry_after)
+        # malloc_trim(0) once per idle period (docs/limits.md, Memory); SELFSPEC_IDLE_TRIM=0 turns it off
+        self.idle_trim = IdleTrim(self._is_idle) if idle_trim_enabled() else None
+        self.admission = Admission(
+            self.limits.max_concurrent,
+            self.limits.max_queue,
+            self.limits.retry_after,
+            on_enter=self.idle_trim.busy if self.idle_trim else None,
+            on_idle=self.idle_trim.idle if self.idle_trim else None,
+        )
+        self.metrics.idle_trim = self.idle_trim
         self.stopped = True  # whether the last shutdown saw every generation stop
 
     @property
@@ -358,6 +384,10 @@ class _Server:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(MAX_WORKERS, thread_name_prefix="selfspec-server")
             return self._executor
+
+    def _is_idle(self) -> bool:
+        """No generation request admitted, waiting, or still running on a worker thread."""
+        return self.admission.inside == 0 and not self.admission.waiting and not self._jobs
 
     def begin_shutdown(self) -> None:
         """Start a bounded shutdown (on the event loop, when the server stops accepting connections).
@@ -390,6 +420,8 @@ class _Server:
             Whether every generation stopped (a worker stuck inside one forward may not).
         """
         self.cancel_running()
+        if self.idle_trim is not None:
+            self.idle_trim.close()
         with self._executor_lock:
             executor, self._executor = self._executor, None
         if executor is not None:
@@ -449,11 +481,11 @@ class _Server:
                 max_tokens=body.token_limit,
                 **body.sampling(),
                 logprobs=body.engine_logprobs,
-                tools=body.tools,
-                tool_choice=body.tool_choice,
+                tools=body.request_tools,  # functions, when the request uses the deprecated spelling
+                tool_choice=body.request_tool_choice,
                 response_format=body.response_format,
                 constrain_tool_calls=body.constrain_tool_calls,
-                parallel_tool_calls=body.parallel_tool_calls is not False,
+                parallel_tool_calls=body.request_parallel_tool_calls,
                 escape_special_tokens=body.escape_special_tokens,
                 fit_max_tokens=False,
             )
@@ -461,13 +493,7 @@ class _Server:
 
     def prepare_completion(self, body: CompletionRequest) -> _Job:
         """Hand the prompt (text or token ids) to the planner; nothing is decoded yet."""
-        prompt = body.prompt
-        if not prompt:
-            raise APIError(400, "the prompt is empty; pass some text", param="prompt")
-        if isinstance(prompt, list) and isinstance(prompt[0], str):
-            if len(prompt) > 1:
-                raise APIError(400, "only one prompt per request is supported", param="prompt")
-            prompt = str(prompt[0])
+        prompt = body.single_prompt()
         with _bad_request("prompt"):
             plan = plan_request(
                 self.engine,
@@ -507,7 +533,8 @@ class _Server:
         request_id = str(request.scope.get("selfspec.request_id", ""))
         prepare = self.prepare_chat if isinstance(body, ChatCompletionRequest) else self.prepare_completion
         job: _Job = await self.in_thread(prepare, body)
-        render = _Render(kind, self.model_id, job, body.include_usage, self.engine.tokenizer)
+        legacy = isinstance(body, ChatCompletionRequest) and body.legacy_functions
+        render = _Render(kind, self.model_id, job, body.include_usage, self.engine.tokenizer, legacy_functions=legacy)
         plan_headers = _plan_headers(plan_report(self.engine))
         if body.stream:  # the statistics come in the last chunk ("selfspec"): only the plan is known now
             queue = job.stream_to(asyncio.get_running_loop())
@@ -537,14 +564,15 @@ class _Server:
         Text prompts, messages, tools and schemas are bounded by the planner, once, before anything is
         rendered or tokenized (:func:`selfspec.serving.requests.check_request_bounds`).
         """
-        if body.truncate_prompt or not isinstance(body, CompletionRequest) or not body.prompt:
+        if not isinstance(body, CompletionRequest):
             return
-        if isinstance(body.prompt[0], str) or self.engine.context_window is None:
+        prompt = body.single_prompt()  # several prompts, or an empty one: a 400 before a worker is taken
+        if body.truncate_prompt or isinstance(prompt, str) or self.engine.context_window is None:
             return
-        if len(body.prompt) > self.engine.context_window:
+        if len(prompt) > self.engine.context_window:
             raise APIError(
                 400,
-                f"the prompt has {len(body.prompt)} tokens; the context window holds {self.engine.context_window}",
+                f"the prompt has {len(prompt)} tokens; the context window holds {self.engine.context_window}",
                 param="prompt",
                 code="context_length_exceeded",
             )
@@ -631,9 +659,17 @@ async def _read_body(request: Request, model: type[_Body]) -> _Body:
         # pydantic names the member of a union that failed ("prompt.str"): keep the field's path
         parts = [str(part) for part in first["loc"] if not _UNION_TAG.match(str(part))]
         param = ".".join(parts) or None
-        raise APIError(400, f"invalid request: {param}: {first['msg']}", param=param) from error
+        message = first["msg"]
+        if parts[:1] == ["prompt"]:  # the union's first member's message ("a valid string") would mislead
+            param, message = "prompt", PROMPT_FORMS
+        raise APIError(400, f"invalid request: {param}: {message}", param=param) from error
 
 
+#: What a completions ``prompt`` may be (the message of a 400 for any other value).
+PROMPT_FORMS = (
+    "must be a string, a list of token ids (integers), or a one-element list of either "
+    '("text", [1, 2, 3], ["text"], [[1, 2, 3]])'
+)
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|function-.*)$")
 
 

@@ -202,12 +202,26 @@ class Admission:
     free or raises at once when the queue is full. Slots go to waiters first come, first
     served. After :meth:`close` (the server is shutting down) every waiting request and every
     new one gets a 503 ``shutting_down``; the requests inside keep their slots.
+
+    ``on_enter`` is called each time a request gets a slot, ``on_idle`` each time the last one
+    inside leaves with nobody waiting (the server trims the allocator then:
+    :class:`~selfspec.serving.server.allocator.IdleTrim`).
     """
 
-    def __init__(self, max_concurrent: int, max_queue: int, retry_after: int) -> None:
+    def __init__(
+        self,
+        max_concurrent: int,
+        max_queue: int,
+        retry_after: int,
+        *,
+        on_enter: Callable[[], None] | None = None,
+        on_idle: Callable[[], None] | None = None,
+    ) -> None:
         self.max_concurrent = max_concurrent
         self.max_queue = max_queue
         self.retry_after = retry_after
+        self.on_enter = on_enter
+        self.on_idle = on_idle
         self.inside = 0
         self.closed = False
         # each waiter's future is resolved with True (a slot is handed to it) or False (closed)
@@ -224,6 +238,8 @@ class Admission:
             raise shutting_down()
         if self.inside < self.max_concurrent and not self._waiters:
             self.inside += 1
+            if self.on_enter is not None:
+                self.on_enter()
             return
         if self.waiting >= self.max_queue:
             raise APIError(
@@ -254,6 +270,8 @@ class Admission:
             if not waiter.done():
                 self.inside += 1
                 waiter.set_result(True)
+        if self.inside == 0 and not self._waiters and self.on_idle is not None:
+            self.on_idle()
 
     def close(self) -> int:
         """Refuse every waiting request and every later one with a 503; returns how many were waiting."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, exposition, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -20,6 +20,9 @@ from prometheus_client.registry import Collector
 
 from ...decoding.outputs import GenerationOutput
 from ..requests import TokenUsage
+
+if TYPE_CHECKING:
+    from .allocator import IdleTrim
 
 #: The ``Content-Type`` of the exposition format ``generate_latest`` writes (text format 0.0.4).
 CONTENT_TYPE: str = getattr(exposition, "CONTENT_TYPE_PLAIN_0_0_4", "text/plain; version=0.0.4; charset=utf-8")
@@ -44,6 +47,7 @@ class Metrics:
         self.draft_seconds = 0.0
         self.verify_seconds = 0.0
         self.generation_seconds = 0.0
+        self.idle_trim: IdleTrim | None = None  # the server's allocator trims, when it trims
 
     def generation_started(self) -> None:
         """Count a generation in progress."""
@@ -157,6 +161,15 @@ class Metrics:
                     value=self.completion_tokens / self.generation_seconds if self.generation_seconds else 0.0,
                 ),
             ]
+        trim = self.idle_trim
+        families += [
+            counter(
+                "malloc_trims",
+                "Times the server went idle and returned free memory (malloc_trim).",
+                trim.trims if trim else 0,
+            ),
+            counter("malloc_trim_seconds", "Wall time spent in those trims.", trim.seconds if trim else 0.0),
+        ]
         yield from families
 
 

@@ -23,8 +23,9 @@ from pydantic import BaseModel, ConfigDict
 
 from ...errors import InvalidPromptError
 
-#: Chat roles the server accepts (``developer`` is OpenAI's newer name for ``system``).
-ROLES = ("system", "developer", "user", "assistant", "tool")
+#: Chat roles the server accepts (``developer`` is OpenAI's newer name for ``system``; ``function``
+#: the deprecated function calling's ``tool``).
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 #: OpenAI's largest ``temperature``.
 MAX_TEMPERATURE = 2.0
 #: OpenAI's largest chat ``top_logprobs``.
@@ -212,6 +213,11 @@ class ChatCompletionRequest(_SamplingRequest):
     #: plain text (``selfspec serve --escape-special-tokens`` does it for every request; a request
     #: cannot turn it off)
     escape_special_tokens: bool = False
+    #: OpenAI's deprecated function calling, served as ``tools`` / ``tool_choice`` with at most one
+    #: call, and answered in its own shape (``message.function_call``, ``finish_reason="function_call"``)
+    functions: list[dict[str, Any]] | None = None
+    #: ``"auto"``, ``"none"`` or ``{"name": ...}`` (needs ``functions``)
+    function_call: str | dict[str, Any] | None = None
 
     @property
     def token_limit(self) -> int | None:
@@ -224,6 +230,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def check_supported(self) -> None:  # noqa: D102 - documented in the base class
         super().check_supported()
+        self._check_functions()
         if self.top_logprobs is not None:
             if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
                 raise APIError(
@@ -238,11 +245,64 @@ class ChatCompletionRequest(_SamplingRequest):
     def engine_logprobs(self) -> int | None:  # noqa: D102 - documented in the base class
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    # -- OpenAI's deprecated function calling, mapped onto tools
+    @property
+    def legacy_functions(self) -> bool:
+        """Whether the request uses ``functions`` (the answer then takes the legacy shape)."""
+        return self.functions is not None
+
+    def _check_functions(self) -> None:
+        """Refuse ``functions`` / ``function_call`` mixed with ``tools``, or malformed."""
+        if self.functions is None and self.function_call is None:
+            return
+        if self.tools is not None or self.tool_choice is not None:
+            raise APIError(
+                400,
+                "functions / function_call are the deprecated spelling of tools / tool_choice: pass one pair, not both",
+                param="functions" if self.functions is not None else "function_call",
+            )
+        if self.functions is None:
+            raise APIError(400, "function_call needs functions", param="function_call")
+        for i, function in enumerate(self.functions):
+            if not isinstance(function.get("name"), str) or not function["name"]:
+                raise APIError(400, f"functions[{i}] needs a 'name' (a string)", param=f"functions[{i}]")
+        choice = self.function_call
+        if isinstance(choice, str) and choice not in ("auto", "none"):
+            raise APIError(
+                400, f"function_call must be 'auto', 'none' or {{\"name\": ...}}, got {choice!r}", param="function_call"
+            )
+        if isinstance(choice, dict) and not isinstance(choice.get("name"), str):
+            raise APIError(400, 'function_call must name a function: {"name": ...}', param="function_call")
+
+    @property
+    def request_tools(self) -> list[dict[str, Any]] | None:
+        """``tools``, or ``functions`` as tools."""
+        if self.functions is None:
+            return self.tools
+        return [{"type": "function", "function": function} for function in self.functions]
+
+    @property
+    def request_tool_choice(self) -> bool | str | dict[str, Any] | None:
+        """``tool_choice``, or ``function_call`` as a tool choice (``{"name": f}`` forces ``f``)."""
+        if self.functions is None:
+            return self.tool_choice
+        choice = self.function_call
+        if isinstance(choice, dict):
+            return {"type": "function", "function": {"name": choice["name"]}}
+        return choice
+
+    @property
+    def request_parallel_tool_calls(self) -> bool:
+        """Whether an answer may hold several calls (never with ``functions``: one ``function_call``)."""
+        return self.functions is None and self.parallel_tool_calls is not False
+
 
 class CompletionRequest(_SamplingRequest):
     """The body of ``POST /v1/completions``."""
 
-    prompt: str | list[str] | list[int]
+    #: OpenAI's forms: a string, a list of token ids, or a list of strings or of token-id lists
+    #: (one prompt per item; this server serves one: :meth:`single_prompt`)
+    prompt: str | list[str] | list[int] | list[list[int]]
     #: each token's log-probability and this many most likely alternatives (0 .. 5)
     logprobs: int | None = None
     echo: bool = False
@@ -268,6 +328,31 @@ class CompletionRequest(_SamplingRequest):
     def engine_logprobs(self) -> int | None:  # noqa: D102 - documented in the base class
         return self.logprobs
 
+    def single_prompt(self) -> str | list[int]:
+        """The request's one prompt: its text, or its token ids.
+
+        ``"text"``, ``[1, 2, 3]``, ``["text"]`` and ``[[1, 2, 3]]`` are one prompt each; a list of
+        several is several prompts, which this server does not batch into one answer (send one
+        request per prompt: concurrent requests are served together). Token ids are checked
+        against the vocabulary by the engine.
+
+        Raises:
+            APIError: several prompts, or an empty one (400, ``param: prompt``).
+        """
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) > 1:
+                raise APIError(
+                    400,
+                    f"only one prompt per request is served, got {len(prompt)}: send one request per prompt "
+                    "(concurrent requests are served together)",
+                    param="prompt",
+                )
+            prompt = prompt[0]
+        if not prompt:
+            raise APIError(400, "the prompt is empty; pass some text or token ids", param="prompt")
+        return prompt  # type: ignore[return-value]  # a str, or a list of ints (the union's other members)
+
     @property
     def token_limit(self) -> int | None:
         """``max_tokens`` (OpenAI's completions default is 16; here ``serving.requests.DEFAULT_MAX_TOKENS``)."""
@@ -280,23 +365,37 @@ def engine_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     Text content parts are joined; ``developer`` becomes ``system``; an assistant's tool
     calls get their JSON-string arguments decoded (chat templates expect a dict); a ``tool``
-    message gets the ``name`` of the call it answers when the request shows it.
+    message gets the ``name`` of the call it answers when the request shows it. The deprecated
+    function calling's messages become their tools form: an assistant's ``function_call`` one
+    tool call (id ``call_legacy_<i>``), a ``function`` message a ``tool`` message answering it.
 
     Raises:
         APIError: a message that is not a dict, has an unknown role, or non-text content.
     """
     converted: list[dict[str, Any]] = []
     names: dict[str, str] = {}  # tool-call id -> tool name
+    legacy_ids: dict[str, str] = {}  # function name -> the id given to its last legacy function_call
     for i, message in enumerate(messages):
         param = f"messages[{i}]"
         if not isinstance(message, dict) or message.get("role") not in ROLES:
             role = message.get("role") if isinstance(message, dict) else None
             raise APIError(400, f"{param}: role must be one of {', '.join(ROLES)}, got {role!r}", param=param)
-        role = "system" if message["role"] == "developer" else message["role"]
+        role = {"developer": "system", "function": "tool"}.get(message["role"], message["role"])
         entry: dict[str, Any] = {"role": role, "content": _text(message.get("content"), param)}
         if role == "assistant" and message.get("tool_calls"):
             entry["tool_calls"] = [_template_call(call, names, param) for call in message["tool_calls"]]
-        if role == "tool":
+        if role == "assistant" and message.get("function_call") is not None:  # the deprecated form of one call
+            if message.get("tool_calls"):
+                raise APIError(400, f"{param}: pass tool_calls or function_call, not both", param=param)
+            call = {"id": f"call_legacy_{i}", "function": message["function_call"]}
+            entry["tool_calls"] = [_template_call(call, names, f"{param}.function_call")]
+            legacy_ids[entry["tool_calls"][0]["function"]["name"]] = f"call_legacy_{i}"
+        if message["role"] == "function":  # a function's result: a tool message answering the last call of that name
+            name = message.get("name")
+            if not isinstance(name, str) or not name:
+                raise APIError(400, f"{param}: a 'function' message needs the 'name' of its function", param=param)
+            entry.update({"tool_call_id": legacy_ids.get(name), "name": name})
+        elif role == "tool":
             call_id = message.get("tool_call_id")
             entry["tool_call_id"] = call_id
             name = message.get("name") or names.get(str(call_id))

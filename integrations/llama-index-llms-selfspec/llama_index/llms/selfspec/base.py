@@ -55,7 +55,7 @@ from llama_index.core.program.utils import FlexibleModel, create_flexible_model
 from llama_index.core.types import PydanticProgramMode
 from pydantic import AliasChoices
 
-from selfspec.decoding.options import check_drafter_name
+from selfspec.decoding.options import adapter_fields, check_drafter_name, drafter_settings_of
 from selfspec.errors import ConfigurationError
 from selfspec.serving.endpoint import EndpointClient, EndpointResult, chat_body, text_body
 from selfspec.serving.requests import (
@@ -103,7 +103,12 @@ Model = TypeVar("Model", bound=BaseModel)
 _ROLE_ALIASES = {"developer": "system", "function": "tool", "model": "assistant", "chatbot": "assistant"}
 
 
-class SpeculativeLLM(FunctionCallingLLM):
+#: A field per drafter option (``eagle_head``, ``medusa_heads``, ``draft_model``, ``exit_adapter``,
+#: ``learn_online``, and any drafter registered before this module was imported), from their declarations.
+_DrafterOptionFields = adapter_fields("SpeculativeLLMDrafterOptions")
+
+
+class SpeculativeLLM(FunctionCallingLLM, _DrafterOptionFields):  # type: ignore[misc, valid-type]
     """A LlamaIndex LLM that runs a Hugging Face causal LM with lossless self-speculation.
 
     The model drafts with its own early layers and verifies the draft with all of them in one
@@ -227,31 +232,6 @@ class SpeculativeLLM(FunctionCallingLLM):
         default=300.0,
         description="Seconds first-load calibration may take (None: no limit); what does not fit is skipped and said.",
     )
-    draft_model: Any = Field(
-        default=None,
-        description="With drafter='draft_model': a smaller model sharing the tokenizer (a name, a folder "
-        "or a loaded model) that drafts instead of the early exit.",
-    )
-    exit_adapter: str | None = Field(
-        default=None,
-        description="A trained exit adapter folder for the early-exit and hybrid drafters (selfspec "
-        "train-adapter), 'auto' for the one saved beside the model, or None. Drafts only: the text never changes.",
-    )
-    medusa_heads: str | None = Field(
-        default=None,
-        description="With drafter='medusa': a folder of Medusa heads in the published layout "
-        "(None: the heads saved beside the model, e.g. the demo model's).",
-    )
-    eagle_head: str | None = Field(
-        default=None,
-        description="With drafter='eagle' (or 'eagle_hybrid'): an EAGLE-style head folder (selfspec "
-        "train-eagle), or None/'auto' for the head saved beside the model.",
-    )
-    learn_online: bool = Field(
-        default=False,
-        description="Keep training the EAGLE head on the text the shared engine serves, in a background thread "
-        "(drafter 'eagle', 'eagle_hybrid', or 'auto' choosing one); the text never changes.",
-    )
     temperature: float = Field(default=0.0, ge=0.0, description="0 for greedy decoding; > 0 samples.")
     max_tokens: int = Field(
         default=DEFAULT_MAX_TOKENS,
@@ -333,6 +313,7 @@ class SpeculativeLLM(FunctionCallingLLM):
             values["model"] = values.pop("model_name")
         if "max_tokens" in values and "max_new_tokens" in values:
             raise ValueError("pass either max_tokens or its alias max_new_tokens, not both")
+        values = drafter_settings_of(values, cls.model_fields)  # a drafter registered after this class was made
         known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias} | {"max_new_tokens"}
         check_arguments("SpeculativeLLM", values, known | {"class_name"})
         return values
