@@ -6,7 +6,8 @@ chains through the static round's compiled head step (its draft vocabulary mappe
 on the device) while the fixed-width verify returns the states entering the head's feature layers.
 Greedy text equals transformers' ``generate`` in float32 through dynamo's trace
 (``backend="eager"``) and inductor's code; a round reads the device once; 50+ rounds of varying
-accepted lengths never recompile.
+accepted lengths never recompile; sampled chains follow the target's distribution (chi-square);
+SmolLM2-135M with a new head exported to that layout gives ``generate``'s text.
 """
 
 from __future__ import annotations
@@ -187,3 +188,25 @@ def test_smollm2_with_an_eagle3_head_in_the_speculators_layout(smollm2_path: Pat
     assert out.stats.num_drafted > 0 and out.stats.target_forwards > 1
     assert engine.static_round is not None
     assert {kind for kind, _, _ in engine.static_round.step.compiled} == {"greedy+taps2,15,27"}  # served there
+
+
+@pytest.mark.slow
+def test_sampling_in_the_static_round_follows_the_target_distribution(tmp_path: Path) -> None:
+    """Chi-square over every 3-token continuation of an 8-token model: a random EAGLE-3 head's sampled chains."""
+    from test_core_acceptance import PROMPT as DIST_PROMPT
+    from test_core_acceptance import chi_square_pvalue, exact_distribution, make_distribution_model, sampled_counts
+
+    from selfspec.core.sampling import SamplingParams
+
+    model = make_distribution_model()
+    layers = [1, 2, 4]
+    weights = random_eagle3(model, layers, torch.tensor([0, 1, 3, 4, 6, 7]), seed=4)
+    folder = write(tmp_path / "dist", weights, speculators_config(model, layers, 6, True))
+    engine = static_engine(model, "eagle", eagle_head=folder, num_draft_tokens=2)
+    params = SamplingParams(1.0)
+    counts = sampled_counts(engine, params)
+    assert chi_square_pvalue(counts, exact_distribution(model, params)) > 1e-3
+    assert engine.static_round is not None
+    assert {kind for kind, _, _ in engine.static_round.step.compiled} == {"forward+taps1,2,4"}  # served there
+    stats = [engine.generate_ids(DIST_PROMPT, max_new_tokens=3, temperature=1.0, seed=s).stats for s in range(30)]
+    assert sum(s.num_accepted for s in stats) > 0 and sum(s.num_drafted - s.num_accepted for s in stats) > 0
