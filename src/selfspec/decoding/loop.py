@@ -83,7 +83,7 @@ def start_row(
     With a batched cache the prompt goes into cache row ``row``.
     """
     started = time.perf_counter()
-    if isinstance(cache, BatchedKVCache):
+    if cache.batched:
         hidden, logits = prefill_row(runner, cache, row, run.prompt_ids)
     else:
         keep_all = drafter.needs_committed_hidden
@@ -157,7 +157,7 @@ def draft(drafter: Drafter, rows: Sequence[Row], batch_cap: int | None = None) -
             budget = min(budget, batch_cap)
         budgets.append(budget)
     states = [row.state for row in rows]
-    if isinstance(states[0].cache, BatchedKVCache):
+    if states[0].cache.batched:
         drafts = drafter.propose_batch(states, budgets)
     else:
         drafts = [drafter.propose(s, n) if n > 0 else Draft() for s, n in zip(states, budgets, strict=True)]
@@ -175,7 +175,7 @@ def score(drafter: Drafter, rows: Sequence[Row], drafts: list[Draft]) -> list[to
         Per row, the target's raw ``[k + 1, vocab]`` logits (``[n + 1, vocab]`` for a tree).
     """
     states = [row.state for row in rows]
-    if isinstance(states[0].cache, BatchedKVCache):
+    if states[0].cache.batched:
         target = score_rows(states, drafts)  # [m, K + 1, vocab]
         logits = [target[b, : len(d) + 1] for b, d in enumerate(drafts)]
     else:
@@ -326,7 +326,7 @@ def commit(
 def keep_accepted_path(state: DecodeState, path: Sequence[int]) -> None:
     """Compact every layer of the cache to the root and the accepted tree nodes (now contiguous)."""
     start = state.position
-    assert isinstance(state.cache, StaticKVCache)
+    assert not state.cache.batched  # a tree round is one generation's
     state.cache.keep(start, [start, *(start + 1 + i for i in path)])
 
 

@@ -89,7 +89,7 @@ def score_chain(state: DecodeState, draft: Draft, keep_hidden: bool = False, pad
     the commit crops them.
     """
     runner, cache, device = state.runner, state.cache, state.runner.device
-    assert isinstance(cache, StaticKVCache)
+    assert not cache.batched  # one generation's cache (a batch's rows: score_rows)
     num_draft = len(draft)
     pad = max(pad_to - num_draft, 0) if num_draft > 0 else 0
     positions = torch.arange(state.position, state.position + num_draft + 1 + pad, device=device)
@@ -125,7 +125,7 @@ def score_tree(state: DecodeState, draft: Draft, keep_hidden: bool = False, pad_
         draft = replace(draft, tokens=[*draft.tokens, *[state.last_token] * pad], parents=[*draft.parents, *[-1] * pad])
     assert draft.parents is not None
     runner, cache, device = state.runner, state.cache, state.runner.device
-    assert isinstance(cache, StaticKVCache)
+    assert not cache.batched  # one generation's cache (a batch's rows: score_rows)
     start = state.position
     depths = tree_depths(draft.parents)
     positions = torch.tensor([start, *(start + d for d in depths)], device=device)  # [n + 1]
@@ -186,7 +186,7 @@ def score_rows(states: list[DecodeState], drafts: list[Draft]) -> torch.Tensor:
     """
     runner, device = states[0].runner, states[0].runner.device
     cache = states[0].cache
-    assert isinstance(cache, BatchedKVCache)
+    assert cache.batched  # a batch's rows
     width = max(len(draft) for draft in drafts) + 1
     base = torch.tensor([state.position for state in states], device=device)
     positions = base[:, None] + torch.arange(width, device=device)[None]  # [m, K + 1]

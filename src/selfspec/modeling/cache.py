@@ -20,15 +20,22 @@ overwritten by the next write.
 from __future__ import annotations
 
 import threading
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
 
 class KVCache(Protocol):
-    """What the model runner's layers need from a cache."""
+    """What the model runner's layers need from a cache, and what the decoding loop asks of it.
+
+    Attributes:
+        is_compileable: transformers' flag: the cache's buffers keep their addresses across calls.
+        batched: the cache holds a batch's rows (one generation per row, :class:`BatchedKVCache`),
+            not one generation's positions: the loop prefills, drafts and verifies its rows together.
+    """
 
     is_compileable: bool
+    batched: bool
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
@@ -74,6 +81,8 @@ class StaticKVCache(_LayerBuffers):
         num_layers: number of decoder layers.
         max_length: the most positions any layer will hold.
     """
+
+    batched: Literal[False] = False  # one generation's (KVCache.batched)
 
     def __init__(self, num_layers: int, max_length: int) -> None:
         super().__init__(num_layers)
@@ -183,6 +192,8 @@ class BatchedKVCache(_LayerBuffers):
     Args:
         num_layers: number of decoder layers.
     """
+
+    batched: Literal[True] = True  # a batch's rows (KVCache.batched)
 
     def __init__(self, num_layers: int) -> None:
         super().__init__(num_layers)

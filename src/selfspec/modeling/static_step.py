@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -82,6 +82,7 @@ class DeviceKVCache:
     """
 
     is_compileable = True
+    batched: Literal[False] = False  # one generation's (KVCache.batched)
 
     def __init__(self, runner: ModelRunner, max_length: int) -> None:
         assert runner.fast_layers is not None, static_round_supported(runner)
