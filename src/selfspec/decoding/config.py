@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.validation import check_num_draft_tokens, check_tree_nodes
 from ..drafting import Drafter, drafter_spec
 from ..drafting.auto import plan_settings
 from ..drafting.exit_adapter.adapter import ExitAdapter, engine_exit_adapter
@@ -23,7 +22,6 @@ from .options import (
     DEFAULT_DRAFT_CONFIDENCE,
     EngineOptions,
     check_budget,
-    check_drafter_name,
 )
 
 __all__ = [
@@ -47,22 +45,8 @@ def default_exit_layer(num_layers: int) -> int:
 
 
 def check_arguments(exit_layer: Any, num_draft_tokens: Any, drafter: Any, tree_nodes: Any = None) -> None:
-    """Reject malformed engine arguments (before any weights are loaded)."""
-    if exit_layer != "auto" and (isinstance(exit_layer, bool) or not isinstance(exit_layer, int)):
-        raise ConfigurationError(f"exit_layer must be 'auto' or an int, got {exit_layer!r}")
-    check_num_draft_tokens(num_draft_tokens)  # 'auto' or an int in [1, MAX_DRAFT_TOKENS]
-    check_drafter_name(drafter)  # a registered name (with the closest one when not) or a Drafter
-    _check_auto_exit_layer(drafter, exit_layer)
-    check_tree_nodes(tree_nodes)  # None, 'auto' or an int in [1, MAX_TREE_NODES]
-
-
-def _check_auto_exit_layer(drafter: Any, exit_layer: Any) -> None:
-    """``drafter="auto"`` takes the exit layer from its plan: an explicit one means another drafter."""
-    if drafter == "auto" and exit_layer != "auto":
-        raise ConfigurationError(
-            f"exit_layer={exit_layer!r} sets the early exit's layer, and drafter='auto' takes it from the "
-            "calibrated plan: pass drafter='early_exit' (or 'hybrid') to choose the layer yourself"
-        )
+    """Reject malformed engine arguments (before any weights are loaded): the checks of :class:`EngineOptions`."""
+    EngineOptions(exit_layer=exit_layer, num_draft_tokens=num_draft_tokens, drafter=drafter, tree_nodes=tree_nodes)
 
 
 def wants_calibration(exit_layer: Any, num_draft_tokens: Any, drafter: Any, tree_nodes: Any) -> bool:
@@ -153,7 +137,8 @@ class EngineConfig:
             drafter_options: keyword options for the drafter's factory.
 
         Raises:
-            ConfigurationError: an option is malformed or does not fit the model or drafter.
+            ConfigurationError: an option does not fit the model or drafter (a malformed one was
+                refused when ``options`` were declared).
         """
         options = options or EngineOptions()
         exit_layer, num_draft_tokens, drafter = options.exit_layer, options.num_draft_tokens, options.drafter
@@ -161,14 +146,11 @@ class EngineConfig:
         settings = {name: getattr(options, name) for name in EngineOptions.drafter_options() if hasattr(options, name)}
         if drafter == "auto" and settings.get("eagle_head") == "auto":  # the plan considers the head "auto" finds
             settings["eagle_head"] = None
-        check_arguments(exit_layer, num_draft_tokens, "none", tree_nodes)
-        _check_auto_exit_layer(drafter, exit_layer)
         adapter_module = engine_exit_adapter(options.exit_adapter, runner, name_or_path, exit_layer, drafter)
         if adapter_module is not None:
             exit_layer = adapter_module.exit_layer  # the layer the adapter was trained for
         adaptive = num_draft_tokens == "auto"
         confidence = DEFAULT_DRAFT_CONFIDENCE if draft_confidence is None else draft_confidence
-        check_arguments("auto", "auto", drafter)
         _check_drafter_options(drafter, settings)
         if drafter_options is not None and not isinstance(drafter_options, dict):
             raise ConfigurationError(f"drafter_options must be a dict or None, got {drafter_options!r}")

@@ -30,7 +30,7 @@ from ..modeling.cache import CachePool
 from ..modeling.kernels import KERNELS, ROWS, RowExactness, resolve_row_exact, uses_row_invariant_kernels
 from ..modeling.runner import ModelRunner
 from .batching import BatchScheduler
-from .config import EngineConfig, check_arguments, eos_token_ids, wants_calibration
+from .config import EngineConfig, eos_token_ids, wants_calibration
 from .controller import DraftController
 from .generation import Generation, GenerationRequest, GenerationStream, Prompt, encode_prompt
 from .loop import decode
@@ -492,7 +492,6 @@ class SpeculativeEngine:
         given = locals()  # exactly the options: a test pins this signature to EngineOptions
         declared = {name: given[name] for name in EngineOptions.names() if name in given}
         options = EngineOptions.of({**declared, **drafter_settings}, "from_pretrained")
-        check_arguments(exit_layer, num_draft_tokens, drafter, tree_nodes)  # before any weight is read
         return cls._load(name_or_path, options)
 
     @classmethod

@@ -253,6 +253,15 @@ def check_draft_confidence(draft_confidence: Any) -> None:
         raise ConfigurationError(f"draft_confidence must be in [0, 1), got {draft_confidence!r}")
 
 
+def check_auto_exit_layer(drafter: Any, exit_layer: Any) -> None:
+    """``drafter="auto"`` takes the exit layer from its plan: an explicit one means another drafter."""
+    if drafter == "auto" and exit_layer != "auto":
+        raise ConfigurationError(
+            f"exit_layer={exit_layer!r} sets the early exit's layer, and drafter='auto' takes it from the "
+            "calibrated plan: pass drafter='early_exit' (or 'hybrid') to choose the layer yourself"
+        )
+
+
 def known_drafters() -> list[str]:
     """The names ``drafter=`` takes, without importing torch.
 
@@ -459,7 +468,15 @@ class EngineOwnOptions:
     )
 
     def __post_init__(self) -> None:
+        """Every check of the options, once, where they are declared (before any weight is read)."""
+        from ..core.validation import check_num_draft_tokens, check_tree_nodes  # torch, once an engine is made
+
         check_drafter_name(self.drafter)
+        if self.exit_layer != "auto" and (isinstance(self.exit_layer, bool) or not isinstance(self.exit_layer, int)):
+            raise ConfigurationError(f"exit_layer must be 'auto' or an int, got {self.exit_layer!r}")
+        check_num_draft_tokens(self.num_draft_tokens)  # 'auto' or an int in [1, MAX_DRAFT_TOKENS]
+        check_tree_nodes(self.tree_nodes)  # None, 'auto' or an int in [1, MAX_TREE_NODES]
+        check_auto_exit_layer(self.drafter, self.exit_layer)  # after the sizes: their bounds say more
         check_draft_confidence(self.draft_confidence)
         check_budget(self.calibration_budget)
         check_threads(self.threads)
