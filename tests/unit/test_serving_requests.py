@@ -106,3 +106,33 @@ def test_offer_tools_is_read_once_for_local_and_endpoint_mode() -> None:
     with pytest.raises(RequestFieldError) as bad_choice:
         offer_tools(tools, "nope")
     assert bad_choice.value.field == "tool_choice"
+
+
+def test_the_adapters_constructor_guard() -> None:
+    """What ``ChatSpeculative`` and ``SpeculativeLLM`` share: the drafter first, ``model_name``, no unknown names."""
+    from pydantic import BaseModel, Field
+
+    from selfspec.errors import ConfigurationError
+    from selfspec.serving.requests import adapter_arguments, check_adapter_drafter
+
+    class Adapter(BaseModel):
+        model: str = ""
+        temperature: float = Field(default=0.0, alias="temp")
+
+    with pytest.raises(ConfigurationError, match="eagle3"):
+        check_adapter_drafter({"drafter": "eagle3"})
+    check_adapter_drafter({"drafter": "eagle3", "base_url": "http://localhost:8000/v1"})  # endpoint mode ignores it
+    check_adapter_drafter({})  # "auto"
+    assert adapter_arguments("Adapter", {"model_name": "m", "temp": 0.5}, Adapter.model_fields) == {
+        "model": "m",
+        "temp": 0.5,
+    }
+    with pytest.raises(ValueError, match="not both"):
+        adapter_arguments("Adapter", {"model": "a", "model_name": "b"}, Adapter.model_fields)
+    with pytest.raises(
+        ValueError, match=r"Adapter got an unknown argument 'temprature' \(did you mean 'temperature'\?\)"
+    ):
+        adapter_arguments("Adapter", {"temprature": 1.0}, Adapter.model_fields)
+    assert adapter_arguments("Adapter", {"class_name": "x"}, Adapter.model_fields, {"class_name"}) == {
+        "class_name": "x"
+    }

@@ -47,15 +47,17 @@ from langchain_core.utils import secret_from_env
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, model_validator
-from selfspec.decoding.options import adapter_fields, check_drafter_name, drafter_settings_of
+from selfspec.decoding.options import adapter_fields
 from selfspec.errors import ConfigurationError
 from selfspec.serving.endpoint import API_KEY_ENV_VARS, EndpointClient, EndpointResult, chat_body
 from selfspec.serving.requests import (
     INCOMPLETE_REASONS,
     RequestPlan,
     TokenUsage,
+    adapter_arguments,
     agenerate,
     aiterate,
+    check_adapter_drafter,
     check_arguments,
     cut_off_message,
     normalize_tool_choice,
@@ -400,14 +402,12 @@ class ChatSpeculative(BaseChatModel, _DrafterOptionFields):  # type: ignore[misc
     model_config = ConfigDict(use_attribute_docstrings=True)
 
     def __init__(self, **kwargs: Any) -> None:
-        """Check ``drafter`` before anything else, without importing torch (local mode: endpoint mode ignores it).
+        """Check ``drafter`` before anything else (:func:`~selfspec.serving.requests.check_adapter_drafter`).
 
         Raises:
-            ConfigurationError: an unknown drafter name (``"eagle3"``), with the valid names and the
-                closest one; a custom drafter is accepted once ``register_drafter`` registered it.
+            ConfigurationError: an unknown drafter name, with the valid names and the closest one.
         """
-        if kwargs.get("base_url") is None:
-            check_drafter_name(kwargs.get("drafter", "auto"))
+        check_adapter_drafter(kwargs)
         super().__init__(**kwargs)
 
     @model_validator(mode="before")
@@ -416,15 +416,7 @@ class ChatSpeculative(BaseChatModel, _DrafterOptionFields):  # type: ignore[misc
         """``model_name`` is an alias of ``model``; an unknown argument names the closest field."""
         if not isinstance(values, dict):
             return values
-        values = dict(values)
-        if "model_name" in values:
-            if "model" in values and values["model"] != values["model_name"]:
-                raise ValueError("pass either model or its alias model_name, not both")
-            values["model"] = values.pop("model_name")
-        values = drafter_settings_of(values, cls.model_fields)  # a drafter registered after this class was made
-        known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
-        check_arguments("ChatSpeculative", values, known)
-        return values
+        return adapter_arguments("ChatSpeculative", values, cls.model_fields)
 
     # ------------------------------------------------------------------ LangChain hooks
     @property

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 from ..core.bounds import check_prompt_chars, check_schema_size, check_tools_size, text_chars
+from ..decoding.options import check_drafter_name, drafter_settings_of
 from ..errors import InvalidPromptError, InvalidSchemaError
 from .tools import ParsedOutput, parse_tool_calls, tool_schema
 
@@ -204,6 +205,48 @@ def check_arguments(owner: str, given: Iterable[str], known: Iterable[str]) -> N
         hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
     plural = "s" if len(unknown) > 1 else ""
     raise ValueError(f"{owner} got {'an ' if not plural else ''}unknown argument{plural} {', '.join(hints)}")
+
+
+def check_adapter_drafter(kwargs: Mapping[str, Any]) -> None:
+    """An adapter constructor's first check: its ``drafter``, in local mode, before any field is set.
+
+    Endpoint mode (a ``base_url``) ignores the drafter. Imports no torch.
+
+    Raises:
+        ConfigurationError: an unknown drafter name (``"eagle3"``), with the valid names and the
+            closest one; a custom drafter is accepted once ``register_drafter`` registered it.
+    """
+    if kwargs.get("base_url") is None:
+        check_drafter_name(kwargs.get("drafter", "auto"))
+
+
+def adapter_arguments(
+    owner: str, values: dict[str, Any], fields: Mapping[str, Any], also_known: Iterable[str] = ()
+) -> dict[str, Any]:
+    """An adapter constructor's keywords, checked (what ``ChatSpeculative`` and ``SpeculativeLLM`` share).
+
+    ``model_name`` (ChatOpenAI's name) becomes ``model``; the options of drafters registered after
+    the adapter's class was made move to ``drafter_settings``; any other name the class does not
+    know is refused, naming the closest one (:func:`check_arguments`).
+
+    Args:
+        owner: the adapter's class name, for the messages.
+        values: the keywords given.
+        fields: the class's pydantic ``model_fields`` (their aliases count as known).
+        also_known: other names the class accepts.
+
+    Raises:
+        ValueError: ``model`` and ``model_name`` both given and different, or an unknown argument.
+    """
+    values = dict(values)
+    if "model_name" in values:
+        if "model" in values and values["model"] != values["model_name"]:
+            raise ValueError("pass either model or its alias model_name, not both")
+        values["model"] = values.pop("model_name")
+    values = drafter_settings_of(values, fields)
+    known = set(fields) | {f.alias for f in fields.values() if f.alias} | set(also_known)
+    check_arguments(owner, values, known)
+    return values
 
 
 # ------------------------------------------------------------------------------- tools

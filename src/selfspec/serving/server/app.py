@@ -79,7 +79,7 @@ from .protocol import (
 logger = logging.getLogger("selfspec.serving.server")
 
 #: Worker threads (template rendering, tokenization, generations); admission control
-#: (:class:`~selfspec.serving.server.limits.ServerLimits`) decides how many requests get in.
+#: (:class:`~selfspec.serving.server.settings.ServerLimits`) decides how many requests get in.
 MAX_WORKERS = 64
 #: Seconds a shutdown waits for cancelled generations to stop before the process exits anyway.
 WORKER_STOP_TIMEOUT = 2.0
@@ -697,7 +697,7 @@ def create_app(
         batching: load a named model with ``batching=True`` (concurrent requests decode
             together); an engine passed in keeps its own setting.
         limits: body size, timeouts, concurrency, accepted hosts and CORS origins
-            (:class:`~selfspec.serving.server.limits.ServerLimits`; default: its safe defaults).
+            (:class:`~selfspec.serving.server.settings.ServerLimits`; default: its safe defaults).
         bound_host: the address the server binds, accepted in the ``Host`` header besides
             ``localhost``, ``127.0.0.1``, ``[::1]`` and ``limits.allowed_hosts``.
 
@@ -959,7 +959,7 @@ def serve(
         api_key: require ``Authorization: Bearer <api_key>`` on every route.
         model_id: the id clients use (default: ``model`` when it is a name).
         log_level: uvicorn's log level.
-        limits: the server's limits (:class:`~selfspec.serving.server.limits.ServerLimits`).
+        limits: the server's limits (:class:`~selfspec.serving.server.settings.ServerLimits`).
         **engine_args: arguments of :meth:`SpeculativeEngine.from_pretrained`.
     """
     import sys

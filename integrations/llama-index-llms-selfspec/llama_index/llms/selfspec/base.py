@@ -55,7 +55,7 @@ from llama_index.core.program.utils import FlexibleModel, create_flexible_model
 from llama_index.core.types import PydanticProgramMode
 from pydantic import AliasChoices
 
-from selfspec.decoding.options import adapter_fields, check_drafter_name, drafter_settings_of
+from selfspec.decoding.options import adapter_fields
 from selfspec.errors import ConfigurationError
 from selfspec.serving.endpoint import EndpointClient, EndpointResult, chat_body, text_body
 from selfspec.serving.requests import (
@@ -63,8 +63,10 @@ from selfspec.serving.requests import (
     INCOMPLETE_REASONS,
     RequestPlan,
     TokenUsage,
+    adapter_arguments,
     agenerate,
     aiterate,
+    check_adapter_drafter,
     check_arguments,
     cut_off_message,
     offer_tools,
@@ -290,14 +292,12 @@ class SpeculativeLLM(FunctionCallingLLM, _DrafterOptionFields):  # type: ignore[
     _endpoint: EndpointClient | None = PrivateAttr(default=None)
 
     def __init__(self, **kwargs: Any) -> None:
-        """Check ``drafter`` before anything else, without importing torch (local mode: endpoint mode ignores it).
+        """Check ``drafter`` before anything else (:func:`~selfspec.serving.requests.check_adapter_drafter`).
 
         Raises:
-            ConfigurationError: an unknown drafter name (``"eagle3"``), with the valid names and the
-                closest one; a custom drafter is accepted once ``register_drafter`` registered it.
+            ConfigurationError: an unknown drafter name, with the valid names and the closest one.
         """
-        if kwargs.get("base_url") is None:
-            check_drafter_name(kwargs.get("drafter", "auto"))
+        check_adapter_drafter(kwargs)
         super().__init__(**kwargs)
 
     @model_validator(mode="before")
@@ -306,17 +306,9 @@ class SpeculativeLLM(FunctionCallingLLM, _DrafterOptionFields):  # type: ignore[
         """The aliases ``model_name`` (of ``model``) and ``max_new_tokens`` (of ``max_tokens``); no unknown names."""
         if not isinstance(values, dict):
             return values
-        values = dict(values)
-        if "model_name" in values:
-            if "model" in values and values["model"] != values["model_name"]:
-                raise ValueError("pass either model or its alias model_name, not both")
-            values["model"] = values.pop("model_name")
         if "max_tokens" in values and "max_new_tokens" in values:
             raise ValueError("pass either max_tokens or its alias max_new_tokens, not both")
-        values = drafter_settings_of(values, cls.model_fields)  # a drafter registered after this class was made
-        known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias} | {"max_new_tokens"}
-        check_arguments("SpeculativeLLM", values, known | {"class_name"})
-        return values
+        return adapter_arguments("SpeculativeLLM", values, cls.model_fields, {"max_new_tokens", "class_name"})
 
     @property
     def max_new_tokens(self) -> int:
