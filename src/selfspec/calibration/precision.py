@@ -1,7 +1,7 @@
 """Half precision against float32 on this machine, measured on first load (issue 28 item 2).
 
 ``dtype="auto"`` runs a bf16 checkpoint in bfloat16 on CPUs with AMX or AVX512-BF16
-(:func:`~selfspec.modeling.loading.native_dtypes`). Whether that pays depends on the work: on the
+(:func:`~selfspec.modeling.hardware.native_dtypes`). Whether that pays depends on the work: on the
 2-core AMD EPYC measured here a one-token step of SmolLM2 costs the same in both precisions while a
 long prefill is several times faster in bf16. First-load calibration therefore times both on a float32
 copy of the model (CPU only, and only while the copy fits comfortably in memory) and says it with the plan.

@@ -465,7 +465,7 @@ class SpeculativeEngine:
                 default): on a CPU, the plain decode step is timed at 1..N threads (N: the usable
                 cores) at load, before first-load calibration, and the fastest kept; the engine
                 re-checks when the machine's load changes a lot (:attr:`thread_choice`,
-                ``docs/threads.md``). An int sets that many, ``None`` leaves torch's setting alone.
+                ``docs/benchmarks.md``, "Thread count"). An int sets that many, ``None`` leaves torch's setting alone.
             gguf_file: the name of a ``.gguf`` file inside the folder ``name_or_path`` (a
                 ``.gguf`` path works without it); needs ``pip install 'selfspec[gguf]'``.
             draft_model: with ``drafter="draft_model"``: a loaded model, or a name or folder

@@ -76,7 +76,7 @@ class EagleDrafter(Drafter):
         confidence: chains stop drafting once the head's top probability falls below this.
         tree_width: children per expanded node and nodes expanded per depth (default
             :func:`~selfspec.core.tree.default_tree_width`).
-        costs: the calibrated cost model (:class:`~selfspec.decoding.controller.CostModel`: the
+        costs: the calibrated cost model (:class:`~selfspec.core.speed.CostModel`: the
             head's draft step and the verify curve, relative to a plain step). With it a chain
             drafts a token only while that raises the round's expected tokens per unit of cost,
             judged on the head's own top probabilities (well calibrated on SmolLM2: a top

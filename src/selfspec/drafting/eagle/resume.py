@@ -61,7 +61,7 @@ def _read(folder: Path, name: str) -> tuple[dict[str, torch.Tensor], dict[str, A
 
 
 def save_data(folder: Path, samples: list[Any], figures: dict[str, Any]) -> None:
-    """Keep the written answers (:class:`~selfspec.training.eagle.Sample` objects) and the figures."""
+    """Keep the written answers (:class:`~selfspec.drafting.eagle.train.Sample` objects) and the figures."""
     tensors = {f"{i}.{part}": getattr(sample, part) for i, sample in enumerate(samples) for part in _SAMPLE_TENSORS}
     meta = {"samples": [{"answer_start": s.answer_start, "kind": s.kind} for s in samples], "figures": figures}
     _write(folder, DATA, tensors, meta)
