@@ -90,80 +90,14 @@ class SpeculativeEngine:
     Args:
         model: a loaded transformers ``*ForCausalLM`` of a supported architecture.
         tokenizer: its tokenizer; optional for token-level use (:meth:`generate_ids`).
-        exit_layer: layers the draft runs, ``1 .. num_layers - 1``; ``"auto"`` uses the
-            saved calibration, else ``num_layers // 4``.
-        num_draft_tokens: tokens drafted per round, ``>= 1``; ``"auto"`` uses the saved
-            calibration, else 4.
-        drafter: the name of a registered drafter (:func:`selfspec.list_drafters`; default
-            ``"early_exit"``, ``"none"`` is plain decoding; ``docs/drafters.md``), or a
-            :class:`~selfspec.drafting.Drafter` instance.
-        draft_confidence: with ``num_draft_tokens="auto"``, the early exit stops drafting
-            when its top probability falls below this (default 0.3); ignored for a fixed
-            draft length. With ``"auto"`` the draft length also adapts to recent
-            acceptance, and speculation pauses while it is measured slower than plain
-            decoding.
-        calibration: measured settings to use instead of the saved ``selfspec.json``
-            (the ``"exit_layer"`` and ``"num_draft_tokens"`` keys are read).
-        draft_model: with ``drafter="draft_model"``, the loaded draft model (sharing the
-            target's tokenizer); :meth:`from_pretrained` also takes a name.
         draft_tokenizer: the draft model's tokenizer, checked against the target's.
-        exit_adapter: a trained :class:`~selfspec.drafting.exit_adapter.adapter.ExitAdapter` for the
-            early-exit and hybrid drafters (``selfspec train-adapter``): a folder, a loaded
-            adapter, ``"auto"`` (the one saved for the model, if any) or ``None`` (default:
-            none). It changes the drafts only, never the text. With ``exit_layer="auto"`` the
-            adapter's exit layer is used; an explicit, different ``exit_layer`` is an error
-            (with ``"auto"``, the saved adapter is then left out).
-        medusa_heads: with ``drafter="medusa"``, a folder of heads in the published Medusa
-            layout (``config.json`` + ``medusa_lm_head.safetensors``) or loaded
-            :class:`~selfspec.drafting.MedusaHeads`; ``None`` uses the heads saved for the
-            model (the demo model ships some; ``selfspec train-medusa`` trains them).
-        eagle_head: with ``drafter="eagle"`` (or ``"eagle_hybrid"``), an EAGLE-style head
-            (``selfspec train-eagle``): its folder, a loaded :class:`~selfspec.drafting.eagle.head.EagleHead`,
-            or ``"auto"``/``None`` (the head saved in the user cache, beside the model, or
-            shipped with selfspec for the model; ``docs/eagle.md``).
-        learn_online: with an EAGLE head (``drafter="eagle"``, ``"eagle_hybrid"``, or ``"auto"``
-            choosing one), keep training a copy of the head on the text this engine serves, in a
-            background thread, and swap it in between generations; the loaded head is the
-            fallback when acceptance falls. Off by default; the text never changes
-            (``docs/online_learning.md``).
-        tree_nodes: ``None`` (default) drafts a chain; an int ``N >= 1`` makes the early-exit
-            drafter (also inside ``"hybrid"``) draft a token tree of at most ``N`` nodes and at
-            most ``num_draft_tokens`` levels, verified in one forward
-            (``docs/trees.md``); ``"auto"`` uses the calibrated choice (chain or tree, and
-            the node budget), else :data:`~selfspec.decoding.config.DEFAULT_TREE_NODES`. With
-            ``drafter="medusa"`` the heads' candidates are verified as a tree of at most ``N``
-            nodes (``"auto"``: :data:`~selfspec.decoding.config.DEFAULT_TREE_NODES`).
-        batching: decode concurrent calls together: a background thread runs each round
-            for all active generations in the same forwards, each keeping its own text
-            (see :mod:`selfspec.decoding.batching`; generations with a constraint, or a drafter
-            without a batched path, run alone).
         drafter_options: keyword options for the drafter's factory (``factory(engine, **options)``).
         **drafter_settings: the options of a drafter registered after :mod:`selfspec.decoding.options`
-            was imported (its :class:`~selfspec.drafting.declaring.DrafterOption`; the built-in ones
-            are the keywords above). Every drafter option reads as ``engine.config.<name>``.
-        fast_path: use the lean layer path where it applies (``None``: on, unless the
-            environment sets ``SELFSPEC_FAST_PATH=0``).
-        compile: run single calls in the static round (:mod:`selfspec.decoding.static_round`: a
-            fixed-width verify, acceptance on the device, one host read per round) compiled with
-            ``torch.compile``: ``"auto"`` (the default) on CUDA and not on a CPU, ``True``
-            (inductor), ``False``, or a backend name (``"aot_eager"``). Calls it cannot serve
-            (trees, grammars, early exit, batching) run the eager loop with the same text.
-        escape_special_tokens: encode special-token strings written in chat messages, tools
-            and assistant history as plain text, so that only the chat template's own markup
-            becomes control tokens (``<|im_start|>`` in a user's message cannot open a turn).
-            Default ``False``: such strings become control tokens, as in transformers'
-            ``apply_chat_template`` and vLLM. Raw text prompts are encoded as given either way.
-        row_exact: give every verify row the bits a one-token decode of it gets, so that the
-            greedy speculative text is the plain text bit for bit in half precision
-            (:func:`~selfspec.modeling.kernels.resolve_row_exact`, ``docs/kernels.md``). On CUDA
-            the plain loop and the verify run through the row-invariant Triton kernels (every
-            linear layer, the LM head and the attention; in the static round's compiled steps
-            too); on a CPU the eager verify computes the rows that are not row-invariant one at a
-            time. ``"auto"`` (the default) turns it on in half precision; ``False`` keeps the
-            library kernels (faster; the text may differ from the plain text). A model marked by
-            :func:`~selfspec.modeling.kernels.use_row_invariant_kernels` runs through the kernels
-            on any device (on a CPU under ``TRITON_INTERPRET=1``: tests). :attr:`exactness` says
-            what holds.
+            was imported; every drafter option reads as ``engine.config.<name>``.
+
+    Every other keyword is an option of :class:`~selfspec.decoding.options.EngineOptions`, declared
+    there once with its type, default and help (and the drafters' own in ``drafting/*/options.py``).
+    :attr:`exactness` says what ``row_exact`` holds.
 
     Attributes:
         options: the engine's options as given (:class:`~selfspec.decoding.options.EngineOptions`;
