@@ -25,13 +25,12 @@ from ..drafting.exit_adapter.adapter import ExitAdapter
 from ..drafting.medusa.drafter import MedusaHeads
 from ..drafting.registry import drafters_declaring
 from ..errors import ConfigurationError
-from ..modeling.attention import ROW_EXACT_DTYPES
 from ..modeling.cache import CachePool
-from ..modeling.kernels import KERNELS, ROWS, RowExactness, resolve_row_exact, uses_row_invariant_kernels
 from ..modeling.runner import ModelRunner
 from .batching import BatchScheduler
 from .config import EngineConfig, eos_token_ids, wants_calibration
 from .controller import DraftController
+from .exactness import describe_exactness, set_row_exactness
 from .generation import Generation, GenerationRequest, GenerationStream, Prompt, encode_prompt
 from .loop import decode
 from .options import DEFAULT_CALIBRATION_BUDGET, LOADING_OPTIONS, EngineOptions, GenerateOptions, engine_settings
@@ -145,7 +144,7 @@ class SpeculativeEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.runner = ModelRunner(model, fast_path=fast_path)
-        self.row_exactness = self._row_exactness(model)
+        self.row_exactness = set_row_exactness(self.runner, self.options, model)
         self._caches = CachePool(self.runner.num_layers)  # one KV cache reused by the calls (no fresh pages)
         model.eval()
         self.name_or_path: str = str(getattr(model.config, "_name_or_path", "") or "")
@@ -241,51 +240,10 @@ class SpeculativeEngine:
     def _static(self, static: StaticRounds | None) -> None:
         self.parts.static = static
 
-    def _row_exactness(self, model: Any) -> RowExactness:
-        """Resolve ``row_exact=`` for this model and set the runner's forwards to match."""
-        options, runner = self.options, self.runner
-        unsupported = runner.row_kernels_refusal()
-        if unsupported is None and options.batching:
-            unsupported = "single calls (batching=False)"
-        elif unsupported is None and (options.tree_nodes is not None or options.drafter == "medusa"):
-            unsupported = "chain drafts (no token trees)"
-        exactness = resolve_row_exact(
-            options.row_exact,
-            runner.device,
-            runner.dtype,
-            unsupported=unsupported,
-            marked=uses_row_invariant_kernels(model),
-        )
-        runner.use_row_kernels(exactness.kernels)
-        runner.row_exact = exactness.mode == ROWS
-        return exactness
-
     @property
     def exactness(self) -> str:
         """What holds between this engine's greedy speculative text and the plain text, in one line."""
-        mode, reason = self.row_exactness.mode, self.row_exactness.reason
-        if mode == KERNELS:
-            return (
-                f"row-exact ({reason}): the plain loop and every verify run through the row-invariant kernels, so "
-                "the greedy speculative text is selfspec's plain text bit for bit; transformers' generate uses "
-                "other kernels, and in half precision its text may differ (measured: docs/kernels.md)"
-            )
-        if mode == ROWS:
-            static = (
-                "; calls in the static round (compile=) verify in one block, so their text may differ"
-                if self._static is not None
-                else ""
-            )
-            return (
-                f"row-exact ({reason}): each verify row gets a one-token decode's bits, so the greedy speculative "
-                f"text is the plain text bit for bit{static}"
-            )
-        if self.runner.dtype in ROW_EXACT_DTYPES:
-            return (
-                f"not row-exact ({reason}): the verify runs as one block, whose rows may round differently from "
-                "a one-token decode's in half precision, so the speculative text may differ from the plain text"
-            )
-        return f"float32 ({reason}): greedy text is transformers' generate text (tested on CPUs)"
+        return describe_exactness(self.row_exactness, self.runner.dtype, static=self._static is not None)
 
     def _make_drafter(self) -> Drafter:
         """The configured drafter: a user's instance, or the registered factory's product."""
