@@ -231,22 +231,20 @@ def test_disconnecting_stream_cancels_and_the_server_goes_on(client: Any, base_u
     assert reply.choices[0].message.content == expected.text
 
 
+MULTIPLY = {
+    "name": "multiply",
+    "description": "Multiply two integers.",
+    "parameters": {
+        "type": "object",
+        "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+        "required": ["x", "y"],
+    },
+}
+
+
 def test_tools_render_through_the_template_and_forced_calls_parse(client: Any, demo_engine: Any) -> None:
     pytest.importorskip("llguidance")
-    tools = [
-        {
-            "type": "function",
-            "function": {
-                "name": "multiply",
-                "description": "Multiply two integers.",
-                "parameters": {
-                    "type": "object",
-                    "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
-                    "required": ["x", "y"],
-                },
-            },
-        }
-    ]
+    tools = [{"type": "function", "function": MULTIPLY}]
     messages = [{"role": "user", "content": "Use multiply on 3 and 5."}]
     reply = client.chat.completions.create(
         model=MODEL,
@@ -695,17 +693,6 @@ def test_completions_take_each_single_prompt_form(client: Any, base_url: str, de
         vocab = int(refusal([[-1]]).rsplit(", ", 1)[1].rstrip(")"))  # "... not in the vocabulary [0, N)"
         assert refusal([[ids[0], vocab]]) == f"token id {vocab} is not in the vocabulary [0, {vocab})"
         assert http.post("/v1/completions", json={**GOOD, "prompt": [[vocab - 1]]}).status_code == 200
-
-
-MULTIPLY = {
-    "name": "multiply",
-    "description": "Multiply two integers.",
-    "parameters": {
-        "type": "object",
-        "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
-        "required": ["x", "y"],
-    },
-}
 
 
 def test_legacy_function_calling_is_served_in_its_own_shape(client: Any, demo_engine: Any) -> None:

@@ -141,6 +141,20 @@ def check_compile(value: Any) -> None:
 ROW_EXACT_CHOICES = ("auto", "on", "off")
 
 
+def refuse_unknown_keywords(caller: str, given: Iterable[str], known: list[str]) -> None:
+    """Raise the ``TypeError`` Python raises for a bad keyword, naming the closest known one.
+
+    Raises:
+        TypeError: e.g. ``from_pretrained() got an unexpected keyword argument 'drafer' (did you
+            mean 'drafter'?)``.
+    """
+    for name in given:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}{hint}")
+
+
 def parse_row_exact(value: str) -> bool | str:
     """``auto``, ``on`` or ``off`` (also ``true``/``false``/``1``/``0``)."""
     lowered = value.strip().lower()
@@ -516,12 +530,7 @@ class EngineOwnOptions:
             ConfigurationError: a malformed value.
         """
         composed = cls.current()
-        known = [f.name for f in fields(composed)]
-        for name in values:
-            if name not in known:
-                close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}{hint}")
+        refuse_unknown_keywords(caller, values, [f.name for f in fields(composed)])
         return composed(**values)
 
     @classmethod
@@ -713,12 +722,7 @@ class GenerateOptions:
         base = cls() if options is None else options
         if not isinstance(base, cls):
             raise TypeError(f"{method}() options must be a GenerateOptions, got {type(base).__name__}")
-        known = [f.name for f in fields(cls)]
-        for name in keywords:
-            if name not in known:
-                close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise TypeError(f"{method}() got an unexpected keyword argument {name!r}{hint}")
+        refuse_unknown_keywords(method, keywords, [f.name for f in fields(cls)])
         return replace(base, **keywords) if keywords else base
 
     def as_dict(self) -> dict[str, Any]:
