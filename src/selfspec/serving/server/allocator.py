@@ -145,27 +145,32 @@ class IdleTrim:
         """Work started: the idle period (if any) is over and a pending trim is dropped."""
         with self._lock:
             self._period += 1
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
+            self._cancel()
 
     def idle(self) -> None:
         """The last piece of work ended: trim after :attr:`delay` seconds, unless work comes back first."""
         with self._lock:
             if self._trimmed_period == self._period:
                 return  # this period was trimmed already
-            if self._timer is not None:
-                self._timer.cancel()
-            self._timer = threading.Timer(self.delay, self._expire, args=(self._period,))
-            self._timer.daemon = True
-            self._timer.start()
+            self._cancel()
+            self._arm(self._period)
 
     def close(self) -> None:
         """Drop a pending trim (the server is stopping)."""
         with self._lock:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
+            self._cancel()
+
+    def _cancel(self) -> None:
+        """Drop the pending timer, if any (the lock held)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _arm(self, period: int) -> None:
+        """Look at ``period`` again after :attr:`delay` seconds (the lock held)."""
+        self._timer = threading.Timer(self.delay, self._expire, args=(period,))
+        self._timer.daemon = True
+        self._timer.start()
 
     def _expire(self, period: int) -> None:
         with self._lock:
@@ -173,9 +178,7 @@ class IdleTrim:
             if period != self._period or self._trimmed_period == period:
                 return
             if not self.is_idle():  # a straggler still runs: look again after another delay
-                self._timer = threading.Timer(self.delay, self._expire, args=(period,))
-                self._timer.daemon = True
-                self._timer.start()
+                self._arm(period)
                 return
             self._trimmed_period = period
         started = time.perf_counter()
