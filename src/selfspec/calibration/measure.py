@@ -290,9 +290,11 @@ def measure_agreement(
 
 #: Timed runs every variant of the cost curves gets before it may settle.
 MIN_TURNS = 3
+#: A cost curve "dips" where a point is more than this fraction below the one before it.
+MONOTONIC_TOLERANCE = 0.03
 #: A run that lowers a variant's fastest time by no more than this fraction leaves it where it was
 #: (the tolerance of the monotonicity check: finer than that changes no decision).
-SETTLED = 0.03
+SETTLED = MONOTONIC_TOLERANCE
 #: A variant whose fastest time that many runs in a row left where it was is timed no more.
 QUIET_RUNS = 2
 
@@ -356,11 +358,6 @@ def _interleaved_fastest(
     return fastest
 
 
-def _monotonic(values: dict[int, float], tolerance: float = 0.03) -> bool:
-    ordered = [values[k] for k in sorted(values)]
-    return all(b >= a * (1 - tolerance) for a, b in itertools.pairwise(ordered))
-
-
 def _interpolated(values: dict[int, float], keys: Sequence[int]) -> dict[int, float]:
     """``values`` at every one of ``keys``: the missing ones linear between their measured neighbours."""
     known = sorted(values)
@@ -378,8 +375,8 @@ def _interpolated(values: dict[int, float], keys: Sequence[int]) -> dict[int, fl
     return out
 
 
-def _offending(values: dict[int, float], tolerance: float = 0.03) -> list[int]:
-    """The keys on either side of each dip of more than ``tolerance`` (what :func:`_monotonic` refuses)."""
+def _offending(values: dict[int, float], tolerance: float = MONOTONIC_TOLERANCE) -> list[int]:
+    """The keys on either side of each dip of more than ``tolerance`` (none: the curve is monotonic)."""
     ordered = sorted(values)
     found: list[int] = []
     for a, b in itertools.pairwise(ordered):
