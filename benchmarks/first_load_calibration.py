@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from selfspec.artifacts import atomic_write_text
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -80,7 +82,7 @@ def main() -> None:
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
     results[args.label] = record
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    atomic_write_text(args.out, json.dumps(results, indent=2) + "\n")
     print(json.dumps({k: v for k, v in record.items() if k != "runs"}))
 
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import httpx
 
-from selfspec.artifacts import atomic_write_text
+from selfspec.artifacts import atomic_path, atomic_write_text
 
 MODEL = "selfspec-demo"
 PROMPTS = [
@@ -303,7 +303,8 @@ def plot(result: dict[str, Any], path: str) -> None:
     ax.set_title(f"selfspec serve, demo model, 1 thread: bursts of {result['burst_size']}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_path(path) as partial:
+        fig.savefig(partial, dpi=120, format="png")
     plt.close(fig)
 
 

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from selfspec.artifacts import atomic_write_text
+from selfspec.artifacts import atomic_path, atomic_write_text
 from selfspec.calibration.threads import candidate_counts, load_average, usable_cores
 from selfspec.modeling.realmodels import DEFAULT_REAL_MODEL, fetch_model
 
@@ -238,7 +238,8 @@ def write(result: dict[str, Any], name: str) -> None:
     ax.set_ylabel("tokens/s (one invoke)")
     ax.set_title(f"{result['model']}, {result['background_load']}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(RESULTS / f"{name}.png", dpi=120)
+    with atomic_path(RESULTS / f"{name}.png") as partial:
+        fig.savefig(partial, dpi=120, format="png")
     plt.close(fig)
 
 
