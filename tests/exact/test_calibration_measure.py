@@ -80,6 +80,55 @@ def test_measured_costs_record_the_load_and_keep_a_verify_curve_up_to_32_drafts(
     assert len(checks["load_per_core"]) == 2 and "monotonic" in checks
 
 
+def test_with_compile_on_the_costs_are_the_static_rounds_compiled_steps(monkeypatch) -> None:
+    """Issue 40 item 4: where the static round serves the calls, its steps are what is timed."""
+    from selfspec.calibration import measure
+    from selfspec.modeling.static_step import bucket_for, width_for
+
+    made = []
+
+    def spied(runner, compile):  # the real static round, kept to look at what was compiled
+        rounds = static_rounds(runner, compile)
+        made.append(rounds)
+        return rounds
+
+    static_rounds = measure.static_rounds
+    monkeypatch.setattr(measure, "static_rounds", spied)
+    prompt, lengths = list(range(1, 30)), [1, 2, 4, 12]
+    eager = SpeculativeEngine(make_model("llama"), None, drafter="none", calibration={})
+    checks: dict = {}
+    measure.measure_costs(eager, prompt, [1, 2], lengths, repeats=2, checks=checks)
+    assert checks["path"] == measure.EAGER_PATH and made == [None]  # compile off on a CPU: the eager loop
+
+    engine = SpeculativeEngine(make_model("llama"), None, drafter="none", calibration={}, compile="eager")
+    checks = {}
+    draft, verify, seconds = measure.measure_costs(engine, prompt, [1, 2], lengths, repeats=2, checks=checks)
+    assert checks["path"] == "static round (eager)" and sorted(verify) == lengths and seconds > 0
+    assert all(v > 0 for v in verify.values()) and draft[2] >= draft[1] > 0
+    (rounds,) = made[1:]
+    bucket = bucket_for(len(prompt) + width_for(max(lengths)) + 1)
+    widths = sorted({1, *(width_for(k) for k in lengths)})
+    assert sorted(rounds.step.compiled) == sorted(
+        [("greedy", w, bucket) for w in widths] + [(f"exit_draft@{n}", 1, bucket) for n in (1, 2)]
+    )
+    assert int(rounds.step.cache.length) == len(prompt)  # every timed step left the prompt's text as it was
+
+
+def test_calibration_with_compile_on_says_it_priced_the_static_round_and_runs_exactly() -> None:
+    from selfspec.calibration import calibrate
+    from selfspec.drafting.auto import Plan
+
+    model = make_model("llama", agreeing=True)
+    engine = SpeculativeEngine(model, drafter="auto", compile="eager")
+    result = calibrate(engine, save=False, progress=False, max_new_tokens=12, max_draft_tokens=3)
+    assert result.cost_checks["path"] == result.plan.measured == "static round (eager)"
+    assert Plan.from_json(result.plan.to_json()) == result.plan  # saved and read back with it
+    assert "costs timed on the static round (eager)" in result.plan.summary()
+    engine.configure(result.to_json())
+    prompt = list(range(10, 30))
+    assert engine.generate_ids(prompt, max_new_tokens=24).token_ids == reference_greedy(model, prompt, 24)
+
+
 def test_a_screened_runner_gets_a_second_curve_for_rounds_that_read_every_logit(tmp_path, monkeypatch) -> None:
     """Greedy rounds take the argmax from the exact-argmax head; sampling pays the full head: two curves."""
     from selfspec.calibration.measure import CalibrationResult, measure_costs

@@ -36,10 +36,12 @@ import torch
 from ..core.speed import AcceptanceEstimate, CostModel, expected_tokens, next_draft_length
 from ..decoding.config import DEFAULT_CALIBRATION_BUDGET
 from ..decoding.engine import SpeculativeEngine
+from ..decoding.static_round import static_rounds
 from ..drafting.auto import PLAIN_MARGIN, Plan
 from ..drafting.planning import PLAIN, Candidate, DrafterCalibration
 from ..drafting.registry import registered
 from ..errors import ConfigurationError
+from ..modeling.static_step import StaticStep, bucket_for, static_prefill, width_for
 from ..prompts import CHAT_CALIBRATION_PROMPTS, DEFAULT_CALIBRATION_PROMPTS, PASSAGES
 from .precision import describe_precision, measure_precision, precision_skip_reason
 from .progress import CalibrationProgress, ProgressMode, progress_mode
@@ -408,6 +410,118 @@ def verify_lengths(max_draft_tokens: int, window: int | None = None) -> list[int
     return [k for k in lengths if window is None or k + 2 < window // 2] or [1]
 
 
+#: What ``checks["path"]`` and :attr:`Plan.measured <selfspec.drafting.auto.Plan.measured>` say
+#: when the eager loop's forwards were timed (the static round's: ``"static round (<backend>)"``).
+EAGER_PATH = "eager loop"
+
+
+class _EagerSteps:
+    """The eager loop's forwards over the cost prompt's cache: ``steps(kind, n)`` is one timed run.
+
+    Kinds: ``("full", 1)`` the plain step, ``("verify", k)`` a verify of ``k`` drafts (both through
+    the exact-argmax head where the runner screens), ``("draft", E)`` one token through layers
+    ``[0, E)`` and the LM head, ``("sampled", k)`` a verify reading every logit (``k = 0``: one token).
+    """
+
+    def __init__(self, engine: SpeculativeEngine, prompt_ids: list[int], longest: int) -> None:
+        runner = self.runner = engine.runner
+        self.prompt_ids = prompt_ids
+        self.cache = runner.new_cache(len(prompt_ids) + longest + 2)
+        self.screened = bool(runner.argmax_screen and runner.argmax_head is not None)
+        ids = torch.tensor([prompt_ids], device=runner.device)
+        positions = torch.arange(len(prompt_ids), device=runner.device)
+        runner.run_layers(runner.embed(ids), 0, runner.num_layers, positions, self.cache)
+
+    def __call__(self, kind: str, n: int) -> Callable[[], None]:
+        runner, cache, length = self.runner, self.cache, len(self.prompt_ids)
+        end = n if kind == "draft" else runner.num_layers
+        num_tokens = 1 if kind in ("full", "draft") else n + 1
+        argmax_only = self.screened and kind in ("full", "verify")
+        tokens = _tokens(self.prompt_ids, num_tokens, runner.device)
+        positions = torch.arange(length, length + num_tokens, device=runner.device)
+
+        def run() -> None:
+            hidden = runner.run_layers(runner.embed(tokens), 0, end, positions, cache)
+            runner.logits(hidden, argmax_only)
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize()
+            cache.crop_to(length)
+
+        return run
+
+
+class _StaticSteps:
+    """The static round's compiled steps over the cost prompt's cache (what its calls run, issue 40).
+
+    The same kinds as :class:`_EagerSteps`: ``("full", 1)`` the width-1 greedy step, ``("verify", k)``
+    the greedy step of the width that holds ``k`` drafts (:func:`width_for`: a round pads its draft
+    to it), ``("draft", E)`` the early exit's compiled draft step at layer ``E``. Greedy and
+    sampled rounds run the same forward here (no argmax screen), so no second curve is taken.
+    Each step is compiled (run once) before it is timed.
+    """
+
+    screened = False
+
+    def __init__(self, step: StaticStep, prompt_ids: list[int], longest: int) -> None:
+        self.step, self.prompt_ids = step, prompt_ids
+        slots = len(prompt_ids) + width_for(longest) + 1
+        self.bucket = bucket_for(slots)
+        self.cache = step.reserve(slots)
+        device = step.runner.device
+        static_prefill(step.runner, self.cache, torch.tensor([prompt_ids], device=device))
+        self.saved = self.cache.length.clone()
+
+    def __call__(self, kind: str, n: int) -> Callable[[], None]:
+        step, cache, bucket, device = self.step, self.cache, self.bucket, self.step.runner.device
+        zero = torch.zeros((), dtype=torch.long, device=device)
+        if kind == "draft":
+            token = _tokens(self.prompt_ids, 1, device)
+
+            def run() -> None:
+                step.exit_draft(token, zero, n, bucket)  # writes past the length: the text is untouched
+                _synchronize(device)
+
+        else:
+            tokens = _tokens(self.prompt_ids, 1 if kind == "full" else width_for(n), device)
+            num_draft = torch.full((), 0 if kind == "full" else n, dtype=torch.long, device=device)
+
+            def run() -> None:
+                step.greedy(tokens, num_draft, bucket)
+                _synchronize(device)
+                cache.length.copy_(self.saved)
+
+        run()  # compiled (or traced) before it is timed
+        return run
+
+
+def _tokens(prompt_ids: list[int], num: int, device: torch.device) -> torch.Tensor:
+    """``[1, num]`` token ids: the prompt's last ``num`` (repeated when it is shorter)."""
+    return torch.tensor([(prompt_ids * (num // len(prompt_ids) + 1))[-num:]], device=device)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed_steps(
+    engine: SpeculativeEngine, prompt_ids: list[int], longest: int
+) -> tuple[_EagerSteps | _StaticSteps, str]:
+    """The forwards calibration times, and which path they are: the static round's where it serves the calls.
+
+    An engine with ``compile=`` on (``"auto"`` on CUDA) runs single calls in the static round,
+    whose compiled steps cost what they cost there (a width-9 verify 1.08x a width-1 step on an
+    H100), not what the eager loop's row-exact verify costs: calibration times those steps.
+    """
+    try:
+        rounds = static_rounds(engine.runner, engine.options.compile)
+    except ConfigurationError:  # (the engine refuses such a compile= itself)
+        rounds = None
+    if rounds is None:
+        return _EagerSteps(engine, prompt_ids, longest), EAGER_PATH
+    return _StaticSteps(rounds.step, prompt_ids, longest), f"static round ({rounds.step.backend})"
+
+
 def measure_costs(
     engine: SpeculativeEngine,
     prompt_ids: list[int],
@@ -436,55 +550,36 @@ def measure_costs(
     prices draft lengths that way. What happened is recorded in ``checks``, with the machine's
     load average (per core) before and after.
 
-    Greedy steps take their argmax from the runner's exact-argmax head where it has one
-    (:mod:`selfspec.modeling.argmax_head`), so the plain step and the verify curve are measured
-    that way; ``sampled`` (a dict, filled in place) then receives the curve of rounds that read
-    every logit (sampling), relative to such a plain step, measured in the same interleaved runs.
+    The forwards timed are those the engine's calls run (:func:`_timed_steps`): the static
+    round's compiled steps where ``compile=`` puts single calls there (``checks["path"]`` says
+    which), else the eager loop's. There, greedy steps take their argmax from the runner's
+    exact-argmax head where it has one (:mod:`selfspec.modeling.argmax_head`), so the plain step
+    and the verify curve are measured that way; ``sampled`` (a dict, filled in place) then
+    receives the curve of rounds that read every logit (sampling), relative to such a plain step,
+    measured in the same interleaved runs.
 
     With ``until`` (a ``time.perf_counter()`` time: the calibration budget's share for the costs)
     no timing turn starts after it once one is timed, and a curve is measured again only while
     there is time (``checks["turns"]`` counts the turns, ``checks["remeasure_skipped"]`` says a
     re-measurement was left out); ``on_turn(done, planned)`` follows each turn.
     """
-    runner = engine.runner
-    device = runner.device
-    length = len(prompt_ids)
-    cache = runner.new_cache(length + max(draft_lengths) + 2)
     checks = checks if checks is not None else {}
     checks["load_per_core"] = [load_per_core()]
     with torch.inference_mode():
-        ids = torch.tensor([prompt_ids], device=device)
-        runner.run_layers(runner.embed(ids), 0, runner.num_layers, torch.arange(length, device=device), cache)
-
-        screened = runner.argmax_screen and runner.argmax_head is not None
-
-        def step(end_layer: int, num_tokens: int, argmax_only: bool = False) -> Callable[[], None]:
-            tokens = torch.tensor([(prompt_ids * (num_tokens // len(prompt_ids) + 1))[-num_tokens:]], device=device)
-            positions = torch.arange(length, length + num_tokens, device=device)
-
-            def run() -> None:
-                hidden = runner.run_layers(runner.embed(tokens), 0, end_layer, positions, cache)
-                runner.logits(hidden, argmax_only)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                cache.crop_to(length)
-
-            return run
+        step, checks["path"] = _timed_steps(engine, prompt_ids, max(draft_lengths))
 
         # the essential points first (what a tight budget keeps): the plain step, the draft steps and
         # the verifies of the draft lengths; then the long verifies and the sampled curve
         # (of the draft steps, the shallowest and the deepest: the others are interpolated when left out)
         short = [k for k in draft_lengths if k not in LONG_VERIFY_LENGTHS] or list(draft_lengths[:1])
         ends = sorted({min(layers), max(layers)}) if layers else []
-        variants: dict[Any, Callable[[], None]] = {("full", 1): step(runner.num_layers, 1, screened)}
-        variants.update({("verify", k): step(runner.num_layers, k + 1, screened) for k in short})
-        variants.update({("draft", layer): step(layer, 1) for layer in ends})
-        essential = len(variants)
-        variants.update({("draft", layer): step(layer, 1) for layer in layers if layer not in ends})
-        variants.update({("verify", k): step(runner.num_layers, k + 1, screened) for k in draft_lengths})
-        if screened and sampled is not None:
-            variants[("sampled", 0)] = step(runner.num_layers, 1)
-            variants.update({("sampled", k): step(runner.num_layers, k + 1) for k in draft_lengths})
+        keys: list[tuple[str, int]] = [("full", 1), *(("verify", k) for k in short), *(("draft", n) for n in ends)]
+        essential = len(keys)
+        keys += [("draft", layer) for layer in layers if layer not in ends]
+        keys += [("verify", k) for k in draft_lengths if k not in short]
+        if step.screened and sampled is not None:
+            keys += [("sampled", 0), *(("sampled", k) for k in draft_lengths)]
+        variants: dict[Any, Callable[[], None]] = {key: step(*key) for key in keys}
         checks.setdefault("remeasured", 0)
         checks["turns"] = 0
         planned = repeats  # (a re-measurement adds a few turns of a few points)
@@ -1295,6 +1390,7 @@ def calibrate(
         figures = measure_drafters(context, methods, deadline, dropped, need=phases["continuations"])
     candidates = rank_candidates(context, figures, [*deadline.skipped, *dropped])
     plan, chosen = pick(candidates, methods)
+    plan = replace(plan, measured=checks["path"])  # which forwards priced it (the static round's, issue 40)
     saved, notes = _saved(figures, candidates)
 
     # 5. the plan on sampled continuations (free for plain decoding)
@@ -1317,6 +1413,7 @@ def calibrate(
                 until=deadline.until(1.0),
                 on_prompt=lambda d, t: show.advance(d, t, "prompts"),
             )
+        sampled_plan = replace(sampled_plan, measured=checks["path"])
 
     # 6. half precision against float32 (CPU, half-precision models only)
     if reason is not None:

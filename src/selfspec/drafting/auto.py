@@ -60,6 +60,9 @@ class Plan:
             ``""``: not chosen. Not saved (measured at each load).
         exactness: what holds between the speculative text and the plain text (the engine's
             :attr:`~selfspec.SpeculativeEngine.exactness`, set by ``engine.plan``; not saved).
+        measured: whose forwards calibration timed: ``"eager loop"``, or ``"static round
+            (<backend>)"`` where ``compile=`` puts the engine's calls in the static round (its
+            compiled steps priced, issue 40); ``""`` in plans saved before it was recorded.
     """
 
     method: str = PLAIN
@@ -69,6 +72,7 @@ class Plan:
     calibrated: bool = True
     threads: str = ""
     exactness: str = ""
+    measured: str = ""
 
     @property
     def num_draft_tokens(self) -> int:
@@ -83,7 +87,8 @@ class Plan:
         threads = f"; {self.threads}" if self.threads else ""
         if not self.calibrated:
             return f"{what} (not calibrated: no measurements){threads}"
-        return (f"{what}: {self.reason}" if self.reason else what) + threads
+        timed = f" (costs timed on the {self.measured})" if self.measured.startswith("static") else ""
+        return (f"{what}: {self.reason}" if self.reason else what) + timed + threads
 
     def advice(self, name_or_path: str, has_head: bool) -> str:
         """How to get more speed: fetch the published EAGLE head the table names, else train one (``""``: none)."""
@@ -110,6 +115,7 @@ class Plan:
             "predicted_speedup": self.predicted_speedup,
             "reason": self.reason,
             "calibrated": self.calibrated,
+            "measured": self.measured,
         }
 
     @classmethod
@@ -127,6 +133,7 @@ class Plan:
         if (
             not isinstance(settings, dict)
             or not isinstance(data.get("reason", ""), str)
+            or not isinstance(data.get("measured", ""), str)
             or not (speedup is None or isinstance(speedup, (int, float)))
             or not hooks.valid(settings)
         ):
@@ -137,6 +144,7 @@ class Plan:
             speedup,
             data.get("reason", ""),
             bool(data.get("calibrated", True)),
+            measured=data.get("measured", ""),
         )
 
 
