@@ -25,6 +25,7 @@ from selfspec.decoding.options import (
     EngineOptions,
     GenerateKeywords,
     GenerateOptions,
+    OptionSpec,
     check_drafter_name,
     option_spec,
 )
@@ -172,6 +173,8 @@ def test_every_server_limit_flag_round_trips() -> None:
                                   cors_origins=("http://b.example",), shutdown_grace=1.5)  # fmt: skip
     not_flags = {"max_header_bytes", "max_json_depth", "retry_after"}
     assert {name for name, _, _ in limit_flags()} == {f.name for f in dataclasses.fields(ServerLimits)} - not_flags
+    # one mechanism for flags on dataclass fields: the engine's options' OptionSpec
+    assert all(isinstance(spec, OptionSpec) and spec.verbs == {"serve"} for _, _, spec in limit_flags())
 
 
 # ------------------------------------------------------------------------------- a call's options

@@ -26,7 +26,7 @@ from selfspec.serving.endpoint import (  # noqa: E402
     text_body,
     translate_error,
 )
-from selfspec.serving.tools import ContentDelta, InvalidToolCall, ToolCall, ToolCallChunk  # noqa: E402
+from selfspec.serving.tools import ContentDelta, InvalidToolCall, ToolCall, ToolCallChunk, tool_schema  # noqa: E402
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 
@@ -70,7 +70,8 @@ def test_chat_body_is_openai_form_with_selfspec_extras_in_the_extra_body() -> No
         ["x"],
     )
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
-    assert body["tools"] == [TOOL] and body["tool_choice"] == "required"
+    # the tools read as the planner reads them (normalised: an empty description added)
+    assert body["tools"] == [tool_schema(TOOL)] and body["tool_choice"] == "required"
     assert body["extra_body"] == {"top_k": 3, "truncate_prompt": True, "constrain_tool_calls": False}
     assert body["response_format"] == {
         "type": "json_schema",

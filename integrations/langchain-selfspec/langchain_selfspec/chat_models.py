@@ -52,6 +52,7 @@ from selfspec.errors import ConfigurationError
 from selfspec.serving.endpoint import API_KEY_ENV_VARS, EndpointClient, EndpointResult, chat_body
 from selfspec.serving.requests import (
     INCOMPLETE_REASONS,
+    RequestOptions,
     RequestPlan,
     TokenUsage,
     adapter_arguments,
@@ -61,7 +62,6 @@ from selfspec.serving.requests import (
     check_arguments,
     cut_off_message,
     normalize_tool_choice,
-    offer_tools,
     plan_request,
 )
 from selfspec.serving.tools import (
@@ -626,52 +626,31 @@ class ChatSpeculative(BaseChatModel, _DrafterOptionFields):  # type: ignore[misc
         finally:
             await events.aclose()
 
+    def _request_options(self, stop: list[str] | None, kwargs: dict[str, Any]) -> RequestOptions:
+        """A call's options in the planner's declaration: its keyword arguments over the fields.
+
+        Local mode plans them (:meth:`_plan`), endpoint mode sends them (:meth:`_endpoint_body`).
+
+        Raises:
+            ValueError: an argument a call does not take.
+        """
+        _check_call_args(kwargs)
+        call = {name: value for name, value in kwargs.items() if name in RequestOptions.names()}
+        call["stop"] = list(stop if stop is not None else self.stop or []) or None
+        call["parallel_tool_calls"] = kwargs.get("parallel_tool_calls") is not False
+        return RequestOptions.of_fields(self, **call)
+
     def _endpoint_body(
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any], stream: bool = False
     ) -> dict[str, Any]:
         """Endpoint mode's request: the same options as :meth:`_plan`, in OpenAI's form."""
-        _check_call_args(kwargs)
-        offer = offer_tools(kwargs.get("tools"), kwargs.get("tool_choice"))  # read as plan_request reads them
-        body = chat_body(
-            to_engine_messages(messages),
-            model=kwargs.get("model") or self.model,
-            max_tokens=kwargs.get("max_tokens", self.max_tokens),
-            temperature=kwargs.get("temperature", self.temperature),
-            top_p=kwargs.get("top_p", self.top_p),
-            top_k=kwargs.get("top_k", self.top_k),
-            seed=kwargs.get("seed", self.seed),
-            stop=list(stop if stop is not None else self.stop or []) or None,
-            tools=offer.tools or None,
-            tool_choice=offer.choice,
-            response_format=kwargs.get("response_format"),
-            truncate_prompt=self.truncate_prompt,
-            stream=stream,
-            constrain_tool_calls=self.constrain_tool_calls,
-            escape_special_tokens=self.escape_special_tokens,
-        )
-        if offer.tools and kwargs.get("parallel_tool_calls") is False:
-            body["parallel_tool_calls"] = False
-        return body
+        options = self._request_options(stop, kwargs)
+        return chat_body(to_engine_messages(messages), options, model=kwargs.get("model") or self.model, stream=stream)
 
     def _plan(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> RequestPlan:
         """One call planned by :func:`selfspec.serving.requests.plan_request` on this model's engine."""
-        _check_call_args(kwargs)
-        return plan_request(
-            self.get_engine(kwargs.get("model") or self.model),
-            to_engine_messages(messages),
-            max_tokens=kwargs.get("max_tokens", self.max_tokens),
-            temperature=kwargs.get("temperature", self.temperature),
-            top_p=kwargs.get("top_p", self.top_p),
-            top_k=kwargs.get("top_k", self.top_k),
-            seed=kwargs.get("seed", self.seed),
-            stop=list(stop if stop is not None else self.stop or []) or None,
-            tools=kwargs.get("tools"),
-            tool_choice=kwargs.get("tool_choice"),
-            response_format=kwargs.get("response_format"),
-            truncate_prompt=self.truncate_prompt,
-            constrain_tool_calls=self.constrain_tool_calls,
-            parallel_tool_calls=kwargs.get("parallel_tool_calls") is not False,
-        )
+        options = self._request_options(stop, kwargs)
+        return plan_request(self.get_engine(kwargs.get("model") or self.model), to_engine_messages(messages), options)
 
     # ------------------------------------------------------------------ tools and structure
     def bind_tools(

@@ -69,6 +69,29 @@ def test_max_tokens_and_its_alias_max_new_tokens() -> None:
         SpeculativeLLM(model="m", max_tokens=8, max_new_tokens=8)
 
 
+def test_a_calls_options_are_the_planners_declaration() -> None:
+    """Local and endpoint mode read one RequestOptions: the call's arguments over the fields."""
+    from selfspec.serving.requests import RequestOptions
+
+    llm = SpeculativeLLM(model="m", temperature=0.3, stop=["a"], truncate_prompt=True, constrain_tool_calls=False)
+    options = llm._options({"max_new_tokens": 9, "seed": 2, "json_schema": {"type": "object"}, "verbose": True})
+    assert options == RequestOptions(
+        max_tokens=9,
+        budget_name="max_new_tokens",
+        temperature=0.3,
+        seed=2,
+        stop=["a"],
+        tools=[],
+        json_schema={"type": "object"},
+        truncate_prompt=True,
+        constrain_tool_calls=False,
+    )
+    with pytest.raises(ValueError, match="unknown argument 'truncate_prompt'"):
+        llm._options({"truncate_prompt": False})  # a field, not a call's option
+    body = SpeculativeLLM(model="m", base_url="http://127.0.0.1:9/v1")._body("hi", llm._options({"seed": 1}))
+    assert body["prompt"] == "hi" and body["seed"] == 1 and body["extra_body"] == {"truncate_prompt": True}
+
+
 def test_engine_arguments_follow_the_fields(monkeypatch):
     calls = []
     monkeypatch.setattr(selfspec_base, "get_engine", lambda model, **args: calls.append((model, args)))

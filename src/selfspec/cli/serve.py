@@ -51,13 +51,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     limits = parser.add_argument_group("limits (see docs/limits.md)")
-    for name, default, flag in limit_flags():  # declared once, on ServerLimits
-        text = flag.help.format(default=f"{default:g}" if isinstance(default, float) else default)
-        if flag.parse is None:  # a repeatable name
-            limits.add_argument(flag.flag, dest=name, action="append", default=[], metavar=flag.metavar, help=text)
+    for name, default, spec in limit_flags():  # declared once, on ServerLimits
+        text = spec.help.format(default=f"{default:g}" if isinstance(default, float) else default)
+        if spec.parse is None:  # a repeatable name
+            limits.add_argument(spec.flag, dest=name, action="append", default=[], metavar=spec.metavar, help=text)
         else:
-            metavar = flag.flag.lstrip("-").upper().replace("-", "_")
-            limits.add_argument(flag.flag, dest=name, type=checked_type(flag.parse), default=default, help=text,
+            metavar = spec.metavar or spec.flag.lstrip("-").upper().replace("-", "_")
+            limits.add_argument(spec.flag, dest=name, type=checked_type(spec.parse), default=default, help=text,
                                 metavar=metavar)  # fmt: skip
     parser.set_defaults(func=cmd_serve)
     return parser
@@ -103,5 +103,5 @@ def server_limits(args: argparse.Namespace, limits_class: Any) -> Any:
     """The :class:`~selfspec.serving.server.settings.ServerLimits` the command line asks for."""
     from ..serving.server.settings import limit_flags
 
-    return limits_class(**{name: tuple(getattr(args, name)) if flag.parse is None else getattr(args, name)
-                           for name, _, flag in limit_flags()})  # fmt: skip
+    return limits_class(**{name: tuple(getattr(args, name)) if spec.parse is None else getattr(args, name)
+                           for name, _, spec in limit_flags()})  # fmt: skip

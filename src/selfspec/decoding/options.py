@@ -311,8 +311,17 @@ def check_drafter_name(drafter: Any) -> None:
 
 # ----------------------------------------------------------------------------- the declaration
 def cli(help: str, flag: str, **spec: Any) -> dict[str, OptionSpec]:
-    """The metadata of an :class:`EngineOptions` field: its :class:`OptionSpec`."""
+    """The metadata of a field that is a flag: its :class:`OptionSpec`.
+
+    The one way a dataclass field declares its flag: :class:`EngineOptions`' fields, and
+    :class:`~selfspec.serving.server.settings.ServerLimits`' (``selfspec serve``'s limits).
+    """
     return {"option": OptionSpec(help, flag, **spec)}
+
+
+def declared_flags(options: type) -> list[tuple[str, Any, OptionSpec]]:
+    """``(field name, default, spec)`` of every field of the dataclass ``options`` declared with :func:`cli`."""
+    return [(f.name, f.default, f.metadata["option"]) for f in fields(options) if "option" in f.metadata]
 
 
 @dataclass(frozen=True)

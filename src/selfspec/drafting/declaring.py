@@ -23,7 +23,7 @@ LOAD_VERBS = RUN_VERBS | {"calibrate", "bench"}
 
 @dataclass(frozen=True)
 class OptionSpec:
-    """How an engine option shows on the command line and in help.
+    """How an option shows on the command line and in help (the engine's, a drafter's, a server limit).
 
     Attributes:
         help: one line for ``--help``, the docs and the adapters' field descriptions.
@@ -34,6 +34,7 @@ class OptionSpec:
         verb_defaults: a verb whose default differs from the option's (``calibrate``'s budget).
         listed: the accepted values listed in ``--help``, read when the parser is built (drafters
             register at run time).
+        metavar: the value's name in ``--help`` (``None``: argparse's, or the flag's own).
     """
 
     help: str
@@ -43,6 +44,7 @@ class OptionSpec:
     choices: tuple[str, ...] | None = None
     verb_defaults: Mapping[str, Any] = field(default_factory=dict)
     listed: Callable[[], list[str]] | None = None
+    metavar: str | None = None
 
 
 def check_switch(name: str) -> Callable[[Any], None]:

@@ -5,9 +5,9 @@
 official ``openai`` client. Both adapters share this module, so that they build requests and
 read answers alike:
 
-- :func:`chat_body` / :func:`text_body`: one request body from the adapter's options (tools,
-  ``tool_choice``, ``response_format``, ``stop``, ``seed``, ``top_k`` and ``truncate_prompt``
-  in the extra body, usage asked for when streaming);
+- :func:`chat_body` / :func:`text_body`: one request body from the request's options, the
+  planner's :class:`~selfspec.serving.requests.RequestOptions` (``top_k``, ``truncate_prompt``
+  and selfspec's own options in the extra body, usage asked for when streaming);
 - :class:`EndpointClient`: sends a body, whole or streamed, sync or async, and returns an
   :class:`EndpointResult` (text, parsed tool calls, finish reason, token counts, the server's
   speculation statistics), streams yielding :class:`~selfspec.serving.tools.ContentDelta` and
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from ..errors import InvalidPromptError, InvalidSchemaError, ModelNotFoundError, SamplingError
-from .requests import TokenUsage
+from .requests import RequestOptions, TokenUsage, offer_tools
 from .tools import ContentDelta, InvalidToolCall, StreamEvent, ToolCall, ToolCallChunk, new_call_id
 
 
@@ -126,33 +126,23 @@ def _wire_call(call: Mapping[str, Any]) -> dict[str, Any]:
     return {"id": call.get("id") or new_call_id(), "type": "function", "function": function}
 
 
-def _sampling(
-    *,
-    model: str,
-    max_tokens: int | None,
-    temperature: float,
-    top_p: float | None,
-    top_k: int | None,
-    seed: int | None,
-    stop: str | Sequence[str] | None,
-    truncate_prompt: bool,
-    stream: bool,
-) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model, "temperature": temperature, "stream": stream}
-    if max_tokens is not None:
-        body["max_tokens"] = max_tokens
-    if top_p is not None:
-        body["top_p"] = top_p
-    if seed is not None:
-        body["seed"] = seed
-    if stop is not None:
-        body["stop"] = [stop] if isinstance(stop, str) else list(stop)
+def _sampling(options: RequestOptions, model: str, stream: bool) -> dict[str, Any]:
+    """The sampling fields of a body (chat or text), from the request's options."""
+    body: dict[str, Any] = {"model": model, "temperature": options.temperature, "stream": stream}
+    if options.max_tokens is not None:
+        body["max_tokens"] = options.max_tokens
+    if options.top_p is not None:
+        body["top_p"] = options.top_p
+    if options.seed is not None:
+        body["seed"] = options.seed
+    if options.stop is not None:
+        body["stop"] = options.stop_list
     if stream:
         body["stream_options"] = {"include_usage": True}
     extra: dict[str, Any] = {}
-    if top_k is not None:  # not in OpenAI's API; selfspec serve, vLLM and SGLang read it
-        extra["top_k"] = top_k
-    if truncate_prompt:  # selfspec serve's own option
+    if options.top_k is not None:  # not in OpenAI's API; selfspec serve, vLLM and SGLang read it
+        extra["top_k"] = options.top_k
+    if options.truncate_prompt:  # selfspec serve's own option
         extra["truncate_prompt"] = True
     if extra:
         body["extra_body"] = extra
@@ -161,75 +151,67 @@ def _sampling(
 
 def chat_body(
     messages: Sequence[Mapping[str, Any]],
+    options: RequestOptions | None = None,
     *,
     model: str,
-    max_tokens: int | None = None,
-    temperature: float = 0.0,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    seed: int | None = None,
-    stop: str | Sequence[str] | None = None,
-    tools: Sequence[Mapping[str, Any]] | None = None,
-    tool_choice: str | Mapping[str, Any] | None = None,
-    response_format: Mapping[str, Any] | None = None,
-    truncate_prompt: bool = False,
     stream: bool = False,
-    constrain_tool_calls: bool = True,
-    escape_special_tokens: bool = False,
+    **keywords: Any,
 ) -> dict[str, Any]:
     """The keyword arguments of ``client.chat.completions.create`` for one call.
 
+    The request's options are the planner's (:class:`~selfspec.serving.requests.RequestOptions`),
+    in OpenAI's form: ``temperature`` always (OpenAI's default is 1); ``max_tokens``, ``top_p``,
+    ``seed`` and ``stop`` when set; the tools and ``tool_choice`` read as the planner reads them
+    (:func:`~selfspec.serving.requests.offer_tools`: none sent for ``tool_choice="none"``), with
+    ``parallel_tool_calls=False`` when set; ``response_format`` (a ``json_schema`` as a
+    ``json_schema`` format; a bare ``{"type": "json_schema", "schema": ...}`` put in OpenAI's
+    wrapped form); ``top_k``, ``truncate_prompt``, ``constrain_tool_calls=False`` and
+    ``escape_special_tokens`` in the extra body (``selfspec serve`` reads them, other servers
+    ``top_k`` at most). ``logprobs``, ``fit_max_tokens`` and ``budget_name`` are the local
+    planner's only.
+
     Args:
         messages: chat-template messages (tool-call arguments may be dicts).
+        options: the request's options (``None``: the defaults; ``max_tokens=None`` leaves the
+            budget to the server's default).
         model: the model id the server serves.
-        max_tokens: the most new tokens (``None``: the server's default).
-        temperature: 0 for greedy decoding (always sent: OpenAI's default is 1).
-        top_p: nucleus sampling threshold.
-        top_k: top-k sampling (sent in the extra body).
-        seed: seed for reproducible sampling.
-        stop: stop strings.
-        tools: OpenAI tool schemas.
-        tool_choice: ``"auto"``, ``"none"``, ``"required"`` or a named function.
-        response_format: ``{"type": "json_object"}`` or a ``json_schema`` format (a bare
-            ``{"type": "json_schema", "schema": ...}`` is put in OpenAI's wrapped form).
-        truncate_prompt: ask ``selfspec serve`` to keep the end of a prompt that does not fit.
         stream: stream the answer (usage is then asked for in a last chunk).
-        constrain_tool_calls: ``False`` asks ``selfspec serve`` not to constrain the calls the
-            model chooses to make under ``tool_choice="auto"`` (other servers never do).
-        escape_special_tokens: ask ``selfspec serve`` to encode special-token strings in the
-            messages and tools as plain text (sent in the extra body; other servers ignore it).
+        **keywords: :class:`~selfspec.serving.requests.RequestOptions` fields, replacing those of ``options``.
+
+    Raises:
+        TypeError: a keyword that is not a request option.
+        RequestFieldError: bad tools or ``tool_choice`` (as the planner refuses them).
     """
-    body = _sampling(
-        model=model,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,
-        stop=stop,
-        truncate_prompt=truncate_prompt,
-        stream=stream,
-    )
+    options = RequestOptions.of(options, keywords, "chat_body")
+    body = _sampling(options, model, stream)
     body["messages"] = openai_messages(messages)
-    if tools:
-        body["tools"] = [dict(tool) for tool in tools]
-        if tool_choice is not None:
-            body["tool_choice"] = tool_choice
-        if not constrain_tool_calls:
+    offer = offer_tools(options.tools, options.tool_choice)  # read as plan_request reads them
+    if offer.tools:
+        body["tools"] = [dict(tool) for tool in offer.tools]
+        body["tool_choice"] = offer.choice
+        if not options.parallel_tool_calls:
+            body["parallel_tool_calls"] = False
+        if not options.constrain_tool_calls:
             body.setdefault("extra_body", {})["constrain_tool_calls"] = False
+    response_format = options.response_format
+    if options.json_schema is not None:
+        response_format = {"type": "json_schema", "json_schema": {"name": "response", "schema": options.json_schema}}
     if response_format is not None:
         body["response_format"] = _wire_response_format(response_format)
-    if escape_special_tokens:
+    if options.escape_special_tokens:
         body.setdefault("extra_body", {})["escape_special_tokens"] = True
     return body
 
 
-def text_body(prompt: str, *, model: str, **options: Any) -> dict[str, Any]:
+def text_body(
+    prompt: str, options: RequestOptions | None = None, *, model: str, stream: bool = False, **keywords: Any
+) -> dict[str, Any]:
     """The keyword arguments of ``client.completions.create`` (a raw prompt, no chat template).
 
-    ``options`` are the sampling options of :func:`chat_body`.
+    Only the sampling options of :func:`chat_body` are sent (a raw prompt offers no tools).
     """
-    body = _sampling(model=model, **options)
+    options = RequestOptions.of(options, keywords, "text_body")
+    body = _sampling(options, model, stream)
     body["prompt"] = prompt
     return body
 

@@ -2,6 +2,9 @@
 
 A call to the model, whichever door it comes through, is planned here, once:
 
+- **its options** (:class:`RequestOptions`): declared once; each front door translates its own
+  names into it (a call's keywords over an adapter's fields, an OpenAI request body), and the
+  planner and the endpoint body (:func:`selfspec.serving.endpoint.chat_body`) read it;
 - **token budget** (:func:`token_budget`): ``max_tokens`` when given, else the one default
   :data:`DEFAULT_MAX_TOKENS`, never past the end of the context window;
 - **tools and their choice** (:func:`normalize_tool_choice`, :func:`forced_tool`): which tool
@@ -41,11 +44,11 @@ import functools
 import json
 import threading
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 from ..core.bounds import check_prompt_chars, check_schema_size, check_tools_size, text_chars
-from ..decoding.options import check_drafter_name, drafter_settings_of
+from ..decoding.options import check_drafter_name, drafter_settings_of, refuse_unknown_keywords
 from ..errors import InvalidPromptError, InvalidSchemaError
 from .tools import ParsedOutput, parse_tool_calls, tool_schema
 
@@ -137,6 +140,103 @@ class TokenUsage:
             "output_tokens": self.completion_tokens,
             "total_tokens": self.total_tokens,
         }
+
+
+# ------------------------------------------------------------------------------- options
+@dataclass(frozen=True)
+class RequestOptions:
+    """A request's options, declared once for every front door.
+
+    The planner (:func:`plan_request`), the endpoint body (:func:`selfspec.serving.endpoint.chat_body`),
+    both adapters (local and endpoint mode) and ``selfspec serve``'s two routes read this one
+    declaration; each front door translates its own framework's names into it once (a call's
+    keyword arguments over the adapter's fields, an OpenAI request body).
+
+    Attributes:
+        max_tokens: the budget (``None``: :data:`DEFAULT_MAX_TOKENS`, never past the context window).
+        temperature: 0 for greedy decoding.
+        top_p: nucleus sampling.
+        top_k: top-k sampling.
+        seed: sampling seed.
+        stop: stop strings.
+        tools: tools in any form :func:`selfspec.serving.tools.tool_schema` reads.
+        tool_choice: see :func:`normalize_tool_choice`.
+        response_format: an OpenAI-style ``response_format`` (see :func:`response_schema`).
+        json_schema: a JSON schema for the answer (instead of ``response_format``).
+        truncate_prompt: keep only the end of a prompt that does not fit.
+        constrain_tool_calls: constrain the calls the model chooses to make.
+        parallel_tool_calls: ``False``: at most one call (by the grammar).
+        escape_special_tokens: encode special-token strings in the messages and tools as plain
+            text for this call (the engine's own setting applies as well).
+        logprobs: report each token's log-probability and this many most likely alternatives
+            (``None``: none; see :meth:`SpeculativeEngine.generate`).
+        fit_max_tokens: cut a ``max_tokens`` that does not fit to the context window (the
+            adapters); ``False`` leaves it for the engine to refuse (``selfspec serve``).
+        budget_name: what the caller called ``max_tokens`` (``SpeculativeLLM``'s ``max_new_tokens``
+            alias): a bad budget's error names it.
+    """
+
+    max_tokens: int | None = None
+    temperature: float = 0.0
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | Sequence[str] | None = None
+    tools: Sequence[Any] | None = None
+    tool_choice: Any = None
+    response_format: Mapping[str, Any] | None = None
+    json_schema: Mapping[str, Any] | None = None
+    truncate_prompt: bool = False
+    constrain_tool_calls: bool = True
+    parallel_tool_calls: bool = True
+    escape_special_tokens: bool = False
+    logprobs: int | None = None
+    fit_max_tokens: bool = True
+    budget_name: str = "max_tokens"
+
+    @classmethod
+    def names(cls) -> list[str]:
+        """Every option's name, in declaration order."""
+        return [declared.name for declared in fields(cls)]
+
+    @classmethod
+    def of(
+        cls,
+        options: RequestOptions | None = None,
+        keywords: Mapping[str, Any] | None = None,
+        caller: str = "RequestOptions",
+    ) -> RequestOptions:
+        """``options`` (default: the defaults) with ``keywords`` replacing its fields.
+
+        Raises:
+            TypeError: an unknown keyword, naming the closest option (as Python does for a bad keyword).
+        """
+        base = cls() if options is None else options
+        if not isinstance(base, cls):
+            raise TypeError(f"{caller}() options must be a RequestOptions, got {type(base).__name__}")
+        keywords = keywords or {}
+        refuse_unknown_keywords(caller, keywords, cls.names())
+        return replace(base, **keywords) if keywords else base
+
+    @classmethod
+    def of_fields(cls, adapter: Any, **call: Any) -> RequestOptions:
+        """An adapter's options: its pydantic fields named like an option, then ``call`` over them.
+
+        Args:
+            adapter: a framework model whose fields hold the defaults (``ChatSpeculative``,
+                ``SpeculativeLLM``: ``temperature``, ``stop``, ``truncate_prompt``, ...).
+            **call: one call's options, already in this declaration's names.
+        """
+        declared = getattr(type(adapter), "model_fields", {})
+        values = {name: getattr(adapter, name) for name in cls.names() if name in declared}
+        return cls.of(None, {**values, **call}, type(adapter).__name__)
+
+    @property
+    def stop_list(self) -> list[str] | None:
+        """The stop strings as a list (``None``: none)."""
+        if self.stop is None:
+            return None
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
 # ------------------------------------------------------------------------------- budget
@@ -848,105 +948,80 @@ class _RepetitionGuard(Iterator[str]):
 def plan_request(
     engine: SpeculativeEngine,
     prompt: str | Sequence[Mapping[str, Any]] | Sequence[int],
-    *,
-    max_tokens: int | None = None,
-    temperature: float = 0.0,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    seed: int | None = None,
-    stop: str | Sequence[str] | None = None,
-    tools: Sequence[Any] | None = None,
-    tool_choice: Any = None,
-    response_format: Mapping[str, Any] | None = None,
-    json_schema: Mapping[str, Any] | None = None,
-    truncate_prompt: bool = False,
-    constrain_tool_calls: bool = True,
-    parallel_tool_calls: bool = True,
-    escape_special_tokens: bool = False,
-    fit_max_tokens: bool = True,
-    logprobs: int | None = None,
-    budget_name: str = "max_tokens",
+    options: RequestOptions | None = None,
+    **keywords: Any,
 ) -> RequestPlan:
     """Plan one call on ``engine``: everything but the framework's own types.
 
     Args:
         engine: the engine.
         prompt: a raw string (no template, no tools), chat messages, or token ids.
-        max_tokens: the budget (``None``: :data:`DEFAULT_MAX_TOKENS`).
-        temperature: 0 for greedy decoding.
-        top_p: nucleus sampling.
-        top_k: top-k sampling.
-        seed: sampling seed.
-        stop: stop strings.
-        tools: tools in any form :func:`selfspec.serving.tools.tool_schema` reads.
-        tool_choice: see :func:`normalize_tool_choice`.
-        response_format: an OpenAI-style ``response_format`` (see :func:`response_schema`).
-        json_schema: a JSON schema for the answer (instead of ``response_format``).
-        truncate_prompt: keep only the end of a prompt that does not fit.
-        constrain_tool_calls: constrain the calls the model chooses to make.
-        parallel_tool_calls: ``False``: at most one call (by the grammar).
-        escape_special_tokens: encode special-token strings in the messages and tools as plain
-            text for this call (the engine's own setting applies as well).
-        fit_max_tokens: cut a ``max_tokens`` that does not fit to the context window (the
-            adapters); ``False`` leaves it for the engine to refuse (``selfspec serve``).
-        logprobs: report each token's log-probability and this many most likely alternatives
-            (``None``: none; see :meth:`SpeculativeEngine.generate`).
-        budget_name: what the caller called ``max_tokens`` (``SpeculativeLLM``'s ``max_new_tokens``
-            alias): a bad budget's error names it.
+        options: the call's options (:class:`RequestOptions`; ``None``: the defaults).
+        **keywords: :class:`RequestOptions` fields, replacing those of ``options``
+            (``plan_request(engine, prompt, max_tokens=8)``).
 
     Raises:
+        TypeError: a keyword that is not a :class:`RequestOptions` field.
         SamplingError: ``max_tokens`` is not an int >= 1 (before the prompt is encoded).
         RequestFieldError: bad tools, ``tool_choice`` or ``response_format`` (a ``ValueError``
             naming the field).
         InvalidSchemaError: tools or a schema over the bounds.
         InvalidPromptError: an empty prompt or one that fills the context window.
     """
+    options = RequestOptions.of(options, keywords, "plan_request")
+    max_tokens = options.max_tokens
     if max_tokens is not None:
         from ..core.validation import check_max_new_tokens  # torch: a local engine is loaded already
 
-        max_tokens = check_max_new_tokens(max_tokens, name=budget_name)
-    offer = offer_tools(tools, tool_choice)
+        max_tokens = check_max_new_tokens(max_tokens, name=options.budget_name)
+    offer = offer_tools(options.tools, options.tool_choice)
     normalized, forced = offer.tools, offer.forced
     with _field("response_format"):
-        schema = dict(json_schema) if json_schema is not None else response_schema(response_format)
+        json_schema = options.json_schema
+        schema = dict(json_schema) if json_schema is not None else response_schema(options.response_format)
     token_ids = [int(token) for token in cast("Sequence[int]", prompt)] if _is_token_ids(prompt) else None
     text = cast("str | Sequence[Mapping[str, Any]]", prompt)
     if token_ids is None:
-        check_request_bounds(engine, text, normalized, schema, truncate_prompt=truncate_prompt)
+        check_request_bounds(engine, text, normalized, schema, truncate_prompt=options.truncate_prompt)
     with _field("tool_choice"):
         constraint = plan_constraint(
             engine.tokenizer,
             normalized,
             forced,
             schema,
-            constrain_tool_calls=constrain_tool_calls,
-            parallel_tool_calls=parallel_tool_calls,
+            constrain_tool_calls=options.constrain_tool_calls,
+            parallel_tool_calls=options.parallel_tool_calls,
         )
     stated_schema = schema if schema is not None and schema != {"type": "object"} else None
     if token_ids is not None:
         prompt_ids = token_ids
     else:
         prompt_ids = encode_request(
-            engine, text, normalized, stated_schema, forced, escape_special_tokens=escape_special_tokens
+            engine, text, normalized, stated_schema, forced, escape_special_tokens=options.escape_special_tokens
         )
     budget = token_budget(
         max_tokens,
         len(prompt_ids),
         engine.context_window,
-        truncate_prompt=truncate_prompt,
-        fit_max_tokens=fit_max_tokens,
+        truncate_prompt=options.truncate_prompt,
+        fit_max_tokens=options.fit_max_tokens,
     )
-    sampling: dict[str, Any] = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
-    sampling["stop"] = [stop] if isinstance(stop, str) else (list(stop) if stop else None)
+    sampling: dict[str, Any] = {
+        "temperature": options.temperature,
+        "top_p": options.top_p,
+        "top_k": options.top_k,
+        "seed": options.seed,
+        "stop": options.stop_list or None,
+    }
     return RequestPlan(
         engine=engine,
         prompt_ids=prompt_ids,
         max_new_tokens=budget,
         sampling=sampling,
-        truncate_prompt=truncate_prompt,
+        truncate_prompt=options.truncate_prompt,
         constraint=constraint,
         parse_tools=bool(normalized) and schema is None,
-        logprobs=logprobs,
+        logprobs=options.logprobs,
     )
 
 

@@ -164,6 +164,28 @@ def test_unknown_call_arguments_are_refused() -> None:
         ChatSpeculative(model="no/such-model")._plan([HumanMessage("hi")], None, {"frequency_penalty": 1.0})
 
 
+def test_a_calls_options_are_the_planners_declaration() -> None:
+    """Local and endpoint mode read one RequestOptions: the call's arguments over the fields."""
+    from selfspec.serving.requests import RequestOptions
+
+    llm = ChatSpeculative(model="m", temperature=0.3, stop=["a"], truncate_prompt=True, escape_special_tokens=True)
+    options = llm._request_options(None, {"seed": 2, "max_tokens": 9, "parallel_tool_calls": False})
+    assert options == RequestOptions(
+        max_tokens=9,
+        temperature=0.3,
+        seed=2,
+        stop=["a"],
+        truncate_prompt=True,
+        parallel_tool_calls=False,
+        escape_special_tokens=True,
+    )
+    assert llm._request_options(["b"], {"temperature": 0.0}).stop == ["b"]  # stop= wins over the field
+    body = ChatSpeculative(model="m", base_url="http://127.0.0.1:9/v1")._endpoint_body(
+        [HumanMessage("hi")], None, {"max_tokens": 4}
+    )
+    assert (body["model"], body["max_tokens"], body["temperature"]) == ("m", 4, 0.0)
+
+
 def test_chunks_are_built_in_one_place() -> None:
     text = _chunk(ContentDelta("Hello")).message
     assert text.content == "Hello" and text.usage_metadata is None and not text.response_metadata

@@ -475,34 +475,14 @@ class _Server:
         """Hand the request to the planner (:func:`selfspec.serving.requests.plan_request`); nothing is decoded yet."""
         messages = engine_messages(body.messages)
         with _bad_request("messages"):
-            plan = plan_request(
-                self.engine,
-                messages,
-                max_tokens=body.token_limit,
-                **body.sampling(),
-                logprobs=body.engine_logprobs,
-                tools=body.request_tools,  # functions, when the request uses the deprecated spelling
-                tool_choice=body.request_tool_choice,
-                response_format=body.response_format,
-                constrain_tool_calls=body.constrain_tool_calls,
-                parallel_tool_calls=body.request_parallel_tool_calls,
-                escape_special_tokens=body.escape_special_tokens,
-                fit_max_tokens=False,
-            )
+            plan = plan_request(self.engine, messages, body.request_options())
         return self._start(plan, "messages")
 
     def prepare_completion(self, body: CompletionRequest) -> _Job:
         """Hand the prompt (text or token ids) to the planner; nothing is decoded yet."""
         prompt = body.single_prompt()
         with _bad_request("prompt"):
-            plan = plan_request(
-                self.engine,
-                prompt,
-                max_tokens=body.token_limit,
-                **body.sampling(),
-                logprobs=body.engine_logprobs,
-                fit_max_tokens=False,
-            )
+            plan = plan_request(self.engine, prompt, body.request_options())
         return self._start(plan, "prompt")
 
     @staticmethod

@@ -1,8 +1,10 @@
 """The OpenAI wire format: request bodies, message conversion, and error bodies.
 
-This module only checks the wire format (types, ranges, unsupported options); what a request
-means (its budget, tools and ``tool_choice``, ``response_format``, constraint, repetition guard
-and usage) is the request planner's, :mod:`selfspec.serving.requests`, shared with both adapters.
+This module only checks the wire format (types, ranges, unsupported options) and spells a request
+in the planner's names (``request_options()``: a
+:class:`~selfspec.serving.requests.RequestOptions`); what a request means (its budget, tools and
+``tool_choice``, ``response_format``, constraint, repetition guard and usage) is the request
+planner's, :mod:`selfspec.serving.requests`, shared with both adapters.
 
 Unknown fields are ignored, as OpenAI-compatible servers do, but the known ones are typed
 strictly: ``true`` is not a number, ``"5"`` and ``5.0`` are not integers, ``"yes"`` is not a
@@ -17,11 +19,13 @@ engine's message.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
 from ...errors import InvalidPromptError
+from ..requests import RequestOptions
 
 #: Chat roles the server accepts (``developer`` is OpenAI's newer name for ``system``; ``function``
 #: the deprecated function calling's ``tool``).
@@ -175,19 +179,24 @@ class _SamplingRequest(BaseModel):
         """Whether a streamed answer ends with a usage chunk."""
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling(self) -> dict[str, Any]:
-        """Keyword arguments of :meth:`SpeculativeEngine.stream_ids` (but ``max_new_tokens``).
+    def request_options(self) -> RequestOptions:
+        """The request in the planner's declaration (:class:`~selfspec.serving.requests.RequestOptions`).
 
-        ``temperature`` defaults to 1, as in OpenAI's API; pass 0 for greedy decoding.
+        ``temperature`` defaults to 1, as in OpenAI's API; pass 0 for greedy decoding. A
+        ``max_tokens`` that does not fit the context window is left for the engine to refuse
+        (``fit_max_tokens=False``), as OpenAI's API does.
         """
-        return {
-            "temperature": 1.0 if self.temperature is None else self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "stop": self.stop,
-            "seed": self.seed,
-            "truncate_prompt": self.truncate_prompt,
-        }
+        return RequestOptions(
+            max_tokens=self.token_limit,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=self.stop,
+            truncate_prompt=self.truncate_prompt,
+            logprobs=self.engine_logprobs,
+            fit_max_tokens=False,
+        )
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -295,6 +304,17 @@ class ChatCompletionRequest(_SamplingRequest):
     def request_parallel_tool_calls(self) -> bool:
         """Whether an answer may hold several calls (never with ``functions``: one ``function_call``)."""
         return self.functions is None and self.parallel_tool_calls is not False
+
+    def request_options(self) -> RequestOptions:  # noqa: D102 - documented in the base class
+        return replace(
+            super().request_options(),
+            tools=self.request_tools,  # functions, when the request uses the deprecated spelling
+            tool_choice=self.request_tool_choice,
+            response_format=self.response_format,
+            constrain_tool_calls=self.constrain_tool_calls,
+            parallel_tool_calls=self.request_parallel_tool_calls,
+            escape_special_tokens=self.escape_special_tokens,
+        )
 
 
 class CompletionRequest(_SamplingRequest):

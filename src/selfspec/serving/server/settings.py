@@ -1,8 +1,10 @@
 """The server's limits as one value (no web framework imported, so ``selfspec --help`` works without them).
 
-Each limit that is a ``selfspec serve`` flag declares it here once (its field's :class:`LimitFlag`);
-:mod:`selfspec.cli.serve` builds the flags from these declarations. The engine that ``selfspec serve``
-loads takes :class:`~selfspec.decoding.options.EngineOptions`, declared the same way.
+Each limit that is a ``selfspec serve`` flag declares it here once, the way every
+:class:`~selfspec.decoding.options.EngineOptions` field declares its own: an
+:class:`~selfspec.drafting.declaring.OptionSpec` in the field's metadata
+(:func:`~selfspec.decoding.options.cli`); :mod:`selfspec.cli.serve` builds the flags from these
+declarations.
 """
 
 from __future__ import annotations
@@ -10,10 +12,10 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
-from ...decoding.options import bounded_int, number
+from ...decoding.options import OptionSpec, bounded_int, cli, declared_flags, number
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 10**6, "mb": 10**6, "mib": 2**20, "g": 10**9}
 _UNITS.update({"gb": 10**9, "gib": 2**30})
@@ -49,30 +51,22 @@ def positive_count(value: str) -> int:
     return bounded_int(value, 1)
 
 
-@dataclass(frozen=True)
-class LimitFlag:
-    """How a :class:`ServerLimits` field shows on the ``selfspec serve`` command line.
+#: The verb whose flags the limits are.
+SERVE_VERB = frozenset({"serve"})
 
-    Attributes:
-        flag: the flag (``--max-queue``).
-        help: one line for ``--help``; ``{default}`` is replaced by the default.
-        parse: reads the flag's text (``None``: a repeatable name, collected into a tuple).
-        metavar: the value's name in ``--help`` (repeatable flags).
+
+def _flag(flag: str, help: str, parse: Callable[[str], Any] | None = None, **more: Any) -> dict[str, OptionSpec]:
+    """The metadata of a limit that is a ``selfspec serve`` flag (:func:`~selfspec.decoding.options.cli`).
+
+    ``help``'s ``{default}`` is replaced by the default; ``parse=None`` makes a repeatable name,
+    collected into a tuple (its ``metavar`` names it in ``--help``).
     """
-
-    flag: str
-    help: str
-    parse: Callable[[str], Any] | None = None
-    metavar: str | None = None
+    return cli(help, flag, verbs=SERVE_VERB, parse=parse, **more)
 
 
-def _meta(flag: str, help: str, parse: Callable[[str], Any] | None = None, **more: Any) -> dict[str, LimitFlag]:
-    return {"flag": LimitFlag(flag, help, parse, **more)}
-
-
-def limit_flags() -> list[tuple[str, Any, LimitFlag]]:
+def limit_flags() -> list[tuple[str, Any, OptionSpec]]:
     """``(field name, default, flag)`` of every :class:`ServerLimits` field that is a flag."""
-    return [(f.name, f.default, f.metadata["flag"]) for f in fields(ServerLimits) if "flag" in f.metadata]
+    return declared_flags(ServerLimits)
 
 
 @dataclass(frozen=True)
@@ -101,7 +95,7 @@ class ServerLimits:
 
     max_body_bytes: int = field(
         default=2 * 1024 * 1024,
-        metadata=_meta(
+        metadata=_flag(
             "--max-body-size",
             "largest request body, e.g. 2MiB; larger ones get 413 (default: {default} bytes)",
             byte_size,
@@ -109,17 +103,17 @@ class ServerLimits:
     )
     max_concurrent: int = field(
         default=32,
-        metadata=_meta("--max-concurrent", "generation requests served at once (default: {default})", positive_count),
+        metadata=_flag("--max-concurrent", "generation requests served at once (default: {default})", positive_count),
     )
     max_queue: int = field(
         default=128,
-        metadata=_meta(
+        metadata=_flag(
             "--max-queue", "requests waiting for a slot; more get 429 with Retry-After (default: {default})", count
         ),
     )
     header_timeout: float = field(
         default=10.0,
-        metadata=_meta(
+        metadata=_flag(
             "--header-timeout",
             "seconds to send a request's headers before the connection is closed (default: {default})",
             seconds,
@@ -127,11 +121,11 @@ class ServerLimits:
     )
     body_timeout: float = field(
         default=30.0,
-        metadata=_meta("--body-timeout", "seconds to send a request body; 408 otherwise (default: {default})", seconds),
+        metadata=_flag("--body-timeout", "seconds to send a request body; 408 otherwise (default: {default})", seconds),
     )
     keep_alive_timeout: float = field(
         default=5.0,
-        metadata=_meta(
+        metadata=_flag(
             "--keep-alive-timeout", "seconds an idle keep-alive connection stays open (default: {default})", seconds
         ),
     )
@@ -140,7 +134,7 @@ class ServerLimits:
     retry_after: int = 1
     allowed_hosts: tuple[str, ...] = field(
         default=(),
-        metadata=_meta(
+        metadata=_flag(
             "--allowed-host",
             "accept this Host header besides localhost, 127.0.0.1, [::1] and --host (repeatable; '*': any)",
             metavar="NAME",
@@ -148,7 +142,7 @@ class ServerLimits:
     )
     cors_origins: tuple[str, ...] = field(
         default=(),
-        metadata=_meta(
+        metadata=_flag(
             "--cors-origin",
             "let browser pages from this origin call the API, e.g. http://localhost:3000 (repeatable; "
             "default: none, no CORS headers)",
@@ -158,7 +152,7 @@ class ServerLimits:
 
     shutdown_grace: float = field(
         default=30.0,
-        metadata=_meta(
+        metadata=_flag(
             "--shutdown-grace",
             "seconds running requests get to finish after SIGTERM; then they are cancelled, and queued "
             "ones get 503 at once (default: {default})",

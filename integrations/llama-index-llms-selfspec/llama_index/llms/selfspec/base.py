@@ -61,6 +61,7 @@ from selfspec.serving.endpoint import EndpointClient, EndpointResult, chat_body,
 from selfspec.serving.requests import (
     DEFAULT_MAX_TOKENS,
     INCOMPLETE_REASONS,
+    RequestOptions,
     RequestPlan,
     TokenUsage,
     adapter_arguments,
@@ -69,7 +70,6 @@ from selfspec.serving.requests import (
     check_adapter_drafter,
     check_arguments,
     cut_off_message,
-    offer_tools,
     plan_request,
 )
 from selfspec.serving.tools import (
@@ -683,75 +683,52 @@ class SpeculativeLLM(FunctionCallingLLM, _DrafterOptionFields):  # type: ignore[
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return [*system, {"role": "user", "content": prompt}]
 
-    def _options(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """A call's options: its keyword arguments over the fields (unknown ones are refused)."""
+    def _options(self, kwargs: dict[str, Any]) -> RequestOptions:
+        """A call's options in the planner's declaration: its keyword arguments over the fields.
+
+        Local mode plans them (:meth:`_plan`), endpoint mode sends them (:meth:`_body`).
+
+        Raises:
+            ValueError: an argument a call does not take, or ``max_tokens`` and ``max_new_tokens``
+                both given and different.
+        """
         kwargs = dict(kwargs)
         budget = _call_budget(kwargs, self.max_tokens)
-        options = {
-            "max_tokens": budget.value,
-            "budget_name": budget.name,
-            "temperature": kwargs.pop("temperature", self.temperature),
-            "top_k": kwargs.pop("top_k", self.top_k),
-            "top_p": kwargs.pop("top_p", self.top_p),
-            "stop": kwargs.pop("stop", self.stop),
-            "seed": kwargs.pop("seed", self.seed),
-            "tools": [tool_schema(tool) for tool in kwargs.pop("tools", None) or []],
-            "tool_choice": kwargs.pop("tool_choice", None),
-            "json_schema": kwargs.pop("json_schema", None),
-            "parallel_tool_calls": kwargs.pop("parallel_tool_calls", True) is not False,
-        }
+        call = {name: kwargs.pop(name) for name in _CALL_OPTIONS if name in kwargs}
+        call["tools"] = [tool_schema(tool) for tool in call.get("tools") or []]
+        call["parallel_tool_calls"] = call.get("parallel_tool_calls", True) is not False
         for ignored in _IGNORED_CALL_ARGS:  # LlamaIndex passes these to every LLM
             kwargs.pop(ignored, None)
         check_arguments("SpeculativeLLM call", kwargs, ())
-        return options
+        return RequestOptions.of_fields(self, max_tokens=budget.value, budget_name=budget.name, **call)
 
-    def _plan(self, prompt: _Prompt, options: dict[str, Any]) -> RequestPlan:
+    def _plan(self, prompt: _Prompt, options: RequestOptions) -> RequestPlan:
         """The call planned on the local engine (:func:`selfspec.serving.requests.plan_request`)."""
-        return plan_request(
-            self.engine,
-            prompt,
-            **options,
-            truncate_prompt=self.truncate_prompt,
-            constrain_tool_calls=self.constrain_tool_calls,
-        )
+        return plan_request(self.engine, prompt, options)
 
-    def _body(self, prompt: _Prompt, options: dict[str, Any], stream: bool = False) -> dict[str, Any]:
+    def _body(self, prompt: _Prompt, options: RequestOptions, stream: bool = False) -> dict[str, Any]:
         """Endpoint mode's request: the same options, in OpenAI's form."""
-        sampling = {
-            "model": self.model,
-            "max_tokens": options["max_tokens"],
-            "temperature": options["temperature"],
-            "top_p": options["top_p"],
-            "top_k": options["top_k"],
-            "seed": options["seed"],
-            "stop": options["stop"],
-            "truncate_prompt": self.truncate_prompt,
-            "stream": stream,
-        }
         if isinstance(prompt, str):
-            return text_body(prompt, **sampling)
-        offer = offer_tools(options["tools"], options["tool_choice"])  # read as plan_request reads them
-        json_schema = options["json_schema"]
-        response_format = None
-        if json_schema is not None:
-            response_format = {"type": "json_schema", "json_schema": {"name": "response", "schema": json_schema}}
-        body = chat_body(
-            prompt,
-            tools=offer.tools or None,
-            tool_choice=offer.choice,
-            response_format=response_format,
-            constrain_tool_calls=self.constrain_tool_calls,
-            escape_special_tokens=self.escape_special_tokens,
-            **sampling,
-        )
-        if offer.tools and not options["parallel_tool_calls"]:
-            body["parallel_tool_calls"] = False
-        return body
+            return text_body(prompt, options, model=self.model, stream=stream)
+        return chat_body(prompt, options, model=self.model, stream=stream)
 
 
 # --------------------------------------------------------------------- answers and responses
 _Kind = Literal["chat", "completion"]
 _Prompt = str | list[dict[str, Any]]
+#: The request options a call may set (besides ``max_tokens`` and its alias ``max_new_tokens``);
+#: the rest are the fields'.
+_CALL_OPTIONS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "stop",
+    "seed",
+    "tools",
+    "tool_choice",
+    "json_schema",
+    "parallel_tool_calls",
+)
 #: Call arguments LlamaIndex hands every LLM, which mean nothing here.
 _IGNORED_CALL_ARGS = ("formatted", "allow_parallel_tool_calls", "verbose", "tool_required")
 
@@ -811,7 +788,7 @@ def _local_answer(plan: RequestPlan, model: str, output: GenerationOutput) -> _A
     )
 
 
-def _endpoint_answer(result: EndpointResult, options: dict[str, Any]) -> _Answer:
+def _endpoint_answer(result: EndpointResult, options: RequestOptions) -> _Answer:
     usage = result.usage.openai() if result.usage is not None else {}
     return _Answer(
         result.text,
@@ -821,7 +798,7 @@ def _endpoint_answer(result: EndpointResult, options: dict[str, Any]) -> _Answer
         usage,
         result.stats,
         result.model,
-        options["max_tokens"],
+        options.max_tokens,
     )
 
 
@@ -843,7 +820,7 @@ def _local_events(plan: RequestPlan, model: str) -> Iterator[StreamEvent | _Answ
 
 
 def _endpoint_events(
-    events: Iterator[StreamEvent | EndpointResult], options: dict[str, Any]
+    events: Iterator[StreamEvent | EndpointResult], options: RequestOptions
 ) -> Iterator[StreamEvent | _Answer]:
     """An endpoint stream's events, then its :class:`_Answer` (closing closes the HTTP stream)."""
     try:
@@ -856,7 +833,7 @@ def _endpoint_events(
 
 
 async def _aendpoint_events(
-    events: AsyncGenerator[StreamEvent | EndpointResult, None], options: dict[str, Any]
+    events: AsyncGenerator[StreamEvent | EndpointResult, None], options: RequestOptions
 ) -> AsyncGenerator[StreamEvent | _Answer, None]:
     """Async :func:`_endpoint_events`."""
     try:
