@@ -3,45 +3,43 @@
 Parts: the model runner (:mod:`selfspec.modeling`), a registered drafter (:mod:`selfspec.drafting`),
 the loop's numbered steps (:mod:`selfspec.decoding.loop`), the batching scheduler
 (:mod:`selfspec.decoding.batching`), validated settings (:mod:`selfspec.decoding.config`) and a call's
-state and stream (:mod:`selfspec.decoding.generation`).
+state and stream (:mod:`selfspec.decoding.generation`). How they are loaded and built lives in
+:mod:`selfspec.decoding.construction`, which path a call's rounds take in :mod:`selfspec.decoding.running`,
+and the calls themselves (``generate``, ``stream``, ...) in :mod:`selfspec.decoding.calls`.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Generator, Sequence
+from collections.abc import Generator
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from ..core.bounds import check_prompt_chars, check_tools_size, text_chars
 from ..drafting import Drafter
 from ..drafting.auto import Plan, plan_of, uncalibrated_plan
 from ..drafting.exit_adapter.adapter import ExitAdapter
 from ..drafting.medusa.drafter import MedusaHeads
-from ..errors import ConfigurationError
 from ..modeling.cache import CachePool
 from ..modeling.runner import ModelRunner
 from .batching import BatchScheduler
+from .calls import EngineCalls
 from .config import EngineConfig, Setting, eos_token_ids, wants_calibration
 from .construction import BuiltParts, Part, build_parts, load_target, parts_built_later, parts_deferred
 from .controller import DraftController
 from .exactness import describe_exactness, set_row_exactness
-from .generation import Generation, GenerationRequest, GenerationStream, Prompt, encode_prompt
-from .options import DEFAULT_CALIBRATION_BUDGET, LOADING_OPTIONS, EngineOptions, GenerateOptions
-from .outputs import FinishReason, GenerationOutput
+from .generation import Generation, GenerationRequest, GenerationStream
+from .options import DEFAULT_CALIBRATION_BUDGET, LOADING_OPTIONS, EngineOptions
+from .outputs import FinishReason
 from .running import run_rounds
 from .static_round import StaticRounds
 
-if TYPE_CHECKING:
-    from typing_extensions import Unpack
-
-    from .options import GenerateKeywords
+__all__ = ["GenerationStream", "SpeculativeEngine"]  # GenerationStream: where the server and the planner import it
 
 
-class SpeculativeEngine:
+class SpeculativeEngine(EngineCalls):
     """Lossless self-speculative decoding around a transformers causal LM.
 
     The model drafts tokens with its own first ``exit_layer`` layers (shared final norm and
@@ -344,107 +342,6 @@ class SpeculativeEngine:
             f"device={str(self.runner.device)!r}, dtype={str(self.runner.dtype)!r}"
             f"{f', {self.thread_choice.summary()}' if self.thread_choice is not None else ''})"
         )
-
-    # ----------------------------------------------------------------- prompts
-    @property
-    def context_window(self) -> int | None:
-        """The model's maximum number of positions (prompt plus new tokens)."""
-        return self.runner.max_positions
-
-    def encode_prompt(
-        self,
-        prompt: Prompt,
-        *,
-        tools: list[dict[str, Any]] | None = None,
-        escape_special_tokens: bool | None = None,
-    ) -> list[int]:
-        """Token ids of a prompt.
-
-        A ``str`` is encoded as ``tokenizer(prompt)`` (default special tokens, no template);
-        a list of ``{"role": ..., "content": ...}`` messages goes through the tokenizer's chat
-        template with the generation prompt (and ``tools``, when given). With
-        ``escape_special_tokens`` (``None``: the engine's setting, or ``True`` for this call)
-        special-token strings in the messages and tools are encoded as plain text.
-        """
-        if tools:
-            check_tools_size(list(tools))  # before the template renders them
-        escape = self.escape_special_tokens or bool(escape_special_tokens)
-        return encode_prompt(self._require_tokenizer("text prompts"), prompt, tools, escape_special_tokens=escape)
-
-    def _encode_checked(self, prompt: Prompt, truncate_prompt: bool) -> list[int]:
-        """:meth:`encode_prompt`, refusing first (unless ``truncate_prompt``) a text too long in characters to fit."""
-        if not truncate_prompt:
-            check_prompt_chars(text_chars(prompt), self._require_tokenizer("text prompts"), self.context_window)
-        return self.encode_prompt(prompt)
-
-    def _require_tokenizer(self, what: str) -> Any:
-        if self.tokenizer is None:
-            raise ConfigurationError(
-                f"{what} need a tokenizer: pass tokenizer= to SpeculativeEngine, or use generate_ids"
-            )
-        return self.tokenizer
-
-    # ----------------------------------------------------------------- public API
-    def generate(
-        self, prompt: Prompt, *, options: GenerateOptions | None = None, **keywords: Unpack[GenerateKeywords]
-    ) -> GenerationOutput:
-        """Generate text for a prompt.
-
-        Args:
-            prompt: text, or a list of chat messages (rendered by the chat template).
-            options: the call's options as one value (:class:`~selfspec.decoding.options.GenerateOptions`);
-                keywords given too replace its fields.
-            **keywords: the fields of :class:`~selfspec.decoding.options.GenerateOptions`:
-                ``max_new_tokens`` (default 256), ``temperature`` (0: greedy), ``top_k``, ``top_p``,
-                ``stop``, ``seed``, ``constraint``, ``truncate_prompt`` and ``logprobs`` (each new
-                token's log-probability and that many alternatives, :attr:`GenerationOutput.logprobs`).
-
-        Returns:
-            The text, new token ids, finish reason and speculation statistics.
-
-        Raises:
-            TypeError: an unknown keyword (the closest option is named).
-        """
-        chosen = GenerateOptions.of(options, keywords, "generate")
-        return self.generate_ids(self._encode_checked(prompt, chosen.truncate_prompt), options=chosen)
-
-    def generate_ids(
-        self,
-        prompt_ids: Sequence[int] | torch.Tensor,
-        *,
-        options: GenerateOptions | None = None,
-        **keywords: Unpack[GenerateKeywords],
-    ) -> GenerationOutput:
-        """Like :meth:`generate`, from token ids (no tokenizer needed unless ``stop`` is given)."""
-        chosen = GenerateOptions.of(options, keywords, "generate_ids")
-        run = self._start(GenerationRequest.for_prompt(prompt_ids, chosen))
-        for _ in run.deltas():
-            pass
-        return run.output()
-
-    def stream(
-        self, prompt: Prompt, *, options: GenerateOptions | None = None, **keywords: Unpack[GenerateKeywords]
-    ) -> GenerationStream:
-        """Stream the text of :meth:`generate` as ``str`` deltas (same arguments).
-
-        The deltas join to exactly ``generate(...).text``. Call ``.close()`` to abandon the
-        stream early; ``.stats`` and ``.output`` are set once it is exhausted or closed; with
-        ``logprobs``, ``.logprobs`` holds the entries of the tokens generated so far.
-        """
-        chosen = GenerateOptions.of(options, keywords, "stream")
-        return self.stream_ids(self._encode_checked(prompt, chosen.truncate_prompt), options=chosen)
-
-    def stream_ids(
-        self,
-        prompt_ids: Sequence[int] | torch.Tensor,
-        *,
-        options: GenerateOptions | None = None,
-        **keywords: Unpack[GenerateKeywords],
-    ) -> GenerationStream:
-        """Like :meth:`stream`, from token ids (a tokenizer is needed to produce text)."""
-        chosen = GenerateOptions.of(options, keywords, "stream_ids")
-        self._require_tokenizer("streams")
-        return GenerationStream(self._start(GenerationRequest.for_prompt(prompt_ids, chosen)))
 
     # ----------------------------------------------------------------- the loop
     def _start(self, request: GenerationRequest) -> Generation:
