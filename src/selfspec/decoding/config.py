@@ -9,7 +9,7 @@ by :meth:`EngineConfig.resolve`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar, overload
+from typing import Any
 
 from ..drafting import Drafter, drafter_spec
 from ..drafting.auto import plan_settings
@@ -28,7 +28,6 @@ __all__ = [
     "DEFAULT_CALIBRATION_BUDGET",
     "DEFAULT_DRAFT_CONFIDENCE",
     "EngineConfig",
-    "Setting",
     "check_arguments",
     "check_budget",
     "default_exit_layer",
@@ -227,30 +226,6 @@ def _check_drafter_options(drafter: str | Drafter, settings: dict[str, Any]) -> 
             wanted = " or ".join(f"drafter={user!r}" for user in users)
             shown = f"{name}={settings[name]!r}" if isinstance(settings[name], bool) else f"{name}="
             raise ConfigurationError(f"{shown} is only used with {wanted}")
-
-
-T = TypeVar("T")
-
-
-class Setting(Generic[T]):
-    """An engine attribute that reads its resolved setting: ``engine.exit_layer`` is ``engine.config.exit_layer``.
-
-    Declared once in :class:`~selfspec.SpeculativeEngine`'s body (``exit_layer: Setting[int] =
-    Setting()``), so that each setting an engine exposes is found where it is defined.
-    """
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    @overload
-    def __get__(self, engine: None, owner: type | None = None) -> Setting[T]: ...
-    @overload
-    def __get__(self, engine: object, owner: type | None = None) -> T: ...
-    def __get__(self, engine: object, owner: type | None = None) -> Setting[T] | T:
-        if engine is None:
-            return self
-        value: T = getattr(engine.config, self.name)  # type: ignore[attr-defined]
-        return value
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:

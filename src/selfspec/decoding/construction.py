@@ -6,6 +6,7 @@ what an engine decodes with (drafter, controller, batching scheduler, static rou
 resolved settings. While :func:`parts_built_later` is in force (:meth:`from_pretrained
 <selfspec.SpeculativeEngine.from_pretrained>` loading), the engine resolves its settings and leaves
 the parts for first use, so that they are built once, for the plan first-load calibration chooses.
+:class:`Held` declares the engine's attributes that read through to its settings or its parts.
 """
 
 from __future__ import annotations
@@ -47,35 +48,40 @@ class BuiltParts:
 T = TypeVar("T")
 
 
-class Part(Generic[T]):
-    """An engine attribute that is one of its :class:`BuiltParts`: ``engine.drafter`` is ``engine.parts.drafter``.
+class Held(Generic[T]):
+    """An engine attribute its settings or parts hold: ``engine.exit_layer`` is ``engine.config.exit_layer``.
+
+    Declared once in :class:`~selfspec.SpeculativeEngine`'s body (``exit_layer: Held[int] =
+    Held("config")``), so that each attribute is found where it is defined.
 
     Args:
-        field: the part's field of :class:`BuiltParts` (default: the attribute's own name).
-        settable: whether assigning the attribute replaces the part (else it is read-only).
+        holder: the engine attribute holding it: ``"config"`` (the resolved settings) or ``"parts"``
+            (:class:`BuiltParts`: ``engine.drafter`` is ``engine.parts.drafter``).
+        field: its name there (default: the attribute's own).
+        settable: whether assigning the attribute replaces it there (else it is read-only).
     """
 
-    def __init__(self, field: str | None = None, *, settable: bool = False) -> None:
-        self.field, self.settable = field, settable
+    def __init__(self, holder: str, field: str | None = None, *, settable: bool = False) -> None:
+        self.holder, self.field, self.settable = holder, field, settable
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
         self.field = self.field or name
 
     @overload
-    def __get__(self, engine: None, owner: type | None = None) -> Part[T]: ...
+    def __get__(self, engine: None, owner: type | None = None) -> Held[T]: ...
     @overload
     def __get__(self, engine: object, owner: type | None = None) -> T: ...
-    def __get__(self, engine: object, owner: type | None = None) -> Part[T] | T:
+    def __get__(self, engine: object, owner: type | None = None) -> Held[T] | T:
         if engine is None:
             return self
-        value: T = getattr(engine.parts, str(self.field))  # type: ignore[attr-defined]
+        value: T = getattr(getattr(engine, self.holder), str(self.field))
         return value
 
     def __set__(self, engine: object, value: T) -> None:
         if not self.settable:
             raise AttributeError(f"property {self.name!r} of {type(engine).__name__!r} object has no setter")
-        setattr(engine.parts, str(self.field), value)  # type: ignore[attr-defined]
+        setattr(getattr(engine, self.holder), str(self.field), value)
 
 
 class BuildingEngine(EngineParts, Protocol):

@@ -26,8 +26,8 @@ from ..modeling.cache import CachePool
 from ..modeling.runner import ModelRunner
 from .batching import BatchScheduler
 from .calls import EngineCalls
-from .config import EngineConfig, Setting, eos_token_ids, wants_calibration
-from .construction import BuiltParts, Part, build_parts, load_target, parts_built_later, parts_deferred
+from .config import EngineConfig, eos_token_ids, wants_calibration
+from .construction import BuiltParts, Held, build_parts, load_target, parts_built_later, parts_deferred
 from .controller import DraftController
 from .exactness import describe_exactness, set_row_exactness
 from .generation import Generation, GenerationRequest, GenerationStream
@@ -72,28 +72,28 @@ class SpeculativeEngine(EngineCalls):
     """
 
     # the resolved settings (:class:`EngineConfig`), each read through: engine.exit_layer is engine.config.exit_layer
-    exit_layer: Setting[int] = Setting()
-    num_draft_tokens: Setting[int] = Setting()
-    adaptive: Setting[bool] = Setting()
-    draft_confidence: Setting[float] = Setting()
-    tree_nodes: Setting[int | None] = Setting()
-    calibration: Setting[dict[str, Any]] = Setting()
-    exit_adapter: Setting[ExitAdapter | None] = Setting()
-    batching: Setting[bool] = Setting()
+    exit_layer: Held[int] = Held("config")
+    num_draft_tokens: Held[int] = Held("config")
+    adaptive: Held[bool] = Held("config")
+    draft_confidence: Held[float] = Held("config")
+    tree_nodes: Held[int | None] = Held("config")
+    calibration: Held[dict[str, Any]] = Held("config")
+    exit_adapter: Held[ExitAdapter | None] = Held("config")
+    batching: Held[bool] = Held("config")
     # the built-in drafters' options (a drafter registered later: its options read through __getattr__)
-    draft_model: Setting[Any] = Setting()
-    medusa_heads: Setting[Any] = Setting()
-    eagle_head: Setting[Any] = Setting()
-    learn_online: Setting[bool] = Setting()
+    draft_model: Held[Any] = Held("config")
+    medusa_heads: Held[Any] = Held("config")
+    eagle_head: Held[Any] = Held("config")
+    learn_online: Held[bool] = Held("config")
     # the parts built from them (:class:`BuiltParts`), each read through: engine.drafter is engine.parts.drafter
-    drafter: Part[Drafter] = Part(settable=True)
+    drafter: Held[Drafter] = Held("parts", settable=True)
     """The configured drafter (a user's instance, or the registered factory's product)."""
-    controller: Part[DraftController] = Part(settable=True)
+    controller: Held[DraftController] = Held("parts", settable=True)
     """The draft length and the online guard new generations start from."""
-    static_round: Part[StaticRounds | None] = Part("static")
+    static_round: Held[StaticRounds | None] = Held("parts", "static")
     """The static round single calls run in (``compile=``), or ``None``: the eager loop."""
-    _batcher: Part[BatchScheduler | None] = Part("batcher")
-    _static: Part[StaticRounds | None] = Part("static", settable=True)
+    _batcher: Held[BatchScheduler | None] = Held("parts", "batcher")
+    _static: Held[StaticRounds | None] = Held("parts", "static", settable=True)
 
     def __init__(
         self,
@@ -211,7 +211,7 @@ class SpeculativeEngine(EngineCalls):
     def __getattr__(self, name: str) -> Any:
         """The option of a drafter registered after this module's import (``engine.my_head``), from :attr:`config`.
 
-        The built-in settings are declared in the class body (:class:`~selfspec.decoding.config.Setting`).
+        The built-in settings are declared in the class body (:class:`~selfspec.decoding.construction.Held`).
         """
         config = self.__dict__.get("config")
         if config is not None and name in config.drafter_settings:
