@@ -3,82 +3,43 @@
 Parts: the model runner (:mod:`selfspec.modeling`), a registered drafter (:mod:`selfspec.drafting`),
 the loop's numbered steps (:mod:`selfspec.decoding.loop`), the batching scheduler
 (:mod:`selfspec.decoding.batching`), validated settings (:mod:`selfspec.decoding.config`) and a call's
-state and stream (:mod:`selfspec.decoding.generation`).
+state and stream (:mod:`selfspec.decoding.generation`). How they are loaded and built lives in
+:mod:`selfspec.decoding.construction`, which path a call's rounds take in :mod:`selfspec.decoding.running`,
+and the calls themselves (``generate``, ``stream``, ...) in :mod:`selfspec.decoding.calls`.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Generator, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from collections.abc import Generator
+from dataclasses import replace
+from typing import Any
 
 import torch
 
-from ..core.bounds import check_prompt_chars, check_tools_size, text_chars
-from ..core.speed import CostModel
-from ..drafting import Drafter, drafter_spec
-from ..drafting.auto import Plan, plan_of, sampled_drafts_pay, uncalibrated_plan
+from ..drafting import Drafter
+from ..drafting.auto import Plan, plan_of, uncalibrated_plan
 from ..drafting.exit_adapter.adapter import ExitAdapter
 from ..drafting.medusa.drafter import MedusaHeads
-from ..drafting.registry import drafters_declaring
-from ..errors import ConfigurationError
 from ..modeling.cache import CachePool
 from ..modeling.runner import ModelRunner
 from .batching import BatchScheduler
+from .calls import EngineCalls
 from .config import EngineConfig, eos_token_ids, wants_calibration
+from .construction import BuiltParts, Held, build_parts, load_target, parts_built_later, parts_deferred
 from .controller import DraftController
 from .exactness import describe_exactness, set_row_exactness
-from .generation import Generation, GenerationRequest, GenerationStream, Prompt, encode_prompt
-from .loop import decode
-from .options import DEFAULT_CALIBRATION_BUDGET, LOADING_OPTIONS, EngineOptions, GenerateOptions, engine_settings
-from .outputs import FinishReason, GenerationOutput
-from .static_round import StaticRounds, static_rounds
+from .generation import Generation, GenerationRequest, GenerationStream
+from .options import DEFAULT_CALIBRATION_BUDGET, LOADING_OPTIONS, EngineOptions
+from .outputs import FinishReason
+from .running import run_rounds
+from .static_round import StaticRounds
 
-if TYPE_CHECKING:
-    from typing_extensions import Unpack
-
-    from .options import GenerateKeywords
-
-#: The :class:`EngineConfig` fields an engine exposes as its own attributes (and every drafter option).
-_SETTINGS = frozenset("exit_layer num_draft_tokens adaptive draft_confidence tree_nodes calibration".split())
-_SETTINGS |= frozenset("exit_adapter batching".split())
+__all__ = ["GenerationStream", "SpeculativeEngine"]  # GenerationStream: where the server and the planner import it
 
 
-@dataclass
-class BuiltParts:
-    """What an engine builds from its resolved settings, once per plan (:meth:`SpeculativeEngine.configure`).
-
-    Attributes:
-        drafter: the configured drafter.
-        controller: the draft length and the online guard (:class:`~selfspec.decoding.controller.DraftController`).
-        batcher: the batching scheduler (``batching=True``), else ``None``.
-        static: the static round single calls run in (``compile=``), else ``None``.
-    """
-
-    drafter: Drafter
-    controller: DraftController
-    batcher: BatchScheduler | None
-    static: StaticRounds | None
-
-
-_LATER = threading.local()  # set while from_pretrained loads: its parts are built once, after calibration
-
-
-@contextmanager
-def _parts_built_later() -> Iterator[None]:
-    """Within: :meth:`SpeculativeEngine.configure` resolves the settings and leaves the parts for first use."""
-    before = getattr(_LATER, "on", False)
-    _LATER.on = True
-    try:
-        yield
-    finally:
-        _LATER.on = before
-
-
-class SpeculativeEngine:
+class SpeculativeEngine(EngineCalls):
     """Lossless self-speculative decoding around a transformers causal LM.
 
     The model drafts tokens with its own first ``exit_layer`` layers (shared final norm and
@@ -109,6 +70,30 @@ class SpeculativeEngine:
         >>> out.finish_reason
         'length'
     """
+
+    # the resolved settings (:class:`EngineConfig`), each read through: engine.exit_layer is engine.config.exit_layer
+    exit_layer: Held[int] = Held("config")
+    num_draft_tokens: Held[int] = Held("config")
+    adaptive: Held[bool] = Held("config")
+    draft_confidence: Held[float] = Held("config")
+    tree_nodes: Held[int | None] = Held("config")
+    calibration: Held[dict[str, Any]] = Held("config")
+    exit_adapter: Held[ExitAdapter | None] = Held("config")
+    batching: Held[bool] = Held("config")
+    # the built-in drafters' options (a drafter registered later: its options read through __getattr__)
+    draft_model: Held[Any] = Held("config")
+    medusa_heads: Held[Any] = Held("config")
+    eagle_head: Held[Any] = Held("config")
+    learn_online: Held[bool] = Held("config")
+    # the parts built from them (:class:`BuiltParts`), each read through: engine.drafter is engine.parts.drafter
+    drafter: Held[Drafter] = Held("parts", settable=True)
+    """The configured drafter (a user's instance, or the registered factory's product)."""
+    controller: Held[DraftController] = Held("parts", settable=True)
+    """The draft length and the online guard new generations start from."""
+    static_round: Held[StaticRounds | None] = Held("parts", "static")
+    """The static round single calls run in (``compile=``), or ``None``: the eager loop."""
+    _batcher: Held[BatchScheduler | None] = Held("parts", "batcher")
+    _static: Held[StaticRounds | None] = Held("parts", "static", settable=True)
 
     def __init__(
         self,
@@ -184,22 +169,8 @@ class SpeculativeEngine:
             drafter_options=self._drafter_options,
         )
         self._parts: BuiltParts | None = None
-        if not getattr(_LATER, "on", False):
-            self._parts = self._build_parts()
-
-    def _build_parts(self) -> BuiltParts:
-        """The drafter, controller, scheduler and static round of the current settings."""
-        self.parts_built += 1
-        controller = DraftController(
-            self.config.num_draft_tokens,
-            adaptive=self.config.adaptive,
-            costs=self.config.calibration.get("costs"),
-            sampling_drafts=self.config.drafter_name != "auto" or sampled_drafts_pay(self.config.calibration),
-        )
-        parts = BuiltParts(self._make_drafter(), controller, None, static_rounds(self.runner, self.options.compile))
-        self._parts = parts  # the scheduler reads the drafter and controller through the engine
-        parts.batcher = BatchScheduler(self) if self.config.batching else None
-        return parts
+        if not parts_deferred():
+            self._parts = build_parts(self)
 
     @property
     def parts(self) -> BuiltParts:
@@ -207,58 +178,13 @@ class SpeculativeEngine:
         parts = self._parts
         if parts is None:
             with self._lock:
-                parts = self._parts if self._parts is not None else self._build_parts()
+                parts = self._parts if self._parts is not None else build_parts(self)
         return parts
-
-    @property
-    def drafter(self) -> Drafter:
-        """The configured drafter (a user's instance, or the registered factory's product)."""
-        return self.parts.drafter
-
-    @drafter.setter
-    def drafter(self, drafter: Drafter) -> None:
-        self.parts.drafter = drafter
-
-    @property
-    def controller(self) -> DraftController:
-        """The draft length and the online guard new generations start from."""
-        return self.parts.controller
-
-    @controller.setter
-    def controller(self, controller: DraftController) -> None:
-        self.parts.controller = controller
-
-    @property
-    def _batcher(self) -> BatchScheduler | None:
-        return self.parts.batcher
-
-    @property
-    def _static(self) -> StaticRounds | None:
-        return self.parts.static
-
-    @_static.setter
-    def _static(self, static: StaticRounds | None) -> None:
-        self.parts.static = static
 
     @property
     def exactness(self) -> str:
         """What holds between this engine's greedy speculative text and the plain text, in one line."""
         return describe_exactness(self.row_exactness, self.runner.dtype, static=self._static is not None)
-
-    def _make_drafter(self) -> Drafter:
-        """The configured drafter: a user's instance, or the registered factory's product."""
-        chosen = self.config.drafter
-        if isinstance(chosen, Drafter):
-            return chosen
-        drafter = drafter_spec(chosen).factory(self, **self.config.drafter_options)
-        if not isinstance(drafter, Drafter):
-            raise ConfigurationError(f"the factory of drafter {chosen!r} returned {drafter!r}, not a Drafter")
-        return drafter
-
-    @property
-    def static_round(self) -> StaticRounds | None:
-        """The static round single calls run in (``compile=``), or ``None``: the eager loop."""
-        return self._static
 
     @property
     def plan(self) -> Plan | None:
@@ -283,14 +209,12 @@ class SpeculativeEngine:
         return None if self._threads is None else self._threads.choice
 
     def __getattr__(self, name: str) -> Any:
-        """Settings read through to :attr:`config`: ``engine.exit_layer`` is ``engine.config.exit_layer``.
+        """The option of a drafter registered after this module's import (``engine.my_head``), from :attr:`config`.
 
-        So are ``num_draft_tokens``, ``adaptive``, ``draft_confidence``, ``tree_nodes``,
-        ``calibration``, ``exit_adapter``, ``batching``, and every drafter's option (``draft_model``,
-        ``medusa_heads``, ``eagle_head``, ``learn_online``, a custom head's).
+        The built-in settings are declared in the class body (:class:`~selfspec.decoding.construction.Held`).
         """
         config = self.__dict__.get("config")
-        if config is not None and (name in _SETTINGS or name in config.drafter_settings):
+        if config is not None and name in config.drafter_settings:
             return getattr(config, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
@@ -389,25 +313,9 @@ class SpeculativeEngine:
     @classmethod
     def _load(cls, name_or_path: str | os.PathLike[str], options: EngineOptions) -> SpeculativeEngine:
         """:meth:`from_pretrained` with its options as one value."""
-        from ..modeling.loading import load_model_and_tokenizer
-
-        loading: dict[str, Any] = {
-            "quantization": options.quantization,
-            "dtype": options.dtype,
-            "device": options.device,
-            "trust_remote_code": options.trust_remote_code,
-            "allow_pickle": options.allow_pickle,
-        }
-        model, tokenizer, path = load_model_and_tokenizer(name_or_path, gguf_file=options.gguf_file, **loading)
-        model.config._name_or_path = path
-        settings = engine_settings(options)
-        for name, option in EngineOptions.drafter_options().items():  # a file option its drafter loads now
-            value = getattr(options, name)
-            load = option.loader()
-            if load is not None and option.given(value) and options.drafter in drafters_declaring(name):
-                settings.update(load(value, loading))
-        with _parts_built_later():  # settings now; the parts once, for the plan calibration chooses
-            engine = cls(model, tokenizer, **settings)
+        target = load_target(name_or_path, options)
+        with parts_built_later():  # settings now; the parts once, for the plan calibration chooses
+            engine = cls(target.model, target.tokenizer, **target.settings)
             engine.options = options  # with the loading options it was loaded with
             if options.threads is not None:  # before calibration: its costs are measured at the chosen count
                 from ..calibration.threads import settle_threads  # the lazy edge up
@@ -435,107 +343,6 @@ class SpeculativeEngine:
             f"{f', {self.thread_choice.summary()}' if self.thread_choice is not None else ''})"
         )
 
-    # ----------------------------------------------------------------- prompts
-    @property
-    def context_window(self) -> int | None:
-        """The model's maximum number of positions (prompt plus new tokens)."""
-        return self.runner.max_positions
-
-    def encode_prompt(
-        self,
-        prompt: Prompt,
-        *,
-        tools: list[dict[str, Any]] | None = None,
-        escape_special_tokens: bool | None = None,
-    ) -> list[int]:
-        """Token ids of a prompt.
-
-        A ``str`` is encoded as ``tokenizer(prompt)`` (default special tokens, no template);
-        a list of ``{"role": ..., "content": ...}`` messages goes through the tokenizer's chat
-        template with the generation prompt (and ``tools``, when given). With
-        ``escape_special_tokens`` (``None``: the engine's setting, or ``True`` for this call)
-        special-token strings in the messages and tools are encoded as plain text.
-        """
-        if tools:
-            check_tools_size(list(tools))  # before the template renders them
-        escape = self.escape_special_tokens or bool(escape_special_tokens)
-        return encode_prompt(self._require_tokenizer("text prompts"), prompt, tools, escape_special_tokens=escape)
-
-    def _encode_checked(self, prompt: Prompt, truncate_prompt: bool) -> list[int]:
-        """:meth:`encode_prompt`, refusing first (unless ``truncate_prompt``) a text too long in characters to fit."""
-        if not truncate_prompt:
-            check_prompt_chars(text_chars(prompt), self._require_tokenizer("text prompts"), self.context_window)
-        return self.encode_prompt(prompt)
-
-    def _require_tokenizer(self, what: str) -> Any:
-        if self.tokenizer is None:
-            raise ConfigurationError(
-                f"{what} need a tokenizer: pass tokenizer= to SpeculativeEngine, or use generate_ids"
-            )
-        return self.tokenizer
-
-    # ----------------------------------------------------------------- public API
-    def generate(
-        self, prompt: Prompt, *, options: GenerateOptions | None = None, **keywords: Unpack[GenerateKeywords]
-    ) -> GenerationOutput:
-        """Generate text for a prompt.
-
-        Args:
-            prompt: text, or a list of chat messages (rendered by the chat template).
-            options: the call's options as one value (:class:`~selfspec.decoding.options.GenerateOptions`);
-                keywords given too replace its fields.
-            **keywords: the fields of :class:`~selfspec.decoding.options.GenerateOptions`:
-                ``max_new_tokens`` (default 256), ``temperature`` (0: greedy), ``top_k``, ``top_p``,
-                ``stop``, ``seed``, ``constraint``, ``truncate_prompt`` and ``logprobs`` (each new
-                token's log-probability and that many alternatives, :attr:`GenerationOutput.logprobs`).
-
-        Returns:
-            The text, new token ids, finish reason and speculation statistics.
-
-        Raises:
-            TypeError: an unknown keyword (the closest option is named).
-        """
-        chosen = GenerateOptions.of(options, keywords, "generate")
-        return self.generate_ids(self._encode_checked(prompt, chosen.truncate_prompt), options=chosen)
-
-    def generate_ids(
-        self,
-        prompt_ids: Sequence[int] | torch.Tensor,
-        *,
-        options: GenerateOptions | None = None,
-        **keywords: Unpack[GenerateKeywords],
-    ) -> GenerationOutput:
-        """Like :meth:`generate`, from token ids (no tokenizer needed unless ``stop`` is given)."""
-        chosen = GenerateOptions.of(options, keywords, "generate_ids")
-        run = self._start(GenerationRequest.for_prompt(prompt_ids, chosen))
-        for _ in run.deltas():
-            pass
-        return run.output()
-
-    def stream(
-        self, prompt: Prompt, *, options: GenerateOptions | None = None, **keywords: Unpack[GenerateKeywords]
-    ) -> GenerationStream:
-        """Stream the text of :meth:`generate` as ``str`` deltas (same arguments).
-
-        The deltas join to exactly ``generate(...).text``. Call ``.close()`` to abandon the
-        stream early; ``.stats`` and ``.output`` are set once it is exhausted or closed; with
-        ``logprobs``, ``.logprobs`` holds the entries of the tokens generated so far.
-        """
-        chosen = GenerateOptions.of(options, keywords, "stream")
-        return self.stream_ids(self._encode_checked(prompt, chosen.truncate_prompt), options=chosen)
-
-    def stream_ids(
-        self,
-        prompt_ids: Sequence[int] | torch.Tensor,
-        *,
-        options: GenerateOptions | None = None,
-        **keywords: Unpack[GenerateKeywords],
-    ) -> GenerationStream:
-        """Like :meth:`stream`, from token ids (a tokenizer is needed to produce text)."""
-        chosen = GenerateOptions.of(options, keywords, "stream_ids")
-        self._require_tokenizer("streams")
-        return GenerationStream(self._start(GenerationRequest.for_prompt(prompt_ids, chosen)))
-
     # ----------------------------------------------------------------- the loop
     def _start(self, request: GenerationRequest) -> Generation:
         """Validate a request, then set up its generation (nothing runs yet)."""
@@ -547,28 +354,5 @@ class SpeculativeEngine:
         )
 
     def _rounds(self, run: Generation) -> Generator[list[int], None, FinishReason]:
-        """Decode (alone, or in the batching scheduler when it can batch), yielding each round's tokens.
-
-        All state lives in ``run``: calls from several threads each get the text they would get alone.
-        """
-        if self._batcher is not None and self._batcher.accepts(run):
-            return (yield from self._batcher.rounds(run))
-        static = self._static.try_decode(self.drafter, run, self._lock, self.eos_token_ids) if self._static else None
-        if static is not None:  # the static round (compile=...): fixed shapes, one host read per round
-            return (yield from static)
-        # a tree drafter's nodes need slots beyond the text (a drafter may say how many)
-        tree_slots = self.tree_nodes or getattr(self.drafter, "tree_nodes", None) or 0
-        # a padded verify (CostModel.padded) needs at most the calibrated curve's longest length
-        pad_slots = run.controller.costs.longest if isinstance(run.controller.costs, CostModel) else 0
-        cache, pooled = self._caches.take(len(run.prompt_ids) + run.max_new_tokens + max(tree_slots, pad_slots))
-        failed = True
-        try:
-            finish = yield from decode(self.runner, self.drafter, run, cache, self._lock, self.eos_token_ids)
-            failed = False
-            return finish
-        except GeneratorExit:  # an abandoned stream: its cache is sound
-            failed = False
-            raise
-        finally:
-            if pooled:
-                self._caches.give_back(keep=not failed)
+        """Decode ``run`` on its path (:func:`~selfspec.decoding.running.run_rounds`), yielding each round's tokens."""
+        return run_rounds(self, run)
