@@ -80,11 +80,6 @@ class SpeculativeEngine(EngineCalls):
     calibration: Held[dict[str, Any]] = Held("config")
     exit_adapter: Held[ExitAdapter | None] = Held("config")
     batching: Held[bool] = Held("config")
-    # the built-in drafters' options (a drafter registered later: its options read through __getattr__)
-    draft_model: Held[Any] = Held("config")
-    medusa_heads: Held[Any] = Held("config")
-    eagle_head: Held[Any] = Held("config")
-    learn_online: Held[bool] = Held("config")
     # the parts built from them (:class:`BuiltParts`), each read through: engine.drafter is engine.parts.drafter
     drafter: Held[Drafter] = Held("parts", settable=True)
     """The configured drafter (a user's instance, or the registered factory's product)."""
@@ -209,9 +204,12 @@ class SpeculativeEngine(EngineCalls):
         return None if self._threads is None else self._threads.choice
 
     def __getattr__(self, name: str) -> Any:
-        """The option of a drafter registered after this module's import (``engine.my_head``), from :attr:`config`.
+        """A drafter's option, from :attr:`config`: ``engine.eagle_head`` is ``engine.config.eagle_head``.
 
-        The built-in settings are declared in the class body (:class:`~selfspec.decoding.construction.Held`).
+        Every registered drafter's options read through here (the built-in ``draft_model``,
+        ``medusa_heads``, ``eagle_head``, ``learn_online``, and a custom head's), so a drafter owns
+        its options without the engine naming them; the engine's own settings are declared in the
+        class body (:class:`~selfspec.decoding.construction.Held`).
         """
         config = self.__dict__.get("config")
         if config is not None and name in config.drafter_settings:
