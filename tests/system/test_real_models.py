@@ -168,6 +168,38 @@ def test_smollm2_greedy_equals_generate(smollm2_f64, smollm2_references, name: s
 
 
 @pytest.mark.slow
+def test_a_first_load_parses_the_gguf_file_once(
+    smollm2_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check, config, weights and tokenizer of a first load share one parse (~6 s each here), and the
+    copy written is the one the reader gives: the same weights and the same tokenizer as the file."""
+    import gguf
+
+    from selfspec.modeling.loading import ensure_dequantized, gguf_parsed_once
+
+    parses: list[str] = []
+    original_init = gguf.GGUFReader.__init__
+
+    def counting_init(self, path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        parses.append(str(path))
+        original_init(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", counting_init)
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    folder = ensure_dequantized(str(smollm2_path.parent), smollm2_path.name)
+    assert len(parses) == 1, parses
+    assert gguf.GGUFReader.__name__ == "GGUFReader" and isinstance(gguf.GGUFReader, type)  # put back
+    model, tokenizer, _ = load_model_and_tokenizer(str(folder), dtype="float32", device="cpu")
+    reference = gguf.GGUFReader(smollm2_path)  # outside the block: a reader of its own
+    embedding = next(t for t in reference.tensors if t.name == "token_embd.weight")
+    expected = torch.from_numpy(gguf.dequantize(embedding.data, embedding.tensor_type).copy())
+    assert torch.equal(model.get_input_embeddings().weight, expected.reshape(model.get_input_embeddings().weight.shape))
+    assert tokenizer("The capital of France")["input_ids"] == [504, 3575, 282, 4649]
+    with gguf_parsed_once():
+        assert gguf.GGUFReader(smollm2_path) is gguf.GGUFReader(str(smollm2_path))  # one reader per file
+    assert len(parses) == 3
+
+
 def test_smollm2_gguf_with_8bit_on_top(smollm2_path: Path) -> None:
     engine = SpeculativeEngine.from_pretrained(smollm2_path, quantization="8bit", drafter="none", calibrate=False)
     layer = engine.model.model.layers[0].self_attn.q_proj

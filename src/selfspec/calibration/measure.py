@@ -308,6 +308,7 @@ def _interleaved_fastest(
     until: float | None = None,
     on_turn: Callable[[int, int], None] | None = None,
     essential: int | None = None,
+    on_cut: Callable[[], None] | None = None,
 ) -> dict[Any, float]:
     """Fastest seconds of each variant, timed round-robin.
 
@@ -319,7 +320,8 @@ def _interleaved_fastest(
     it; when the warm-up turn already ended past it, the warm-up's own times are what is returned
     (a tight budget's price: a first run is a little slower); and the warm-up itself stops past it
     once the first ``essential`` variants are warm (the others are left out of the result: a tight
-    budget's curve has only its essential points). ``on_turn(done, repeats)`` follows each turn.
+    budget's curve has only its essential points). ``on_turn(done, repeats)`` follows each turn;
+    ``on_cut()`` is called when ``until`` ends the turns (not when every variant settled).
 
     A variant is timed no more once it has settled: after :data:`MIN_TURNS` runs, when its last
     :data:`QUIET_RUNS` runs each lowered its fastest time by no more than :data:`SETTLED` (noise on
@@ -340,6 +342,8 @@ def _interleaved_fastest(
     last_turn = 0.0
     for turn in range(repeats):
         if until is not None and time.perf_counter() + last_turn >= until:  # (a turn would end past it)
+            if on_cut is not None:
+                on_cut()
             if not turn:
                 return warm
             break
@@ -560,8 +564,9 @@ def measure_costs(
 
     With ``until`` (a ``time.perf_counter()`` time: the calibration budget's share for the costs)
     no timing turn starts after it once one is timed, and a curve is measured again only while
-    there is time (``checks["turns"]`` counts the turns, ``checks["remeasure_skipped"]`` says a
-    re-measurement was left out); ``on_turn(done, planned)`` follows each turn.
+    there is time (``checks["turns"]`` counts the turns, ``checks["turns_cut"]`` says the budget
+    ended them, ``checks["remeasure_skipped"]`` says a re-measurement was left out);
+    ``on_turn(done, planned)`` follows each turn.
     """
     checks = checks if checks is not None else {}
     checks["load_per_core"] = [load_per_core()]
@@ -589,6 +594,9 @@ def measure_costs(
             if on_turn is not None:
                 on_turn(checks["turns"], max(planned, checks["turns"]))  # (re-timing a dip adds turns)
 
+        def cut() -> None:  # the budget, not settled timings, ended the turns
+            checks["turns_cut"] = True
+
         draft: dict[int, float] = {}
         verify: dict[int, float] = {}
         full = 0.0
@@ -597,7 +605,12 @@ def measure_costs(
             sampled.clear()
         for attempt in range(retries + 1):
             seconds = _interleaved_fastest(
-                timing, repeats, until=until, on_turn=turned, essential=essential if not attempt else 1
+                timing,
+                repeats,
+                until=until,
+                on_turn=turned,
+                essential=essential if not attempt else 1,
+                on_cut=None if attempt else cut,
             )
             if not attempt and len(seconds) < len(variants):
                 checks["untimed"] = len(variants) - len(seconds)
@@ -1357,7 +1370,7 @@ def calibrate(
             until=deadline.until(COSTS_SHARE),
             on_turn=lambda d, t: show.advance(d, t, "timing rounds"),
         )
-    if budget is not None and checks.get("turns", COST_REPEATS) < COST_REPEATS:
+    if checks.get("turns_cut"):  # (timings that settled before COST_REPEATS turns were not cut)
         turns = checks["turns"]
         deadline.cut(f"cost timings ({f'{turns} of {COST_REPEATS} rounds' if turns else 'the warm-up round only'})")
     if checks.get("untimed"):
