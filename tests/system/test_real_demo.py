@@ -38,8 +38,9 @@ def test_demo_falls_back_to_the_bundled_model_with_a_notice(tmp_path: Path) -> N
     result = run_demo(env)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].startswith("notice: SmolLM2 could not be fetched"), result.stdout
+    assert lines[0].startswith("notice: SmolLM2 could not be fetched"), result.stdout  # the first thing it says
     assert "using the bundled selfspec-demo instead" in lines[0]
+    assert lines[1].startswith("loading selfspec-demo"), result.stdout
     assert "model: selfspec-demo" in lines
     assert "identical text: yes" in lines
     assert not (tmp_path / "cache" / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf").exists()
@@ -57,3 +58,13 @@ def test_demo_answers_from_the_real_model(smollm2_path: Path) -> None:
     # the question asks for the threats: the answer names all three the context gives
     assert "climate change" in answer and "pollution" in answer and "crown-of-thorns" in answer, answer
     assert "identical text: yes" in out.splitlines()
+    # a line per phase, in order, each printed as it starts (the output here is a pipe)
+    phases = [line.split(" ")[0].rstrip(":") for line in out.splitlines()]
+    assert [p for p in phases if p in ("loading", "answering", "measuring", "timing", "speedup", "demo")] == [
+        "loading",
+        "answering",
+        "measuring",
+        "timing",
+        "speedup",
+        "demo",
+    ], out

@@ -453,7 +453,16 @@ class _ByteBar:
         if enabled:
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="downloading", leave=False)
+            terminal = bool(sys.stderr is not None and sys.stderr.isatty())
+            self._bar = tqdm(
+                total=total,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                desc="downloading",
+                leave=False,
+                mininterval=0.1 if terminal else 5.0,  # a log file or a pipe gets an update every 5 s
+            )
 
     def advance(self, count: int) -> None:
         if self._bar is not None and count:
