@@ -329,6 +329,32 @@ def test_auto_runs_a_planned_eagle_head_exactly(tmp_path, caplog) -> None:
     assert engine.generate_ids(prompt, max_new_tokens=24).token_ids == expected
 
 
+def test_a_plan_naming_a_shipped_head_of_a_moved_installation_finds_it_here(tmp_path, monkeypatch, caplog) -> None:
+    """A plan saved in the user cache by another clone or virtual environment names the shipped head by its
+    old folder: the head this installation ships under that name runs, not the prompt-lookup fallback."""
+    from selfspec.calibration import Plan
+    from selfspec.drafting.eagle import head as heads
+    from selfspec.drafting.eagle.drafter import EagleDrafter
+    from selfspec.drafting.eagle.head import EagleHead, shipped_head_moved
+
+    model = make_model("llama", agreeing=True)
+    torch.manual_seed(0)
+    shipped = tmp_path / "site-packages" / "selfspec" / "models" / "eagle"
+    EagleHead(model).save(shipped / "tiny-llama")
+    monkeypatch.setattr(heads, "SHIPPED_HEADS", shipped)
+    old = tmp_path / "old-clone" / "src" / "selfspec" / "models" / "eagle" / "tiny-llama"  # (never existed here)
+    assert shipped_head_moved(old) == shipped / "tiny-llama"
+    assert shipped_head_moved(tmp_path / "old-clone" / "heads" / "tiny-llama") is None  # not a shipped head's folder
+    assert shipped_head_moved(old.parent / "other") is None  # no shipped head of that name
+    prompt = list(range(10, 30))
+    plan = Plan("eagle_hybrid", {"num_draft_tokens": 3, "eagle_head": str(old)}, predicted_speedup=1.5)
+    with caplog.at_level("WARNING"):
+        engine = SpeculativeEngine(model, drafter="auto", calibration={"plan": plan.to_json()})
+    assert "not usable" not in caplog.text
+    assert isinstance(engine.drafter, EagleDrafter)
+    assert engine.generate_ids(prompt, max_new_tokens=24).token_ids == reference_greedy(model, prompt, 24)
+
+
 def test_plain_plans_name_the_command_that_trains_a_head() -> None:
     from selfspec.drafting.auto import Plan
 

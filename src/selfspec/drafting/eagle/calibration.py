@@ -23,7 +23,7 @@ from ..planning import (
     best_rounds_length,
     measure_rounds,
 )
-from .head import find_eagle_head
+from .head import find_eagle_head, shipped_head_moved
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +125,11 @@ class EagleCalibration(DrafterCalibration):
         return f"{what}, prompt-lookup copies where the text repeats" if self.lookup else what
 
     def build(self, factory: DrafterFactory, engine: Any, settings: dict[str, Any], options: dict[str, Any]) -> Drafter:
-        """The registered drafter with the planned head (an error when it was removed or no longer fits)."""
-        drafter: Drafter = factory(engine, eagle_head=settings.get("eagle_head"))
+        """The registered drafter with the planned head (an error when it was removed or no longer fits).
+
+        A shipped head is found where this installation keeps it, whichever folder the plan was saved with.
+        """
+        head = settings.get("eagle_head")
+        moved = shipped_head_moved(head) if isinstance(head, str) else None
+        drafter: Drafter = factory(engine, eagle_head=str(moved) if moved is not None else head)
         return drafter

@@ -553,6 +553,22 @@ def _holds_head(folder: Path) -> bool:
     return (folder / HEAD_CONFIG).is_file() or (folder / "config.json").is_file()
 
 
+def shipped_head_moved(folder: str | os.PathLike[str]) -> Path | None:
+    """Where a shipped head a saved plan names lives now, when the package has moved since.
+
+    A plan saved in the user cache names its head by folder; for a head shipped with selfspec that
+    is a folder inside the installed package, which a new clone, a new virtual environment or an
+    upgrade moves. ``.../selfspec/models/eagle/<name>`` that no longer exists is the shipped head
+    ``<name>`` of this installation, when it ships one (``None`` otherwise: a missing folder of any
+    other kind stays missing).
+    """
+    path = Path(folder)
+    if path.is_dir() or path.parent.name != SHIPPED_HEADS.name or path.parent.parent.name != SHIPPED_HEADS.parent.name:
+        return None
+    here = SHIPPED_HEADS / path.name
+    return here if (here / HEAD_CONFIG).is_file() else None
+
+
 def find_eagle_head(name_or_path: str, model: Any = None) -> Path | None:
     """The head ``eagle_head="auto"`` uses: beside the model, in the user cache, or shipped.
 
