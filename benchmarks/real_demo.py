@@ -42,7 +42,7 @@ def say(line: str) -> None:
 
 
 def main() -> int:
-    started = time.perf_counter()
+    demo_started = time.perf_counter()
     try:
         # says what it fetches with a progress bar (a line every 5 s off a terminal), the first time
         fetch_model(DEFAULT_REAL_MODEL, progress=True)
@@ -84,7 +84,7 @@ def main() -> int:
         print(f"{name}: {statistics.median(rates[name]):.1f} ({min(rates[name]):.1f}-{max(rates[name]):.1f})")
     print(f"speedup: {fast_rate / plain_rate:.2f}x")
     print(f"identical text: {'yes' if identical else 'NO'}")
-    print(f"demo took {time.perf_counter() - started:.0f} s")
+    print(f"demo took {time.perf_counter() - demo_started:.0f} s")
     return 0 if identical else 1
 
 
