@@ -147,3 +147,17 @@ def test_8bit_static_round_verifies_one_row_and_keeps_the_text(model_dir) -> Non
     assert out.token_ids == reference_greedy(engine.model, RANDOM, 16)
     assert out.stats.num_drafted == 0
     assert {width for _, width, _ in engine.static_round.step.compiled} == {1}
+
+
+def test_4bit_bfloat16_row_exact_verify_equals_its_plain_loop(model_dir) -> None:
+    """The eager loop's row-exact verify (half precision) calls a quantized layer one row at a time."""
+    options = {"quantization": "4bit", "device": "cpu", "dtype": "bfloat16", "compile": False, "calibrate": False}
+    plain = SpeculativeEngine.from_pretrained(model_dir, drafter="none", **options)
+    engine = SpeculativeEngine.from_pretrained(
+        model_dir, drafter="early_exit", exit_layer=1, num_draft_tokens=4, **options
+    )
+    assert engine.runner.row_exact and engine.runner.fast_layers is not None
+    for prompt in (REPEATED, RANDOM):
+        out = engine.generate_ids(prompt, max_new_tokens=NEW_TOKENS)
+        assert out.token_ids == plain.generate_ids(prompt, max_new_tokens=NEW_TOKENS).token_ids
+        assert out.stats.num_accepted > 5
