@@ -38,8 +38,9 @@ decisive first; each gets ``status`` ``ok`` / ``skipped`` / ``failed`` / ``timed
 9. ``long_context``: ``static_prefill`` at 4k and 8k prompts against transformers' prefill
    forward, then the graphed width-1 step at 4k context (bucket 8192) against ``widths``' w1.
 10. ``bnb4``: only where bitsandbytes and CUDA are both present (else ``skipped`` with the reason):
-    the linears in NF4, whether the static round takes the model, the eager plain step, and the
-    verify-cost curve through the module path.
+    the linears in NF4, whether the static round takes the model and at which widths its 4-bit
+    kernels keep a row's bits (``exact_widths``), the eager plain step, and the verify-cost curve
+    through the lean path (a quantized projection called as its module).
 
 Each section starts only with enough time left (:data:`NEEDS`) and is interrupted at its own
 budget (:data:`BUDGETS`) or the deadline, whichever is first (``SIGALRM``; ``timed_out``). The
@@ -1057,7 +1058,7 @@ def bnb4_section(check: Check, out: dict[str, Any]) -> None:
     except ImportError as exc:
         raise Skip(f"bitsandbytes absent ({exc}); carry a wheel beside the tree to run it") from exc
     from selfspec.modeling.runner import ModelRunner
-    from selfspec.modeling.static_step import static_round_supported
+    from selfspec.modeling.static_step import exact_widths, static_round_supported
 
     model = model_of(check)
     for name in ("engine", "drafter"):  # the graphed engine's steps read the weights about to be replaced
@@ -1067,6 +1068,8 @@ def bnb4_section(check: Check, out: dict[str, Any]) -> None:
     runner = ModelRunner(model)
     out |= {"bitsandbytes": bitsandbytes.__version__, "fast_path": runner.fast_layers is not None}
     out["static_round"] = static_round_supported(runner) or "accepted"
+    if runner.fast_layers is not None:  # the widths whose verify rows keep a one-row call's bits
+        out["exact_widths"] = list(exact_widths(runner))
     engine = SpeculativeEngine(model, None, drafter="none", calibration={}, compile=False)
     prompt = prompt_of(check)
     engine.generate_ids(prompt, max_new_tokens=4)

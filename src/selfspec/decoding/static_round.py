@@ -15,7 +15,8 @@ engine's :class:`~selfspec.modeling.static_step.StaticStep`:
    exit states the drafter hands back: the verify then runs layers ``[E, L)`` on every row). A
    host draft (``HOST``: plain decoding, prompt lookup, the hybrid's copies, a user's chain
    drafter) is sent to the device in one non-blocking copy with its length. The round pads the
-   draft to the next fixed width (:data:`~selfspec.modeling.static_step.WIDTHS`);
+   draft to the next fixed width (:data:`~selfspec.modeling.static_step.WIDTHS`; a quantized
+   target's widths stop where its kernels are not row-invariant: :attr:`StaticStep.widths`);
 2. **score** and 3. **accept**: one forward of that width over the call's bucket of slots, then
    acceptance on the device (greedy inside the compiled step; sampled right after it, on the
    device too), which also moves the cache length past the accepted text;
@@ -193,7 +194,7 @@ class StaticRounds:
         """
         state, run = row.state, row.run
         started = time.perf_counter()
-        budget = min(run.controller.budget(), run.max_new_tokens - row.emitted - 1, WIDTHS[-1] - 1)
+        budget = min(run.controller.budget(), run.max_new_tokens - row.emitted - 1, self.step.max_drafts)
         rows = self._draft(drafter, state, budget, bucket, last)
         drafted = time.perf_counter()
         tokens, width = rows.tokens, rows.tokens.shape[1]

@@ -7,8 +7,17 @@ Qwen2, Qwen3 and Phi-3 layers compute (same operations, same order, same dtypes:
 upcast, ``rotate_half`` rotary embedding, SDPA attention, gated SiLU MLP), reading the weights
 of the model's own modules, so they need no copy of the model.
 
-Used only for plain ``nn.Linear`` layers with SDPA attention; quantized (bitsandbytes)
-layers, eager attention and other families run through the model's modules instead.
+Projections: a plain ``nn.Linear`` is read as its weight and bias (``F.linear``, unchanged); a
+subclass of it (bitsandbytes' ``Linear4bit`` and ``Linear8bitLt``, whose ``weight`` is packed) is
+called as a module, ``module(x)``, as transformers' layer calls it (:data:`Projection`; bit-identical
+to the model's modules in float32, tested). So a quantized target runs the lean path too, and with
+it the static round, at the widths where its kernels give a row of a block the bits it gets alone
+(:func:`row_invariant_widths`, :func:`~selfspec.modeling.static_step.exact_widths`; measured on
+this CPU: NF4 at every width 1-33, 8-bit at width 1 only). The row-invariant Triton kernels read
+weights, so they refuse such a module (:class:`~selfspec.errors.ConfigurationError`); a
+row-exact forward (half precision) calls it one row at a time.
+
+Eager attention and other families run through the model's modules instead.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import ConfigurationError
 from .attention import AttentionPlan, attend, linear_rows
 
 #: The environment variable that sets the fast path's default (``0`` turns it off).
@@ -28,6 +38,11 @@ FAST_PATH_ENV = "SELFSPEC_FAST_PATH"
 
 #: model types whose decoder layers the lean path reproduces.
 FAST_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+
+
+#: One projection of a layer: a plain ``nn.Linear``'s ``(weight, bias)``, or a module called as it is
+#: (a quantized linear layer, whose ``weight`` is not the matrix it multiplies by).
+Projection = tuple[torch.Tensor, torch.Tensor | None] | nn.Linear
 
 
 @dataclass
@@ -38,10 +53,10 @@ class LayerWeights:
     input_eps: float
     post_norm: torch.Tensor
     post_eps: float
-    qkv: list[tuple[torch.Tensor, torch.Tensor | None]]  # (weight, bias) of q, k, v or fused qkv
-    o_proj: tuple[torch.Tensor, torch.Tensor | None]
-    gate_up: list[tuple[torch.Tensor, torch.Tensor | None]]  # gate and up, or fused gate_up
-    down: tuple[torch.Tensor, torch.Tensor | None]
+    qkv: list[Projection]  # q, k, v or fused qkv
+    o_proj: Projection
+    gate_up: list[Projection]  # gate and up, or fused gate_up
+    down: Projection
     q_norm: tuple[torch.Tensor, float] | None
     k_norm: tuple[torch.Tensor, float] | None
     num_heads: int
@@ -49,9 +64,51 @@ class LayerWeights:
     head_dim: int
     scaling: float
 
+    @property
+    def modules(self) -> list[nn.Linear]:
+        """The projections called as modules (quantized ones); empty for plain ``nn.Linear`` layers."""
+        return [p for p in (*self.qkv, self.o_proj, *self.gate_up, self.down) if isinstance(p, nn.Linear)]
 
-def _linear(module: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return module.weight, module.bias
+
+def _linear(module: nn.Linear) -> Projection:
+    """A plain ``nn.Linear`` as its ``(weight, bias)``; a subclass (a quantized layer) as itself."""
+    if type(module) is nn.Linear:
+        return module.weight, module.bias
+    return module
+
+
+def row_invariant_widths(module: nn.Linear, dtype: torch.dtype, widths: tuple[int, ...]) -> tuple[int, ...]:
+    """The leading ``widths`` at which ``module`` gives each row of a block the bits it gets alone.
+
+    For a projection called as a module (a quantized one: its weight cannot be swapped for
+    :func:`~selfspec.modeling.attention.linear_is_row_invariant`'s cancelling probe), so the probe
+    is the module's own weight on random ``dtype`` rows, every other one with large entries in a
+    quarter of its columns (bitsandbytes' 8-bit matmul takes a column out of the int8 product when
+    any row of the block has an entry over its threshold, 6.0, so a block's rows then differ from
+    the rows alone). Each row is computed alone, then the block of each width in turn (ascending);
+    the widths up to the first block that differs are returned (width 1 always holds).
+
+    Measured on this CPU (bitsandbytes 0.50.2, an Intel Xeon with AVX512-BF16, one thread;
+    ``kernels-community``'s kernel not loaded, so bitsandbytes' own packed kernel ran): NF4
+    ``Linear4bit`` (compute dtype float32 or bfloat16; bitsandbytes computes in bfloat16 there) is
+    row-invariant at every width 1-33, on 64x128 to 4096x1024 weights; ``Linear8bitLt`` (threshold
+    6.0) is row-invariant only while no entry passes the threshold: with one, every row of a block of
+    2-33 rows differed from its row alone.
+    """
+    in_features = module.in_features
+    device = next(iter(module.parameters())).device
+    generator = torch.Generator(device=device).manual_seed(0)
+    with torch.inference_mode():
+        rows = torch.randn(max(widths), in_features, generator=generator, device=device)
+        rows[1::2, :: max(1, in_features // 4)] *= 16  # large entries in every other row
+        block = rows.to(dtype)[None]  # [1, n, in]
+        alone = torch.cat([module(block[:, i : i + 1]) for i in range(block.shape[1])], dim=1)
+        kept: list[int] = []
+        for width in sorted(widths):
+            if width > 1 and not torch.equal(module(block[:, :width]), alone[:, :width]):
+                break
+            kept.append(width)
+    return tuple(kept)
 
 
 def _eps(norm: nn.Module) -> float:
@@ -77,7 +134,7 @@ def build_fast_layers(model: Any) -> list[LayerWeights] | None:
     layers = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if any(type(m) is not nn.Linear for m in (*_proj_modules(attn), *_proj_modules(mlp))):
+        if not all(isinstance(m, nn.Linear) for m in _projections(layer)):  # plain, or quantized (a subclass)
             return None
         if hasattr(attn, "qkv_proj"):
             qkv = [_linear(attn.qkv_proj)]
@@ -112,8 +169,8 @@ def build_fast_layers(model: Any) -> list[LayerWeights] | None:
     return layers
 
 
-def _proj_modules(parent: nn.Module) -> list[nn.Module]:
-    return [m for name, m in parent.named_children() if name.endswith("proj")]
+def _projections(layer: Any) -> list[nn.Module]:
+    return [m for part in (layer.self_attn, layer.mlp) for name, m in part.named_children() if name.endswith("proj")]
 
 
 def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -155,12 +212,19 @@ def layer_forward(
     batch, q_len, _ = hidden.shape
     exact = plan.rows is not None  # batch-invariant rows: every op gives each row its decode bits
 
-    def linear(x: torch.Tensor, weight_bias: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+    def linear(x: torch.Tensor, projection: Projection) -> torch.Tensor:
+        if isinstance(projection, nn.Linear):  # a quantized layer: called as transformers' layer calls it
+            if plan.kernel_past is not None:
+                raise ConfigurationError("the row-invariant kernels need plain nn.Linear layers, not quantized ones")
+            if exact and x.shape[-2] > 1:  # each position the bits it gets alone
+                return torch.cat([projection(x[..., i : i + 1, :]) for i in range(x.shape[-2])], dim=-2)
+            out: torch.Tensor = projection(x)
+            return out
         if plan.kernel_past is not None:  # the row-invariant Triton kernel: one call, each row its own bits
             from .kernels import linear as row_invariant_linear
 
-            return row_invariant_linear(x, *weight_bias)
-        return linear_rows(x, *weight_bias, exact)
+            return row_invariant_linear(x, *projection)
+        return linear_rows(x, *projection, exact)
 
     residual = hidden
     x = rms_norm(hidden, w.input_norm, w.input_eps)

@@ -107,7 +107,7 @@ class ModelRunner:
 
     Args:
         model: a loaded ``*ForCausalLM`` of a supported architecture (any dtype, device,
-            or bitsandbytes quantization: the runner calls the model's own modules).
+            or bitsandbytes quantization: the runner calls a quantized layer's own module).
         fast_path: use the lean layer path (:mod:`selfspec.modeling.fastpath`) where it
             applies; ``None`` reads the default (:func:`~selfspec.modeling.fastpath.fast_path_default`).
     """
@@ -160,6 +160,8 @@ class ModelRunner:
         """What the row-invariant kernels need that this model lacks, or ``None`` when they cover it."""
         if self.fast_layers is None:
             return "the lean path (Llama-family, attn_implementation='sdpa', plain nn.Linear layers)"
+        if any(w.modules for w in self.fast_layers):  # the kernels read weights; a quantized layer's is packed
+            return "plain nn.Linear layers (not quantized ones)"
         if SLIDING_ATTENTION in self.layer_types and self.sliding_window is not None:
             return "no sliding-window layers"
         if type(self.lm_head) is not nn.Linear:

@@ -26,11 +26,17 @@ which is why it runs only where asked or on CUDA (see ``docs/static_round.md``).
 :attr:`ModelRunner.row_kernels` (``row_exact=``) every step runs through the row-invariant kernels
 instead (:mod:`selfspec.modeling.kernels`): a row's bits then do not depend on the step's width.
 
-Only the lean layer path (:mod:`selfspec.modeling.fastpath`) runs here.
+Only the lean layer path (:mod:`selfspec.modeling.fastpath`) runs here. A quantized target runs
+it too (bitsandbytes' layers called as modules), at the widths where its kernels give a row of a
+block the bits it gets alone (:func:`exact_widths`), so that quantization adds no difference
+between a verify's rows and a one-token step's to the one a float32 round already has (above). On
+this CPU an NF4 target keeps every width, and its greedy text equals its own plain decoding and
+``generate`` (``tests/exact/test_decoding_static_quantized.py``).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -38,7 +44,7 @@ from typing import Any, Literal
 import torch
 
 from .attention import PREFILL, AttentionPlan
-from .fastpath import layer_forward
+from .fastpath import layer_forward, row_invariant_widths
 from .runner import SLIDING_ATTENTION, ModelRunner
 
 #: the draft widths a round may verify (the last token plus ``width - 1`` drafts).
@@ -46,12 +52,40 @@ WIDTHS = (1, 2, 3, 5, 9, 17, 33)
 #: the fewest slots a bucket holds.
 MIN_BUCKET = 256
 
+logger = logging.getLogger(__name__)
+
 
 def static_round_supported(runner: ModelRunner) -> str | None:
     """Why ``runner``'s model cannot run the static round, or ``None`` when it can."""
     if runner.fast_layers is None:
-        return "the static round needs the lean layer path (Llama, Mistral, Qwen2/3, Phi-3 with SDPA, no quantization)"
+        return "the static round needs the lean layer path (Llama, Mistral, Qwen2/3, Phi-3 with SDPA)"
     return None
+
+
+def exact_widths(runner: ModelRunner) -> tuple[int, ...]:
+    """The widths of :data:`WIDTHS` a round of ``runner``'s model verifies at.
+
+    Every width for plain ``nn.Linear`` layers. A quantized layer's kernel (called as a module) may
+    compute a row of a block otherwise than the row alone, and the round's plain decoding (width 1)
+    would then not produce the speculative text: the widths stop before the first one at which a
+    layer's kernel is not row-invariant (:func:`~selfspec.modeling.fastpath.row_invariant_widths`,
+    probed once per module class, shape and dtype). On this CPU an NF4 target keeps every width;
+    an 8-bit one (LLM.int8's outlier columns are chosen over the whole block) keeps width 1 only.
+    """
+    assert runner.fast_layers is not None, static_round_supported(runner)
+    kinds = {(type(m), m.in_features, m.out_features): m for w in runner.fast_layers for m in w.modules}
+    widths: tuple[int, ...] = WIDTHS
+    for module in kinds.values():
+        kept = row_invariant_widths(module, runner.dtype, widths)
+        if kept != widths:
+            logger.warning(
+                "static round: drafting at most %d tokens a round (%s is not row-invariant at width %d here)",
+                kept[-1] - 1,
+                type(module).__name__,
+                widths[len(kept)],
+            )
+        widths = kept
+    return widths
 
 
 def width_for(num_draft: int) -> int:
@@ -353,13 +387,24 @@ class StaticStep:
     Attributes:
         cache: the engine's cache (``None`` until the first call).
         compiled: the compiled greedy step of each ``(width, bucket)`` (``"sampled"`` steps: the forward only).
+        widths: the widths its rounds verify at (:func:`exact_widths`: all of :data:`WIDTHS` but
+            where a quantized layer's kernel is not row-invariant).
     """
 
     runner: ModelRunner
     backend: str | None = None
     cache: DeviceKVCache | None = None
     compiled: dict[tuple[str, int, int], Callable[..., Any]] = field(default_factory=dict)
+    widths: tuple[int, ...] = field(init=False)
     _offsets: list[torch.Tensor] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        self.widths = exact_widths(self.runner)
+
+    @property
+    def max_drafts(self) -> int:
+        """The most drafts a round verifies: the widest of :attr:`widths`, less the last token."""
+        return self.widths[-1] - 1
 
     def offsets(self) -> list[torch.Tensor]:
         """0-d ``long`` tensors ``0 .. WIDTHS[-1] - 1`` on the device, made once: draft steps' offsets."""
@@ -369,7 +414,8 @@ class StaticStep:
         return self._offsets
 
     def __repr__(self) -> str:
-        return f"StaticStep(backend={self.backend!r}, cache={self.cache!r}, steps={sorted(self.compiled)})"
+        widths = "" if self.widths == WIDTHS else f", widths={self.widths}"
+        return f"StaticStep(backend={self.backend!r}{widths}, cache={self.cache!r}, steps={sorted(self.compiled)})"
 
     def reserve(self, slots: int) -> DeviceKVCache:
         """The engine's cache, (re)made with room for ``slots`` when it has less."""
@@ -381,7 +427,7 @@ class StaticStep:
     def prepare(
         self,
         slots: int,
-        widths: tuple[int, ...] = WIDTHS,
+        widths: tuple[int, ...] | None = None,
         kinds: tuple[str, ...] = ("greedy",),
         exit_layer: int | None = None,
         adapter: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -389,8 +435,9 @@ class StaticStep:
     ) -> None:
         """Compile (or trace) the steps a call of ``slots`` slots may use, ahead of its first round.
 
-        ``kinds``: ``"greedy"`` and/or ``"forward"`` (sampled rounds). With ``exit_layer``, the
-        early exit's steps instead: its draft steps (with ``adapter``) and its verify of each width.
+        ``widths``: :attr:`widths` by default. ``kinds``: ``"greedy"`` and/or ``"forward"`` (sampled
+        rounds). With ``exit_layer``, the early exit's steps instead: its draft steps (with
+        ``adapter``) and its verify of each width.
         With ``feature_layers`` (EAGLE-3), the verify steps that hand back those layers' inputs.
         Each step runs once on padding at the cache's current length, which is restored after:
         the cache's text is untouched (a draft step's slots are past it).
@@ -405,7 +452,7 @@ class StaticStep:
                 token = torch.zeros(1, 1, dtype=torch.long, device=device)
                 self.exit_draft(token, zero, exit_layer, bucket, adapter=adapter)
                 self.exit_draft(token, zero, exit_layer, bucket, logits=False)
-            for width in widths:
+            for width in self.widths if widths is None else widths:
                 tokens = torch.zeros(1, width, dtype=torch.long, device=device)
                 exits: tuple[torch.Tensor | None, int] = (None, 0)
                 if exit_layer is not None:
