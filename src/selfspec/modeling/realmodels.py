@@ -460,7 +460,7 @@ class _ByteBar:
                 unit_scale=True,
                 unit_divisor=1024,
                 desc="downloading",
-                leave=False,
+                leave=not terminal,  # (a log keeps its last line: the next line then starts on its own)
                 mininterval=0.1 if terminal else 5.0,  # a log file or a pipe gets an update every 5 s
             )
 
