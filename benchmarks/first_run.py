@@ -41,7 +41,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 PHASE_ENDS = (
     ("setup", re.compile(r"benchmarks/real_demo\.py$")),
     ("fetch", re.compile(r"loading \S+ \(a first run")),
-    ("convert", re.compile(r"first load of \S+ on \S+: measuring")),
+    ("convert", re.compile(r"first load of \S+ on .*: measuring")),
     ("calibrate", re.compile(r"^answering: ")),
 )
 #: The demo's own lines kept in the record (what a user reads at the end).
