@@ -13,6 +13,14 @@ import torch
 import transformers
 
 VOCAB = 96
+#: A shape bitsandbytes quantizes on CPU: every linear's output size a multiple of 32 (its 4-bit rule).
+QUANTIZABLE_SHAPE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+}
 COMMON: dict[str, Any] = {
     "vocab_size": VOCAB,
     "hidden_size": 32,
@@ -114,3 +122,26 @@ def reference_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int) -> 
         eos_token_id=model.config.eos_token_id,
     )
     return [int(t) for t in out[0, len(prompt_ids) :]]
+
+
+def lean_and_module_logits(runner: Any, ids: Any) -> list[tuple[Any, Any]]:
+    """``(prefill, 3-token step)`` logits of ``ids`` [1, n] through the runner's lean path, then its model's modules.
+
+    The runner's lean layers are put back afterwards; the two pairs should be bit-identical in float32.
+    """
+    import torch
+
+    n = ids.shape[1]
+    outputs = []
+    lean = runner.fast_layers
+    try:
+        for layers in (lean, None):
+            runner.fast_layers = layers
+            cache = runner.new_cache(n + 10)
+            with torch.inference_mode():
+                prefill = runner.run_layers(runner.embed(ids), 0, runner.num_layers, torch.arange(n), cache)
+                step = runner.run_layers(runner.embed(ids[:, :3]), 0, runner.num_layers, torch.arange(n, n + 3), cache)
+            outputs.append((runner.logits(prefill), runner.logits(step)))
+    finally:
+        runner.fast_layers = lean
+    return outputs

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import ARCHITECTURES, VOCAB, make_model, reference_greedy
+from tiny_models import ARCHITECTURES, VOCAB, lean_and_module_logits, make_model, reference_greedy
 
 from selfspec import SpeculativeEngine
 
@@ -52,9 +52,9 @@ def test_eos_ends_generation_like_generate() -> None:
     model.config.eos_token_id = eos
     expected = reference_greedy(model, prompt, 16)
     assert expected[-1] == eos and len(expected) <= 6
-    out = SpeculativeEngine(
-        model, exit_layer=2, num_draft_tokens=4, drafter="early_exit"
-    ).generate_ids(prompt, max_new_tokens=16)
+    out = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=4, drafter="early_exit").generate_ids(
+        prompt, max_new_tokens=16
+    )
     assert out.token_ids == expected
     assert out.finish_reason == "stop"
 
@@ -62,9 +62,9 @@ def test_eos_ends_generation_like_generate() -> None:
 def test_max_new_tokens_one() -> None:
     model = make_model("qwen2")
     prompt = prompts()[2]
-    out = SpeculativeEngine(
-        model, exit_layer=2, num_draft_tokens=4, drafter="early_exit"
-    ).generate_ids(prompt, max_new_tokens=1)
+    out = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=4, drafter="early_exit").generate_ids(
+        prompt, max_new_tokens=1
+    )
     assert out.token_ids == reference_greedy(model, prompt, 1)
     assert out.stats.target_forwards == 1
 
@@ -74,9 +74,9 @@ def test_cache_positions_stay_consistent_over_long_generation() -> None:
     model = make_model("mistral", max_position_embeddings=512)
     prompt = prompts()[1]
     reference = reference_greedy(model, prompt, 120)
-    out = SpeculativeEngine(
-        model, exit_layer=2, num_draft_tokens=5, drafter="early_exit"
-    ).generate_ids(prompt, max_new_tokens=120)
+    out = SpeculativeEngine(model, exit_layer=2, num_draft_tokens=5, drafter="early_exit").generate_ids(
+        prompt, max_new_tokens=120
+    )
     assert out.token_ids == reference
 
 
@@ -100,14 +100,7 @@ def test_fast_path_is_bitwise_identical_to_the_model_in_float32(arch: str) -> No
     adapter = ModelRunner(model)
     assert adapter.fast_layers is not None
     ids = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(0))
-    outputs = []
-    for fast in (adapter.fast_layers, None):
-        adapter.fast_layers = fast
-        cache = adapter.new_cache(40)
-        with torch.inference_mode():
-            prefill = adapter.run_layers(adapter.embed(ids), 0, adapter.num_layers, torch.arange(30), cache)
-            step = adapter.run_layers(adapter.embed(ids[:, :3]), 0, adapter.num_layers, torch.arange(30, 33), cache)
-        outputs.append((adapter.logits(prefill), adapter.logits(step)))
+    outputs = lean_and_module_logits(adapter, ids)
     assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
     with torch.inference_mode():
         assert torch.equal(outputs[1][0], model(ids).logits[0].float())

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import make_model, reference_greedy
+from tiny_models import QUANTIZABLE_SHAPE, lean_and_module_logits, make_model, reference_greedy
 
 from selfspec import SpeculativeEngine
 from selfspec.errors import ConfigurationError
@@ -25,14 +25,6 @@ bnb = pytest.importorskip("bitsandbytes")
 
 pytestmark = pytest.mark.slow
 
-# every quantized linear's output size is a multiple of 32 (a bitsandbytes CPU 4-bit rule)
-SHAPE = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 128,
-}
 REPEATED = list(range(10, 30)) * 2  # prompt lookup drafts land
 RANDOM = [5, 9, 17, 33, 40, 41, 42, 77, 31, 2]
 NEW_TOKENS = 30
@@ -41,7 +33,7 @@ NEW_TOKENS = 30
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
-    make_model("llama", dtype=torch.float32, **SHAPE).save_pretrained(path)
+    make_model("llama", dtype=torch.float32, **QUANTIZABLE_SHAPE).save_pretrained(path)
     return path
 
 
@@ -82,20 +74,7 @@ def test_4bit_layers_are_called_as_modules_and_row_invariant_here(plain_4bit) ->
 def test_4bit_lean_path_is_bitwise_identical_to_the_model(plain_4bit) -> None:
     """The lean path calls the quantized modules as transformers' layers do: the same float32 numbers."""
     engine, _ = plain_4bit
-    runner = engine.runner
-    ids = torch.tensor([RANDOM])
-    outputs = []
-    fast = runner.fast_layers
-    try:
-        for layers in (fast, None):
-            runner.fast_layers = layers
-            cache = runner.new_cache(20)
-            with torch.inference_mode():
-                prefill = runner.run_layers(runner.embed(ids), 0, runner.num_layers, torch.arange(10), cache)
-                step = runner.run_layers(runner.embed(ids[:, :3]), 0, runner.num_layers, torch.arange(10, 13), cache)
-            outputs.append((runner.logits(prefill), runner.logits(step)))
-    finally:
-        runner.fast_layers = fast
+    outputs = lean_and_module_logits(engine.runner, torch.tensor([RANDOM]))
     assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
 
 

@@ -5,26 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import make_model, reference_greedy
+from tiny_models import QUANTIZABLE_SHAPE, make_model, reference_greedy
 
 from selfspec import QuantizationError, SpeculativeEngine
 
 pytestmark = pytest.mark.slow
 
-# every quantized linear's output size is a multiple of 32 (a bitsandbytes CPU 4-bit rule)
-SHAPE = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 128,
-}
-
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
-    make_model("llama", dtype=torch.float32, **SHAPE).save_pretrained(path)
+    make_model("llama", dtype=torch.float32, **QUANTIZABLE_SHAPE).save_pretrained(path)
     return path
 
 
@@ -33,8 +24,8 @@ def test_quantized_greedy_equals_quantized_generate(model_dir, quantization: str
     import bitsandbytes as bnb
 
     engine = SpeculativeEngine.from_pretrained(
-        model_dir, quantization=quantization, device="cpu", exit_layer=2, num_draft_tokens=3
-    , drafter="early_exit")
+        model_dir, quantization=quantization, device="cpu", exit_layer=2, num_draft_tokens=3, drafter="early_exit"
+    )
     linear = engine.model.model.layers[0].self_attn.q_proj
     assert isinstance(linear, bnb.nn.Linear4bit if quantization == "4bit" else bnb.nn.Linear8bitLt)
     for prompt in ([5, 9, 17, 33, 40, 41, 42], list(range(60, 90))):
