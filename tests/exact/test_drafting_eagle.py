@@ -329,7 +329,8 @@ def test_unsupported_layout_is_refused() -> None:
 # ----------------------------------------------------------------------------- training
 @pytest.mark.slow
 def test_train_eagle_cli_runs_and_resumes(capsys, tmp_path, monkeypatch) -> None:
-    """A few steps on the demo model through the CLI; a second run continues from the checkpoint."""
+    """A few steps on the demo model through the CLI; a second run continues from the checkpoint (its EAGLE-3
+    taps kept with the data); the head is EAGLE-3 in the speculators layout by default, and exports as it is."""
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Tell me about Mr. Darcy.\nWho is Elizabeth?\n", encoding="utf-8")
@@ -343,10 +344,18 @@ def test_train_eagle_cli_runs_and_resumes(capsys, tmp_path, monkeypatch) -> None
     assert main([*args, "--max-steps", "5"]) == 0  # resumes: the same data, two more steps
     record = json.loads((tmp_path / "head" / "eagle_training.json").read_text(encoding="utf-8"))
     assert record["figures"]["steps"] == 5
+    config = json.loads((tmp_path / "head" / "config.json").read_text(encoding="utf-8"))
+    assert config["speculators_model_type"] == "eagle3"  # the layout vLLM and SGLang run
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "selfspec-demo"
     engine = SpeculativeEngine.from_pretrained("selfspec-demo", drafter="eagle", eagle_head=tmp_path / "head")
+    assert type(engine.drafter.head).__name__ == "Eagle3Head"
     plain = SpeculativeEngine.from_pretrained("selfspec-demo", drafter="none")
     prompt = "It is a truth universally acknowledged"
     assert engine.generate(prompt, max_new_tokens=12).text == plain.generate(prompt, max_new_tokens=12).text
+    assert main(["export-eagle", "--model", "selfspec-demo", "--head", str(tmp_path / "head"),
+                 "--out", str(tmp_path / "exported")]) == 0  # fmt: skip
+    exported = SpeculativeEngine.from_pretrained("selfspec-demo", drafter="eagle", eagle_head=tmp_path / "exported")
+    assert exported.generate(prompt, max_new_tokens=12).text == plain.generate(prompt, max_new_tokens=12).text
 
 
 # ----------------------------------------------------------------------------- the shipped head

@@ -15,8 +15,10 @@ from ..commands import add_command, add_model_arguments, load_model, settings_fr
 SUMMARY = "self-distil an EAGLE-style draft head for drafter='eagle' (no dataset needed)"
 #: ``selfspec train-eagle --help``'s description.
 DESCRIPTION = (
-    "Self-distil an EAGLE-style feature head: the model answers a built-in prompt mix, and a one-layer "
-    "head learns to predict its next features. Resumable: run it again to continue training."
+    "Self-distil an EAGLE draft head: the model answers a built-in prompt mix, and a one-layer head learns "
+    "its next-token distribution from its own features. By default an EAGLE-3 head (three tapped layers, saved "
+    "in vLLM's speculators layout, which vllm serve, SGLang and `selfspec export-eagle` take as it is); "
+    "--format selfspec trains selfspec's EAGLE-1-style head instead. Resumable: run it again to continue."
 )
 #: Seconds of the ``--minutes`` budget kept for Python start-up, the final evaluation and saving.
 SAVE_RESERVE_SECONDS = 30.0
@@ -39,10 +41,10 @@ def add_train_eagle_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--unroll", type=int, default=3, help="training-time-test steps")
     parser.add_argument(
         "--format",
-        default="selfspec",
-        choices=("selfspec", "eagle3"),
-        help="selfspec: EAGLE-1-style head on the last layer (default); eagle3: an EAGLE-3 head on three layers, "
-        "saved in vLLM's speculators layout (vllm serve runs it)",
+        default="eagle3",
+        choices=("eagle3", "selfspec"),
+        help="eagle3 (default): an EAGLE-3 head on three layers, saved in vLLM's speculators layout (vllm serve "
+        "and `selfspec export-eagle` take it as it is); selfspec: an EAGLE-1-style head on the last layer",
     )
     parser.add_argument("--max-samples", type=int, default=None, help="the most prompts answered")
     parser.add_argument("--max-steps", type=int, default=None, help="the most optimizer steps")

@@ -4,7 +4,7 @@ A run with a state folder keeps two things there, each as a ``.safetensors`` fil
 and a ``.json`` file of everything else (written first to a temporary name, then renamed):
 
 - ``data``: the written answers (per sample: token ids, features, log-normalisers, greedy
-  tokens; its answer start and kind in the JSON) and the writing figures;
+  tokens, and an EAGLE-3 head's taps; its answer start and kind in the JSON) and the writing figures;
 - ``checkpoint``: the head's weights, the optimizer's tensors (per parameter ``step``,
   ``exp_avg``, ``exp_avg_sq``), its parameter groups, the step, the seconds trained and the
   held-out history.
@@ -63,6 +63,7 @@ def _read(folder: Path, name: str) -> tuple[dict[str, torch.Tensor], dict[str, A
 def save_data(folder: Path, samples: list[Any], figures: dict[str, Any]) -> None:
     """Keep the written answers (:class:`~selfspec.drafting.eagle.train.Sample` objects) and the figures."""
     tensors = {f"{i}.{part}": getattr(sample, part) for i, sample in enumerate(samples) for part in _SAMPLE_TENSORS}
+    tensors.update({f"{i}.taps": s.taps for i, s in enumerate(samples) if getattr(s, "taps", None) is not None})
     meta = {"samples": [{"answer_start": s.answer_start, "kind": s.kind} for s in samples], "figures": figures}
     _write(folder, DATA, tensors, meta)
 
@@ -77,6 +78,7 @@ def load_data(folder: Path, sample_type: type) -> tuple[list[Any], dict[str, Any
         samples = [
             sample_type(
                 **{part: tensors[f"{i}.{part}"] for part in _SAMPLE_TENSORS},
+                **({"taps": tensors[f"{i}.taps"]} if f"{i}.taps" in tensors else {}),
                 answer_start=int(info["answer_start"]),
                 kind=str(info.get("kind", "")),
             )
