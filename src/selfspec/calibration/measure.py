@@ -447,8 +447,7 @@ class _EagerSteps:
         def run() -> None:
             hidden = runner.run_layers(runner.embed(tokens), 0, end, positions, cache)
             runner.logits(hidden, argmax_only)
-            if runner.device.type == "cuda":
-                torch.cuda.synchronize()
+            _synchronize(runner.device)
             cache.crop_to(length)
 
         return run

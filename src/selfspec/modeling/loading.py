@@ -299,8 +299,8 @@ def ensure_dequantized(folder: str, gguf_file: str, *, trust_remote_code: bool =
             f"~{max(1.0, size / 1e6 * DEQUANTIZE_SECONDS_PER_MB):.0f} s on a 2-core CPU",
         )
     with gguf_parsed_once():  # the check, the config, the weights and the tokenizer read one parse
-        if (Path(folder) / gguf_file).is_file():
-            check_gguf_readable(Path(folder) / gguf_file)
+        if source.is_file():
+            check_gguf_readable(source)
         config = load_config(folder, trust_remote_code=trust_remote_code, gguf_file=gguf_file)
         check_architecture(config)
         try:

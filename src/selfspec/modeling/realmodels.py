@@ -299,11 +299,15 @@ def _spec(name: str) -> RealModel:
         raise ModelNotFoundError(f"unknown real model: {unknown_name_message(str(name))}") from None
 
 
+def _at_terminal() -> bool:
+    """Whether stderr (where the line and the bar go) is a terminal."""
+    stream: IO[str] | None = sys.stderr
+    return bool(stream is not None and stream.isatty())
+
+
 def _wants_progress() -> bool:
     """A line and a bar only for a person at a terminal, unless ``selfspec``'s logging level is above WARNING."""
-    stream: IO[str] | None = sys.stderr
-    at_terminal = bool(stream is not None and stream.isatty())
-    return at_terminal and logging.getLogger("selfspec").isEnabledFor(logging.WARNING)
+    return _at_terminal() and logging.getLogger("selfspec").isEnabledFor(logging.WARNING)
 
 
 _PROGRESS = re.compile(r"^Progress (\d+) of (\d+)")
@@ -453,7 +457,7 @@ class _ByteBar:
         if enabled:
             from tqdm.auto import tqdm
 
-            terminal = bool(sys.stderr is not None and sys.stderr.isatty())
+            terminal = _at_terminal()
             self._bar = tqdm(
                 total=total,
                 unit="B",

@@ -63,7 +63,7 @@ def _read(folder: Path, name: str) -> tuple[dict[str, torch.Tensor], dict[str, A
 def save_data(folder: Path, samples: list[Any], figures: dict[str, Any]) -> None:
     """Keep the written answers (:class:`~selfspec.drafting.eagle.train.Sample` objects) and the figures."""
     tensors = {f"{i}.{part}": getattr(sample, part) for i, sample in enumerate(samples) for part in _SAMPLE_TENSORS}
-    tensors.update({f"{i}.taps": s.taps for i, s in enumerate(samples) if getattr(s, "taps", None) is not None})
+    tensors.update({f"{i}.taps": s.taps for i, s in enumerate(samples) if s.taps is not None})
     meta = {"samples": [{"answer_start": s.answer_start, "kind": s.kind} for s in samples], "figures": figures}
     _write(folder, DATA, tensors, meta)
 
