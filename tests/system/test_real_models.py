@@ -171,7 +171,7 @@ def test_smollm2_greedy_equals_generate(smollm2_f64, smollm2_references, name: s
 def test_a_first_load_parses_the_gguf_file_once(
     smollm2_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The check, config, weights and tokenizer of a first load share one parse (~6 s each here), and the
+    """The check, config, weights and tokenizer of a first load share one parse (~3 s each here), and the
     copy written is the one the reader gives: the same weights and the same tokenizer as the file."""
     import gguf
 

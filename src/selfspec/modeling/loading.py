@@ -226,8 +226,10 @@ def gguf_parsed_once() -> Iterator[None]:
 
     transformers' config, tokenizer and weight loaders each build their own ``gguf.GGUFReader``
     (``load_gguf_checkpoint`` imports the class at call time), and a reader parses every metadata
-    field up front: about 6 s for SmolLM2-135M's 49k-token vocabulary on this project's CPU, five
-    times in a first load. Inside the block ``gguf.GGUFReader`` hands out one reader per file (a
+    field up front (SmolLM2-135M's 49k-token vocabulary included), five times in a first load. On
+    this project's CPU SmolLM2's conversion took 15-24 s with one parse against 29-34 s with five,
+    alternated in one process (``benchmarks/results/gguf_conversion_cpu.md``). Inside the block
+    ``gguf.GGUFReader`` hands out one reader per file (a
     read-only memory map that nobody mutates); the class is put back when the block ends. The lock
     keeps two threads' blocks from interleaving (the second waits for the first to restore it).
     """
