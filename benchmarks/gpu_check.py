@@ -11,11 +11,15 @@ decisive first; each gets ``status`` ``ok`` / ``skipped`` / ``failed`` / ``timed
 1. ``env``: torch, CUDA, transformers, the GPU, bitsandbytes' version (not imported), the load.
 2. ``ceilings``: the measured ceilings. A large device-to-device copy (read + write bytes / time)
    and ``F.linear`` at one row (cuBLAS GEMV on CUDA) on every weight shape of a layer and the LM
-   head: GB/s each, and a decode step's weight bytes over the copy bandwidth (the roofline).
+   head: GB/s each, and a decode step's weight bytes over the copy bandwidth (the roofline);
+   q/k/v and gate/up as separate one-row calls against one fused call (``fused_gemv``), with
+   whether the fused call keeps every output's bits (:func:`~selfspec.modeling.fastpath.fusion_keeps_bits`:
+   where it does, the engine's runner reads them fused).
 3. ``graphs``: whether CUDA graphs record, fail-fast: the plain width-1 step compiled
    (``compile=True``: inductor, ``mode="reduce-overhead"``), one replay under ``torch.profiler``
    (``graph_launch_calls``, ``kernel_launch_calls``), inductor's ``cudagraph_skips`` counter, any
-   "skipping cudagraphs" log line, and the graph launches per round over a short real call.
+   "skipping cudagraphs" log line, and the graph launches per round over a short real call;
+   ``fused_projections``: how many q/k/v and gate/up groups the engine reads as one weight.
    ``failed`` on CUDA when no graph launched.
 4. ``widths``: the graphed step of widths 1/3/5/9 (one compile each), its median by CUDA events
    and its graph launches: the verify-cost curve of what runs, independent of matching text.
@@ -92,6 +96,7 @@ from forced_acceptance import (
 from selfspec import SpeculativeEngine
 from selfspec.artifacts import atomic_write_text
 from selfspec.drafting.base import DecodeState, Draft, Drafter
+from selfspec.modeling.fastpath import fusion_keeps_bits
 
 SHAPES: dict[str, dict[str, Any]] = {
     "llama3-8b": {
@@ -489,11 +494,41 @@ def ceilings_section(check: Check, out: dict[str, Any]) -> None:
             nbytes = weight.numel() * weight.element_size()
             linears[name] = {"shape": list(weight.shape), "ms": ms, "gb_s": round(nbytes / (ms / 1000) / 1e9, 1)}
     out["gemv_one_row"] = linears
+    out["fused_gemv"] = fused_gemv(check, model, repeats)
     embed = model.get_input_embeddings().weight
     step_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - embed.numel() * embed.element_size()
     out["step_weight_gb"] = round(step_bytes / 1e9, 3)
     out["roofline_ms_at_copy_bandwidth"] = round(1000 * step_bytes / (copy_gbs * 1e9), 3)
     out["roofline_tok_s_at_copy_bandwidth"] = round(copy_gbs * 1e9 / step_bytes, 1)
+
+
+def fused_gemv(check: Check, model: Any, repeats: int) -> dict[str, Any]:
+    """Layer 0's q/k/v and gate/up at one row: separate ``F.linear`` calls against one fused call."""
+    layer = model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    groups = {
+        "qkv": [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")],
+        "gate_up": [getattr(mlp, n, None) for n in ("gate_proj", "up_proj")],
+    }
+    rows: dict[str, Any] = {}
+    with torch.inference_mode():
+        for name, modules in groups.items():
+            if any(m is None for m in modules):
+                continue
+            weights = [m.weight for m in modules]
+            fused = torch.cat(weights)
+            x = torch.randn(1, fused.shape[1], dtype=fused.dtype, device=check.device)
+            apart = timed_ms(check, lambda x=x, ws=weights: [F.linear(x, w) for w in ws], repeats)
+            one = timed_ms(check, lambda x=x, f=fused: F.linear(x, f), repeats)
+            rows[name] = {
+                "shape": list(fused.shape),
+                "separate_ms": apart,
+                "fused_ms": one,
+                "fused_over_separate": round(one / apart, 3) if apart else None,
+                "keeps_bits": fusion_keeps_bits(weights, [m.bias for m in modules]),
+            }
+            del fused
+    return rows
 
 
 # ----------------------------------------------------------------------------- 3. graphs
@@ -535,6 +570,7 @@ def graphs_section(check: Check, out: dict[str, Any]) -> None:
     out["cudagraph_skips"] = cudagraph_skips() - skips
     out["compiled_steps"] = compiled_steps(engine)
     out["cudagraph_log"] = lines[:10]
+    out["fused_projections"] = engine.runner.fused_projections
     if not check.cuda:
         out["graphs_recorded"] = None
         out["cuda_only"] = NO_CUDA

@@ -58,7 +58,10 @@ def test_every_section_runs_in_smoke_mode_inside_its_deadline(tmp_path) -> None:
     assert sections["bnb4"]["reason"].startswith("no CUDA")
     assert sections["row_invariant"]["reason"].startswith("no CUDA: the kernels' bits")
     assert sections["ceilings"]["copy"]["gb_s"] > 0 and "lm_head" in sections["ceilings"]["gemv_one_row"]
+    fused = sections["ceilings"]["fused_gemv"]
+    assert set(fused) == {"qkv", "gate_up"} and all(isinstance(g["keeps_bits"], bool) for g in fused.values())
     graphs = sections["graphs"]
+    assert graphs["fused_projections"] == 0  # a CPU runner reads them apart unless asked
     assert graphs["graphs_recorded"] is None and graphs["cuda_only"].startswith("no CUDA")  # a figure, not a section
     bucket = graphs["bucket"]
     assert graphs["compiled_steps"] == [["greedy", 1, bucket]]  # the short call reused the width-1 step

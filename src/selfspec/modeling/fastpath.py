@@ -18,6 +18,12 @@ weights, so they refuse such a module (:class:`~selfspec.errors.ConfigurationErr
 row-exact forward (half precision) calls it one row at a time.
 
 Eager attention and other families run through the model's modules instead.
+
+**Fused projections** (:func:`fuse_projections`): q/k/v and gate/up can be read as one weight each
+(one GEMV instead of three and two: fewer launches, a longer contiguous read), the modules'
+weights becoming views of it, so no weight is held twice. A runner does it on CUDA, and only where
+a fused call gives every output column the bits the separate calls give it
+(:func:`fusion_keeps_bits`, probed per shape and dtype): so the text does not change.
 """
 
 from __future__ import annotations
@@ -109,6 +115,128 @@ def row_invariant_widths(module: nn.Linear, dtype: torch.dtype, widths: tuple[in
                 break
             kept.append(width)
     return tuple(kept)
+
+
+_FUSION_KEEPS_BITS: dict[tuple[Any, ...], bool] = {}
+
+#: the verify widths :func:`fusion_keeps_bits` checks (a decode, and chain verifies of 1-32 drafts)
+FUSION_PROBE_WIDTHS = (1, 2, 3, 4, 5, 8, 9, 16, 17, 33)
+
+
+def fusion_keeps_bits(
+    weights: list[torch.Tensor], biases: list[torch.Tensor | None], widths: tuple[int, ...] = FUSION_PROBE_WIDTHS
+) -> bool:
+    """Whether ``F.linear`` over the weights concatenated gives each output the bits the separate calls give it.
+
+    A GEMM library may choose its kernel, tiling or split-K by the number of output columns, and
+    then a column's sum runs in another order. Probed once per shapes, dtype and device (cached),
+    at every width of ``widths``, with the cancelling probe of
+    :func:`~selfspec.modeling.attention.linear_is_row_invariant` (weights ``[u, -u]``, rows
+    ``[a, a]``: every output is a sum that cancels to about zero, so any other summation order
+    leaves another tiny value, which the comparison sees).
+    """
+    first = weights[0]
+    has_bias = biases[0] is not None
+    key = (tuple(tuple(w.shape) for w in weights), first.dtype, first.device.type, has_bias, widths)
+    if key not in _FUSION_KEEPS_BITS:
+        in_features = first.shape[1]
+        half = in_features // 2
+        generator = torch.Generator(device=first.device).manual_seed(0)
+        with torch.no_grad():
+            probes = []
+            for weight in weights:
+                u = torch.randn(weight.shape[0], half, generator=generator, device=first.device)
+                probe = torch.zeros_like(weight)
+                probe[:, :half], probe[:, half : 2 * half] = u, -u
+                probes.append(probe)
+            a = torch.randn(max(widths), half, generator=generator, device=first.device)
+            rows = first.new_zeros(len(a), in_features)
+            rows[:, :half], rows[:, half : 2 * half] = a, a
+            zeros = [None if not has_bias else torch.zeros(p.shape[0], dtype=p.dtype, device=p.device) for p in probes]
+            fused = torch.cat(probes)
+            fused_bias = torch.cat(zeros) if has_bias else None  # type: ignore[arg-type]
+            keeps = True
+            for width in widths:
+                apart = torch.cat([F.linear(rows[:width], p, b) for p, b in zip(probes, zeros, strict=True)], dim=-1)
+                if not torch.equal(F.linear(rows[:width], fused, fused_bias), apart):
+                    keeps = False
+                    break
+            _FUSION_KEEPS_BITS[key] = keeps
+    return _FUSION_KEEPS_BITS[key]
+
+
+def _fused(modules: list[nn.Linear]) -> Projection | None:
+    """One ``(weight, bias)`` over ``modules``' weights, the modules' own weights becoming views of it.
+
+    ``None`` where they cannot be fused (a quantized layer, mixed dtypes, devices or biases).
+    Fusing the same modules again (a second runner on the model) returns the same tensor, and
+    copies nothing: their weights are already consecutive views of one.
+    """
+    if any(type(m) is not nn.Linear for m in modules):
+        return None
+    weights = [m.weight for m in modules]
+    biases = [m.bias for m in modules]
+    first = weights[0]
+    if any(w.dtype != first.dtype or w.device != first.device or w.shape[1] != first.shape[1] for w in weights):
+        return None
+    if any((b is None) != (biases[0] is None) for b in biases):
+        return None
+    base = first.untyped_storage()
+    offset = first.storage_offset()
+    rows = sum(w.shape[0] for w in weights)
+    consecutive = all(w.is_contiguous() for w in weights) and all(
+        w.untyped_storage().data_ptr() == base.data_ptr() and w.storage_offset() == offset + start * first.shape[1]
+        for w, start in zip(weights, _starts(weights), strict=True)
+    )
+    with torch.no_grad():
+        if consecutive:  # fused before: the views' common tensor
+            weight = first.new_empty(0).set_(base, offset, (rows, first.shape[1]), (first.shape[1], 1))
+        else:
+            weight = torch.cat([w.detach() for w in weights])
+            for module, start, w in zip(modules, _starts(weights), weights, strict=True):
+                module.weight.data = weight[start : start + w.shape[0]]  # a view: the weight is held once
+        bias = None
+        if biases[0] is not None:
+            bias = torch.cat([b.detach() for b in biases if b is not None])
+    return weight, bias
+
+
+def _starts(weights: list[torch.Tensor]) -> list[int]:
+    starts, total = [], 0
+    for w in weights:
+        starts.append(total)
+        total += w.shape[0]
+    return starts
+
+
+def fuse_projections(model: Any, layers: list[LayerWeights], widths: tuple[int, ...] = FUSION_PROBE_WIDTHS) -> int:
+    """Read each layer's q/k/v and gate/up as one weight each, where that keeps every output's bits.
+
+    The model's ``q_proj`` / ``k_proj`` / ``v_proj`` (and ``gate_proj`` / ``up_proj``) weights
+    become views of one concatenated weight, so nothing is held twice and transformers' own
+    forward reads the same values; ``layers`` is updated in place to read the fused weight.
+    Only plain ``nn.Linear`` layers are fused, and only where :func:`fusion_keeps_bits` holds for
+    the shapes at ``widths``. Returns the number of projections fused (a layer's q/k/v counts one).
+    """
+    fused = 0
+    for layer, w in zip(model.model.layers, layers, strict=True):
+        attn, mlp = layer.self_attn, layer.mlp
+        groups = []
+        if len(w.qkv) == 3 and all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj")):
+            groups.append(("qkv", [attn.q_proj, attn.k_proj, attn.v_proj]))
+        if len(w.gate_up) == 2 and hasattr(mlp, "gate_proj") and hasattr(mlp, "up_proj"):
+            groups.append(("gate_up", [mlp.gate_proj, mlp.up_proj]))
+        for name, modules in groups:
+            if any(type(m) is not nn.Linear for m in modules):
+                continue
+            if not fusion_keeps_bits([m.weight for m in modules], [m.bias for m in modules], widths):
+                continue
+            projection = _fused(modules)
+            if projection is None:
+                continue
+            setattr(w, name, [projection])
+            fused += 1
+    return fused
 
 
 def _eps(norm: nn.Module) -> float:

@@ -18,6 +18,7 @@ layers run ahead of the deep ones in an early-exit round.
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,9 +41,11 @@ from .attention import (
 )
 from .cache import BatchedKVCache, StaticKVCache
 from .compat import cache_kwargs
-from .fastpath import build_fast_layers, fast_path_default, layer_forward
+from .fastpath import build_fast_layers, fast_path_default, fuse_projections, layer_forward
 from .kernels import linear as row_invariant_linear
 from .kernels import uses_row_invariant_kernels
+
+logger = logging.getLogger(__name__)
 
 #: transformers ``model_type`` values selfspec runs, and the families they cover.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -110,9 +113,12 @@ class ModelRunner:
             or bitsandbytes quantization: the runner calls a quantized layer's own module).
         fast_path: use the lean layer path (:mod:`selfspec.modeling.fastpath`) where it
             applies; ``None`` reads the default (:func:`~selfspec.modeling.fastpath.fast_path_default`).
+        fuse: read q/k/v and gate/up as one weight each on the lean path, the modules' weights
+            becoming views of it, wherever that keeps every output's bits
+            (:func:`~selfspec.modeling.fastpath.fuse_projections`); ``None``: on CUDA only.
     """
 
-    def __init__(self, model: Any, *, fast_path: bool | None = None) -> None:
+    def __init__(self, model: Any, *, fast_path: bool | None = None, fuse: bool | None = None) -> None:
         config = model.config
         check_architecture(config)
         attn = getattr(config, "_attn_implementation", None) or "eager"
@@ -143,6 +149,10 @@ class ModelRunner:
         # the lean layer path (same maths, less overhead)
         enabled = fast_path_default() if fast_path is None else fast_path
         self.fast_layers = build_fast_layers(model) if enabled else None
+        #: projections read as one fused weight (a layer's q/k/v counts one, its gate/up another)
+        self.fused_projections: int = 0
+        if self.device.type == "cuda" if fuse is None else fuse:
+            self.fuse()
         #: verify rows attend one query per call, each with a decode's call (batch-invariant
         #: attention, :mod:`selfspec.modeling.attention`): on by default in half precision.
         self.row_exact: bool = row_exact_default(self.dtype)
@@ -155,6 +165,20 @@ class ModelRunner:
         if uses_row_invariant_kernels(model):
             self.use_row_kernels(True)
         self._argmax_built = False
+
+    def fuse(self) -> int:
+        """Read each layer's q/k/v and gate/up as one weight each on the lean path, where the bits hold.
+
+        The model's weights become views of the fused ones (nothing is held twice); a projection
+        whose fused call would change an output's bits stays apart
+        (:func:`~selfspec.modeling.fastpath.fuse_projections`). Returns :attr:`fused_projections`.
+        Call it before the first forward: compiled steps traced earlier read the separate weights.
+        """
+        if self.fast_layers is not None:
+            self.fused_projections += fuse_projections(self.model, self.fast_layers)
+            groups = sum(len(w.qkv) == 1 for w in self.fast_layers) + sum(len(w.gate_up) == 1 for w in self.fast_layers)
+            logger.info("fused projections: %d of %d groups read as one weight", groups, 2 * len(self.fast_layers))
+        return self.fused_projections
 
     def row_kernels_refusal(self) -> str | None:
         """What the row-invariant kernels need that this model lacks, or ``None`` when they cover it."""
@@ -188,7 +212,7 @@ class ModelRunner:
         return (
             f"ModelRunner(model_type={self.config.model_type!r}, num_layers={self.num_layers}, "
             f"layer_types={sorted(set(self.layer_types))}, attn={self.attn_implementation!r}, "
-            f"fast_path={self.fast_layers is not None})"
+            f"fast_path={self.fast_layers is not None}, fused_projections={self.fused_projections})"
         )
 
     def _layer_types(self, config: Any) -> list[str]:
