@@ -206,6 +206,12 @@ def main() -> None:
         help=f"'all' (default) or a comma-separated subset of: {', '.join(METHODS)} (plain always runs)",
     )
     parser.add_argument("--exit-adapter", type=Path, default=EXIT_ADAPTER, help="exit adapter folder")
+    parser.add_argument(
+        "--eagle-head",
+        type=Path,
+        default=None,
+        help="an EAGLE head's folder (default: the one eagle_head='auto' finds)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
@@ -229,10 +235,20 @@ def main() -> None:
     k: int | None = None
     calibration: dict[str, float] = {}
     if eagle_methods:
-        head_folder = find_eagle_head(str(path), model)
+        head_folder = args.eagle_head or find_eagle_head(str(path), model)
         assert head_folder is not None, "no EAGLE head for SmolLM2 (train one with selfspec train-eagle)"
         head = load_eagle_head(head_folder, model)
-        head_config = json.loads((head_folder / "eagle_config.json").read_text(encoding="utf-8"))
+        config_file = head_folder / "eagle_config.json"
+        if not config_file.is_file():  # a speculators-layout (EAGLE-3) head
+            config_file = head_folder / "config.json"
+        head_config = json.loads(config_file.read_text(encoding="utf-8"))
+        training_file = head_folder / "eagle_training.json"
+        if "training" not in head_config and training_file.is_file():
+            head_config["training"] = json.loads(training_file.read_text(encoding="utf-8")).get("figures", {})
+        weights = next(
+            f for f in (head_folder / "eagle_head.safetensors", head_folder / "model.safetensors") if f.is_file()
+        )
+        src = Path(__file__).parents[1] / "src"
         k, calibration = calibrate_chain(
             model, tokenizer, args.calibration_tokens, drafter="eagle", eagle_head=head, calibration={}
         )
@@ -242,9 +258,9 @@ def main() -> None:
             costs = measure_gate_costs(model, tokenizer, head)
             print(f"cost model of the gate: {costs}")
         report_head = {
-            "folder": str(head_folder.relative_to(Path(__file__).parents[1] / "src")),
+            "folder": str(head_folder.relative_to(src) if head_folder.is_relative_to(src) else head_folder),
             "parameters": head.num_parameters(),
-            "file_bytes": (head_folder / "eagle_head.safetensors").stat().st_size,
+            "file_bytes": weights.stat().st_size,
             "draft_vocab_size": head_config.get("draft_vocab_size"),
             "training": head_config.get("training", {}),
             "gate_costs": None if costs is None else {"draft": costs.draft, "verify": costs.verify},

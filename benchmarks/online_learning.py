@@ -101,6 +101,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     latencies: dict[str, list[float]] = {"on": [], "off": []}
     identical = True
     rss_after_warmup = None
+    rss_trace: dict[str, float] = {}
     started = time.perf_counter()
     for i, messages in enumerate(stream):
         order = ("on", "off") if i % 2 == 0 else ("off", "on")
@@ -120,7 +121,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if i == min(9, len(stream) - 1):
             rss_after_warmup = rss_mb()
         if (i + 1) % 10 == 0:
-            print(f"{i + 1}/{len(stream)} requests, {learner!r}", flush=True)
+            print(f"{i + 1}/{len(stream)} requests, {learner!r}, RSS {rss_mb():.0f} MB", flush=True)
+        if (i + 1) % 50 == 0:
+            rss_trace[str(i + 1)] = round(rss_mb(), 1)
     stream_seconds = time.perf_counter() - started
     rss_end = rss_mb()
     with learner.paused():
@@ -152,12 +155,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "start_of_stream": round(rss_start, 1),
             "after_10_requests": round(rss_after_warmup or float("nan"), 1),
             "end": round(rss_end, 1),
+            "every_50_requests": rss_trace,
         },
         "rss_growth_mb": round(rss_end - rss_start, 1),
         "learner": {
             "steps": learner.steps,
             "swaps": learner.swaps,
             "rollbacks": learner.guard.rollbacks,
+            "memory_releases": learner.trims,
+            "memory_release_seconds": round(learner.trim_seconds, 3),
+            "target_gradient_mb": round(
+                sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None) / 2**20,
+                1,
+            ),
             "buffer_positions": learner.buffer.positions,
             "frozen_tau_ema": learner.guard.frozen_tau,
             "learned_tau_ema": learner.guard.learned_tau,

@@ -80,6 +80,31 @@ def test_learning_changes_the_head_and_raises_acceptance(tiny, random_head) -> N
     learner.close()
 
 
+def test_training_leaves_the_target_without_gradients_and_returns_freed_memory() -> None:
+    """The head shares the target's embedding, norm and LM head: its steps must not backpropagate into them.
+
+    Before the fix every step computed a dense gradient of the target's whole embedding (108 MB on
+    SmolLM2-135M) and kept it in the target's ``.grad``.
+    """
+    model = make_model("llama", agreeing=True, dtype=torch.float32)
+    assert all(p.requires_grad for p in model.parameters())  # as transformers loads it
+    torch.manual_seed(0)
+    head = EagleHead(model).eval().requires_grad_(False)
+    engine = online_engine(model, head, background=False, steps_per_swap=2)
+    learner = engine.drafter.learner
+    for prompt in PROMPTS:
+        assert engine.generate_ids(prompt, max_new_tokens=24).token_ids == reference_greedy(model, prompt, 24)
+    assert learner.train_steps(6) == 6
+    assert all(p.grad is None for p in model.parameters()), [
+        n for n, p in model.named_parameters() if p.grad is not None
+    ]
+    assert learner._trainee is not None and any(p.grad is not None for p in learner._trainee.parameters())
+    assert learner.trims == 3 and learner.trim_seconds >= 0.0  # after each of the 3 published heads
+    quiet = OnlineLearner(head, OnlineSettings(background=False, release_memory=False))
+    assert quiet.trims == 0
+    learner.close()
+
+
 def test_a_learned_head_that_falls_short_is_rolled_back(tiny, random_head) -> None:
     learner = OnlineLearner(random_head, OnlineSettings(background=False, judge_rounds=3, margin=0.1, ema_decay=0.5))
     learned = learner.frozen  # stands in for nothing: a real learned copy below

@@ -52,6 +52,7 @@ from pathlib import Path
 import torch
 
 from ...artifacts import EAGLE_ONLINE, model_cache
+from ...core.memory import release_free_memory
 from ...errors import ConfigurationError, ModelNotFoundError
 from .. import training
 from .head import EagleHead, load_eagle_head
@@ -84,6 +85,10 @@ class OnlineSettings:
         background: run the learner thread (``False``: the caller drives :meth:`OnlineLearner.train_steps`).
         save: save the trained copy to the user cache and resume from it (``False``: start from the loaded
             head every time, write nothing).
+        release_memory: hand the memory the training steps freed back to the system after each
+            published head (:func:`~selfspec.core.memory.release_free_memory`, glibc's
+            ``malloc_trim``): without it glibc keeps the steps' high-water mark in every arena, and the
+            process's resident memory grows with the stream (measured: ``docs/online_learning.md``).
         seed: seeds the windows' choice.
     """
 
@@ -103,6 +108,7 @@ class OnlineSettings:
     threads: int = 1
     background: bool = True
     save: bool = True
+    release_memory: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -266,13 +272,32 @@ def check_trainable(head: EagleHead) -> None:
         )
 
 
+def freeze_shared_modules(head: EagleHead) -> None:
+    """The target's modules a head reads (embedding, final norm, LM head) take no gradients.
+
+    The head shares them with the target rather than copying them, so without this every training
+    step would backpropagate into the target's embedding: a dense gradient of the whole vocabulary
+    (108 MB on SmolLM2-135M, tied to the LM head) computed each step and kept in the target's
+    ``.grad`` for good. Serving runs without gradients, so the model decodes as before; this is
+    what ``train-eagle`` does to the whole model (:func:`~selfspec.drafting.training.freeze`).
+    """
+    target = head.target
+    for module in (target.embed_tokens, target.norm, target.lm_head):
+        module.requires_grad_(False)
+
+
 def clone_head(head: EagleHead) -> EagleHead:
-    """A copy of ``head``'s own weights sharing the same target modules (never the target's weights)."""
+    """A copy of ``head``'s own weights sharing the same target modules (never the target's weights).
+
+    The copy also shares the head's cached rows of the LM head (:meth:`EagleHead.draft_weight`, a
+    detached tensor no one writes), so the trained copy and every published head do not each hold one.
+    """
     check_trainable(head)
     twin = EagleHead(
         head.target, copy.deepcopy(head.head_config), draft_token_ids=head.draft_token_ids, init_from_last_layer=False
     )
     twin.load_state_dict(head.state_dict())
+    twin._draft_weight = head._draft_weight  # the LM head's draft rows (19 MB on SmolLM2): read-only, shared
     return twin
 
 
@@ -294,6 +319,8 @@ class OnlineLearner:
         self.train_config = EagleTrainConfig(unroll=settings.unroll, feature_noise=0.0)
         self.steps = 0
         self.swaps = 0
+        self.trims = 0  # times the freed memory went back to the system
+        self.trim_seconds = 0.0  # and the time that took
         self.losses: deque[float] = deque(maxlen=50)
         self._trainee: EagleHead | None = None
         self._optimizer: torch.optim.Optimizer | None = None
@@ -306,6 +333,7 @@ class OnlineLearner:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         check_trainable(head)  # before any request
+        freeze_shared_modules(head)
 
     def __repr__(self) -> str:
         return (
@@ -480,6 +508,11 @@ class OnlineLearner:
         self.losses.append(float(loss.detach()))
         if self.steps % self.settings.steps_per_swap == 0:
             self._publish(trainee)
+            if self.settings.release_memory:
+                started = time.perf_counter()
+                release_free_memory()
+                self.trims += 1
+                self.trim_seconds += time.perf_counter() - started
         return True
 
     def _publish(self, trainee: EagleHead) -> None:

@@ -9,7 +9,7 @@ mark of every arena: resident memory steps up with bursts of concurrent requests
 limit from inside a running process (``mallopt(M_ARENA_MAX)``, through :mod:`ctypes`), which holds
 for every arena created afterwards, so ``selfspec serve`` calls it before its first worker
 thread starts. A ``MALLOC_ARENA_MAX`` in the environment wins (``0`` keeps glibc's own default).
-:func:`release_free_memory` (``malloc_trim(0)``) hands the free pages of every arena back to the
+:func:`~selfspec.core.memory.release_free_memory` (``malloc_trim(0)``) hands the free pages of every arena back to the
 system; :class:`IdleTrim` calls it once each time the server goes idle (no generation request
 admitted or running), so the pages a burst of requests freed go back between bursts instead of
 waiting for the next burst to reuse them. ``SELFSPEC_IDLE_TRIM=0`` turns that off. Elsewhere
@@ -18,14 +18,14 @@ waiting for the next burst to reuse them. ``SELFSPEC_IDLE_TRIM=0`` turns that of
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
-from functools import cache
+
+from ...core import memory
+from ...core.memory import release_free_memory
 
 __all__ = [
     "ARENA_MAX",
@@ -53,21 +53,6 @@ IDLE_TRIM_ENV = "SELFSPEC_IDLE_TRIM"
 _M_ARENA_MAX = -8
 
 
-@cache
-def _libc() -> ctypes.CDLL | None:
-    """glibc, when this process runs on it (else ``None``)."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    try:
-        libc = ctypes.CDLL(name)
-    except OSError:
-        return None
-    if not hasattr(libc, "mallopt") or not hasattr(libc, "malloc_trim") or not hasattr(libc, "gnu_get_libc_version"):
-        return None
-    return libc
-
-
 def limit_arenas(arenas: int = ARENA_MAX) -> int | None:
     """Allow at most ``arenas`` malloc arenas from now on, unless ``MALLOC_ARENA_MAX`` is set.
 
@@ -86,7 +71,7 @@ def limit_arenas(arenas: int = ARENA_MAX) -> int | None:
     if os.environ.get(ARENA_MAX_ENV, "") != "":
         logger.debug("%s=%s is set: the allocator is left as it is", ARENA_MAX_ENV, os.environ[ARENA_MAX_ENV])
         return None
-    libc = _libc()
+    libc = memory.glibc()
     if libc is None:
         logger.debug("not glibc: the malloc arena limit is not set")
         return None
@@ -96,23 +81,13 @@ def limit_arenas(arenas: int = ARENA_MAX) -> int | None:
     return arenas
 
 
-def release_free_memory() -> bool:
-    """Return the free memory of every malloc arena to the system (``malloc_trim(0)``).
-
-    Returns:
-        Whether any memory was returned (always ``False`` where the C library is not glibc).
-    """
-    libc = _libc()
-    return bool(libc.malloc_trim(0)) if libc is not None else False
-
-
 def idle_trim_enabled() -> bool:
     """Whether the server trims when it goes idle (unless ``SELFSPEC_IDLE_TRIM=0``)."""
     return os.environ.get(IDLE_TRIM_ENV, "").strip() != "0"
 
 
 class IdleTrim:
-    """Calls :func:`release_free_memory` once per idle period, on a thread of its own.
+    """Calls :func:`~selfspec.core.memory.release_free_memory` once per idle period, on a thread of its own.
 
     The owner calls :meth:`busy` when work starts and :meth:`idle` when the last piece of work has
     ended; ``is_idle`` is asked again when the delay is over, so work that began meanwhile (or a
@@ -122,7 +97,7 @@ class IdleTrim:
     Args:
         is_idle: whether nothing runs now (asked when the delay is over).
         delay: seconds of idleness before the trim.
-        release: what trims (default :func:`release_free_memory`).
+        release: what trims (default :func:`~selfspec.core.memory.release_free_memory`).
     """
 
     def __init__(
