@@ -89,7 +89,8 @@ def test_training_leaves_the_target_without_gradients_and_returns_freed_memory()
     model = make_model("llama", agreeing=True, dtype=torch.float32)
     assert all(p.requires_grad for p in model.parameters())  # as transformers loads it
     torch.manual_seed(0)
-    head = EagleHead(model).eval().requires_grad_(False)
+    draft_vocab = torch.arange(0, model.config.vocab_size, 2)  # a reduced draft vocabulary: its LM head rows cached
+    head = EagleHead(model, draft_token_ids=draft_vocab).eval().requires_grad_(False)
     engine = online_engine(model, head, background=False, steps_per_swap=2)
     learner = engine.drafter.learner
     for prompt in PROMPTS:
@@ -100,6 +101,9 @@ def test_training_leaves_the_target_without_gradients_and_returns_freed_memory()
     ]
     assert learner._trainee is not None and any(p.grad is not None for p in learner._trainee.parameters())
     assert learner.trims == 3 and learner.trim_seconds >= 0.0  # after each of the 3 published heads
+    served = learner.head_for_generation()
+    assert served is not head and served._draft_weight is learner._trainee._draft_weight  # shared, not copied
+    assert head._draft_weight is not None and head._draft_weight.is_inference()  # cached while serving: its own
     quiet = OnlineLearner(head, OnlineSettings(background=False, release_memory=False))
     assert quiet.trims == 0
     learner.close()

@@ -290,14 +290,18 @@ def clone_head(head: EagleHead) -> EagleHead:
     """A copy of ``head``'s own weights sharing the same target modules (never the target's weights).
 
     The copy also shares the head's cached rows of the LM head (:meth:`EagleHead.draft_weight`, a
-    detached tensor no one writes), so the trained copy and every published head do not each hold one.
+    detached tensor no one writes), so the published heads share the trained copy's. Rows cached under
+    ``torch.inference_mode`` (the frozen head's, cached while it served) are not shared: autograd
+    refuses inference tensors, so the trained copy caches its own.
     """
     check_trainable(head)
     twin = EagleHead(
         head.target, copy.deepcopy(head.head_config), draft_token_ids=head.draft_token_ids, init_from_last_layer=False
     )
     twin.load_state_dict(head.state_dict())
-    twin._draft_weight = head._draft_weight  # the LM head's draft rows (19 MB on SmolLM2): read-only, shared
+    rows = head._draft_weight
+    if rows is not None and not rows.is_inference():  # rows cached while serving cannot take part in training
+        twin._draft_weight = rows  # the LM head's draft rows (19 MB on SmolLM2): read-only, shared
     return twin
 
 
