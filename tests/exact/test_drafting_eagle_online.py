@@ -100,7 +100,7 @@ def test_training_leaves_the_target_without_gradients_and_returns_freed_memory()
         n for n, p in model.named_parameters() if p.grad is not None
     ]
     assert learner._trainee is not None and any(p.grad is not None for p in learner._trainee.parameters())
-    assert learner.trims == 3 and learner.trim_seconds >= 0.0  # after each of the 3 published heads
+    assert learner.trims == 6 and learner.trim_seconds >= 0.0  # after each step
     served = learner.head_for_generation()
     assert served is not head and served._draft_weight is learner._trainee._draft_weight  # shared, not copied
     assert head._draft_weight is not None and head._draft_weight.is_inference()  # cached while serving: its own
