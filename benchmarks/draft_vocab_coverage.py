@@ -15,7 +15,6 @@ holds, per kind of prompt. A larger vocabulary costs a larger LM head in every d
 from __future__ import annotations
 
 import argparse
-import json
 import random
 from collections import defaultdict
 from datetime import datetime, timezone
@@ -23,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from result_files import write_result  # beside this file
 
-from selfspec.artifacts import atomic_write_text
 from selfspec.drafting.eagle import resume
 from selfspec.drafting.eagle.train import EagleTrainConfig, Sample, choose_draft_vocab
 
@@ -104,10 +103,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     result = run(args.state, args.vocab_size, args.seed, args.heldout_share)
-    out = Path(args.out)
-    atomic_write_text(out.with_suffix(".json"), json.dumps(result, indent=2) + "\n")
-    atomic_write_text(out.with_suffix(".md"), markdown(result))
-    print(markdown(result))
+    write_result(args.out, result, markdown(result))
 
 
 if __name__ == "__main__":

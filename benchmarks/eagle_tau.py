@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from eagle_bench import HELD_OUT
+from result_files import write_result
 
 from selfspec import SpeculativeEngine
-from selfspec.artifacts import atomic_write_text
 from selfspec.drafting.eagle.head import SHIPPED_HEADS
 from selfspec.drafting.eagle.train import render_prompt
 
@@ -135,10 +135,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     result = run(args)
-    out = Path(args.out)
-    atomic_write_text(out.with_suffix(".json"), json.dumps(result, indent=2) + "\n")
-    atomic_write_text(out.with_suffix(".md"), markdown(result))
-    print(markdown(result))
+    write_result(args.out, result, markdown(result))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ Prompts come from templates over topics; held-out requests use topics the stream
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -31,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from result_files import write_result  # beside this file
 
 from selfspec import SpeculativeEngine
-from selfspec.artifacts import atomic_write_text
 from selfspec.drafting.eagle.online import OnlineSettings, clone_head
 
 RESULTS = Path(__file__).parent / "results"
@@ -222,10 +221,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS / "online_learning_cpu"))
     args = parser.parse_args()
     result = run(args)
-    out = Path(args.out)
-    atomic_write_text(out.with_suffix(".json"), json.dumps(result, indent=2) + "\n")
-    atomic_write_text(out.with_suffix(".md"), markdown(result))
-    print(markdown(result))
+    write_result(args.out, result, markdown(result))
 
 
 if __name__ == "__main__":
