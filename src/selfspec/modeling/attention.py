@@ -181,6 +181,28 @@ _ROW_INVARIANT: dict[tuple[tuple[int, ...], torch.dtype, str, bool], bool] = {}
 PROBE_WIDTHS = (2, 3, 4, 5, 8, 9, 16, 17, 33)
 
 
+def cancelling_weight(like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """A probe weight of ``like``'s shape, dtype and device: ``[u, -u]`` (random ``u``; a last odd column 0).
+
+    With :func:`cancelling_rows` every output is a sum of exact products that cancels to about zero, so
+    any other summation order leaves another tiny value, which a bitwise comparison sees.
+    """
+    half = like.shape[1] // 2
+    u = torch.randn(like.shape[0], half, generator=generator, device=like.device)
+    probe = torch.zeros_like(like)
+    probe[:, :half], probe[:, half : 2 * half] = u, -u
+    return probe
+
+
+def cancelling_rows(count: int, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """``count`` probe rows ``[a, a]`` (random ``a``) for a weight like ``like``: see :func:`cancelling_weight`."""
+    half = like.shape[1] // 2
+    a = torch.randn(count, half, generator=generator, device=like.device)
+    rows = like.new_zeros(count, like.shape[1])
+    rows[:, :half], rows[:, half : 2 * half] = a, a
+    return rows
+
+
 def linear_is_row_invariant(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether ``F.linear`` with a weight of this shape gives each row of a block the bits it gets alone.
 
@@ -198,16 +220,10 @@ def linear_is_row_invariant(weight: torch.Tensor, bias: torch.Tensor | None = No
     """
     key = (tuple(weight.shape), weight.dtype, weight.device.type, bias is not None)
     if key not in _ROW_INVARIANT:
-        out_features, in_features = weight.shape
-        half = in_features // 2
         generator = torch.Generator(device=weight.device).manual_seed(0)
         with torch.no_grad():
-            u = torch.randn(out_features, half, generator=generator, device=weight.device)
-            a = torch.randn(max(PROBE_WIDTHS), half, generator=generator, device=weight.device)
-            probe = torch.zeros_like(weight)
-            probe[:, :half], probe[:, half : 2 * half] = u, -u
-            rows = weight.new_zeros(len(a), in_features)
-            rows[:, :half], rows[:, half : 2 * half] = a, a
+            probe = cancelling_weight(weight, generator)
+            rows = cancelling_rows(max(PROBE_WIDTHS), weight, generator)
             zero = None if bias is None else torch.zeros_like(bias)
             alone = torch.cat([F.linear(row[None], probe, zero) for row in rows])
             _ROW_INVARIANT[key] = all(

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -37,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigurationError
-from .attention import AttentionPlan, attend, linear_rows
+from .attention import AttentionPlan, attend, cancelling_rows, cancelling_weight, linear_rows
 
 #: The environment variable that sets the fast path's default (``0`` turns it off).
 FAST_PATH_ENV = "SELFSPEC_FAST_PATH"
@@ -130,28 +131,18 @@ def fusion_keeps_bits(
 
     A GEMM library may choose its kernel, tiling or split-K by the number of output columns, and
     then a column's sum runs in another order. Probed once per shapes, dtype and device (cached),
-    at every width of ``widths``, with the cancelling probe of
-    :func:`~selfspec.modeling.attention.linear_is_row_invariant` (weights ``[u, -u]``, rows
-    ``[a, a]``: every output is a sum that cancels to about zero, so any other summation order
-    leaves another tiny value, which the comparison sees).
+    at every width of ``widths``, with the cancelling probe that
+    :func:`~selfspec.modeling.attention.linear_is_row_invariant` uses
+    (:func:`~selfspec.modeling.attention.cancelling_weight`, :func:`~selfspec.modeling.attention.cancelling_rows`).
     """
     first = weights[0]
     has_bias = biases[0] is not None
     key = (tuple(tuple(w.shape) for w in weights), first.dtype, first.device.type, has_bias, widths)
     if key not in _FUSION_KEEPS_BITS:
-        in_features = first.shape[1]
-        half = in_features // 2
         generator = torch.Generator(device=first.device).manual_seed(0)
         with torch.no_grad():
-            probes = []
-            for weight in weights:
-                u = torch.randn(weight.shape[0], half, generator=generator, device=first.device)
-                probe = torch.zeros_like(weight)
-                probe[:, :half], probe[:, half : 2 * half] = u, -u
-                probes.append(probe)
-            a = torch.randn(max(widths), half, generator=generator, device=first.device)
-            rows = first.new_zeros(len(a), in_features)
-            rows[:, :half], rows[:, half : 2 * half] = a, a
+            probes = [cancelling_weight(weight, generator) for weight in weights]
+            rows = cancelling_rows(max(widths), first, generator)
             zeros = [None if not has_bias else torch.zeros(p.shape[0], dtype=p.dtype, device=p.device) for p in probes]
             fused = torch.cat(probes)
             fused_bias = torch.cat(zeros) if has_bias else None  # type: ignore[arg-type]
@@ -168,12 +159,10 @@ def fusion_keeps_bits(
 def _fused(modules: list[nn.Linear]) -> Projection | None:
     """One ``(weight, bias)`` over ``modules``' weights, the modules' own weights becoming views of it.
 
-    ``None`` where they cannot be fused (a quantized layer, mixed dtypes, devices or biases).
-    Fusing the same modules again (a second runner on the model) returns the same tensor, and
-    copies nothing: their weights are already consecutive views of one.
+    ``modules`` are plain ``nn.Linear`` layers; ``None`` where they cannot be fused (mixed dtypes,
+    devices, input sizes or biases). Fusing the same modules again (a second runner on the model)
+    returns the same tensor, and copies nothing: their weights are already consecutive views of one.
     """
-    if any(type(m) is not nn.Linear for m in modules):
-        return None
     weights = [m.weight for m in modules]
     biases = [m.bias for m in modules]
     first = weights[0]
@@ -183,30 +172,23 @@ def _fused(modules: list[nn.Linear]) -> Projection | None:
         return None
     base = first.untyped_storage()
     offset = first.storage_offset()
-    rows = sum(w.shape[0] for w in weights)
+    starts = [0, *accumulate(w.shape[0] for w in weights)]  # each weight's first row, then the total
+    rows = starts[-1]
     consecutive = all(w.is_contiguous() for w in weights) and all(
         w.untyped_storage().data_ptr() == base.data_ptr() and w.storage_offset() == offset + start * first.shape[1]
-        for w, start in zip(weights, _starts(weights), strict=True)
+        for w, start in zip(weights, starts, strict=False)
     )
     with torch.no_grad():
         if consecutive:  # fused before: the views' common tensor
             weight = first.new_empty(0).set_(base, offset, (rows, first.shape[1]), (first.shape[1], 1))
         else:
             weight = torch.cat([w.detach() for w in weights])
-            for module, start, w in zip(modules, _starts(weights), weights, strict=True):
-                module.weight.data = weight[start : start + w.shape[0]]  # a view: the weight is held once
+            for module, start, end in zip(modules, starts, starts[1:], strict=False):
+                module.weight.data = weight[start:end]  # a view: the weight is held once
         bias = None
         if biases[0] is not None:
             bias = torch.cat([b.detach() for b in biases if b is not None])
     return weight, bias
-
-
-def _starts(weights: list[torch.Tensor]) -> list[int]:
-    starts, total = [], 0
-    for w in weights:
-        starts.append(total)
-        total += w.shape[0]
-    return starts
 
 
 def fuse_projections(model: Any, layers: list[LayerWeights], widths: tuple[int, ...] = FUSION_PROBE_WIDTHS) -> int:

@@ -175,9 +175,9 @@ class ModelRunner:
         Call it before the first forward: compiled steps traced earlier read the separate weights.
         """
         if self.fast_layers is not None:
-            self.fused_projections += fuse_projections(self.model, self.fast_layers)
-            groups = sum(len(w.qkv) == 1 for w in self.fast_layers) + sum(len(w.gate_up) == 1 for w in self.fast_layers)
-            logger.info("fused projections: %d of %d groups read as one weight", groups, 2 * len(self.fast_layers))
+            fused = fuse_projections(self.model, self.fast_layers)
+            self.fused_projections += fused
+            logger.info("fused %d q/k/v and gate/up groups of %d layers into one weight each", fused, self.num_layers)
         return self.fused_projections
 
     def row_kernels_refusal(self) -> str | None:
